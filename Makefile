@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make demo` (the main job) and `make test` (the tests).
+# Both create or reuse the virtual environment and install what they need.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build on this platform; on a GPU host use e.g. TORCH_SPEC='torch==2.13.0' with a CUDA index.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@# torch first and pinned, so no other package pulls a multi-GB CUDA build by itself
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[serve,postgres,dev]'
+	@touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/loraplane demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check control projections backend tests bench model_repository
+	$(VENV)/bin/mypy control projections backend
+
+clean:
+	rm -rf .loraplane .pytest_cache .mypy_cache .ruff_cache

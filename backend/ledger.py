@@ -1,0 +1,197 @@
+"""The request ledger: one durable row per request, written before its response leaves.
+
+Rows are keyed by request id and indexed by adapter digest and time, so an incident responder can
+ask which requests a digest served, for whom, and when. The ledger lives in the same database as
+the event store (one URL); it is append-mostly: a row is inserted at admission (or refusal) and
+updated once when the request finishes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+metadata = sa.MetaData()
+
+request_ledger = sa.Table(
+    "request_ledger",
+    metadata,
+    sa.Column("request_id", sa.String(36), primary_key=True),
+    sa.Column("ticket_id", sa.String(64), nullable=True),
+    sa.Column("tenant", sa.String(128), nullable=True),
+    sa.Column("model", sa.String(128), nullable=False),
+    sa.Column("host", sa.String(128), nullable=False),
+    sa.Column("base_digest", sa.String(71), nullable=True),
+    sa.Column("adapter_digest", sa.String(71), nullable=True),
+    sa.Column("tokenizer_digest", sa.String(71), nullable=True),
+    sa.Column("admitted_at", sa.Float, nullable=False),
+    sa.Column("finished_at", sa.Float, nullable=True),
+    sa.Column("tokens_in", sa.Integer, nullable=True),
+    sa.Column("tokens_out", sa.Integer, nullable=True),
+    # running | ok | rejected | failed | cancelled
+    sa.Column("outcome", sa.String(16), nullable=False),
+    sa.Column("reason", sa.String(64), nullable=True),
+    sa.Index("ix_ledger_adapter_time", "adapter_digest", "admitted_at"),
+    sa.Index("ix_ledger_time", "admitted_at"),
+)
+
+OUTCOMES = ("running", "ok", "rejected", "failed", "cancelled")
+
+# One row per attempt to make an adapter resident on a host: the evidence that a refused request
+# never caused a load, and the record of loads that failed (bytes changed in the store, say).
+adapter_loads = sa.Table(
+    "adapter_loads",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("host", sa.String(128), nullable=False),
+    sa.Column("adapter_digest", sa.String(71), nullable=False, index=True),
+    sa.Column("started_at", sa.Float, nullable=False),
+    sa.Column("seconds", sa.Float, nullable=False),
+    sa.Column("outcome", sa.String(16), nullable=False),  # loaded | failed | unloaded
+    sa.Column("resident_bytes", sa.BigInteger, nullable=True),
+    sa.Column("reason", sa.String(64), nullable=True),
+)
+
+
+@dataclass(frozen=True)
+class AdapterLoad:
+    host: str
+    adapter_digest: str
+    started_at: float
+    seconds: float
+    outcome: str
+    resident_bytes: int | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    request_id: str
+    ticket_id: str | None
+    tenant: str | None
+    model: str
+    host: str
+    base_digest: str | None
+    adapter_digest: str | None
+    tokenizer_digest: str | None
+    admitted_at: float
+    finished_at: float | None = None
+    tokens_in: int | None = None
+    tokens_out: int | None = None
+    outcome: str = "running"
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    outcome: str
+    tokens_in: int | None = None
+    tokens_out: int | None = None
+    reason: str | None = None
+
+
+class Ledger:
+    """Writes and queries the request ledger."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        metadata.create_all(engine, checkfirst=True)
+
+    def admit(self, entries: Sequence[LedgerEntry]) -> None:
+        """Insert rows (admitted or refused) in one transaction."""
+        if not entries:
+            return
+        with self.engine.begin() as conn:
+            conn.execute(request_ledger.insert(), [_row(e) for e in entries])
+
+    def complete(self, completions: Sequence[Completion], now: float | None = None) -> None:
+        """Record how requests ended, in one transaction; only running rows change."""
+        if not completions:
+            return
+        t = time.time() if now is None else now
+        stmt = (
+            request_ledger.update()
+            .where(request_ledger.c.request_id == sa.bindparam("rid"))
+            .where(request_ledger.c.outcome == "running")
+            .values(
+                outcome=sa.bindparam("o"),
+                tokens_in=sa.bindparam("ti"),
+                tokens_out=sa.bindparam("to"),
+                reason=sa.bindparam("r"),
+                finished_at=t,
+            )
+        )
+        params = [
+            {"rid": c.request_id, "o": c.outcome, "ti": c.tokens_in, "to": c.tokens_out,
+             "r": c.reason}
+            for c in completions
+        ]
+        with self.engine.begin() as conn:
+            conn.execute(stmt, params)
+
+    def fail_running(self, host: str, reason: str = "host_restart") -> int:
+        """Mark rows this host left running (it died mid-request) as failed."""
+        with self.engine.begin() as conn:
+            res = conn.execute(
+                request_ledger.update()
+                .where(request_ledger.c.host == host)
+                .where(request_ledger.c.outcome == "running")
+                .values(outcome="failed", reason=reason, finished_at=time.time())
+            )
+            return int(res.rowcount or 0)
+
+    def query(
+        self,
+        *,
+        adapter: str | None = None,
+        tenant: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        outcome: str | None = None,
+    ) -> list[LedgerEntry]:
+        """Rows matching every given filter, oldest first."""
+        q = sa.select(request_ledger)
+        if adapter is not None:
+            q = q.where(request_ledger.c.adapter_digest == adapter)
+        if tenant is not None:
+            q = q.where(request_ledger.c.tenant == tenant)
+        if since is not None:
+            q = q.where(request_ledger.c.admitted_at >= since)
+        if until is not None:
+            q = q.where(request_ledger.c.admitted_at < until)
+        if outcome is not None:
+            q = q.where(request_ledger.c.outcome == outcome)
+        q = q.order_by(request_ledger.c.admitted_at, request_ledger.c.request_id)
+        with self.engine.connect() as conn:
+            return [LedgerEntry(**dict(r._mapping)) for r in conn.execute(q)]
+
+    def record_load(self, load: AdapterLoad) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(adapter_loads.insert(), [{f: getattr(load, f)
+                                                   for f in AdapterLoad.__dataclass_fields__}])
+
+    def loads(self, adapter: str | None = None) -> list[AdapterLoad]:
+        q = sa.select(*[adapter_loads.c[f] for f in AdapterLoad.__dataclass_fields__])
+        if adapter is not None:
+            q = q.where(adapter_loads.c.adapter_digest == adapter)
+        with self.engine.connect() as conn:
+            return [AdapterLoad(**dict(r._mapping))
+                    for r in conn.execute(q.order_by(adapter_loads.c.id))]
+
+    def get(self, request_id: str) -> LedgerEntry | None:
+        with self.engine.connect() as conn:
+            r = conn.execute(
+                sa.select(request_ledger).where(request_ledger.c.request_id == request_id)
+            ).first()
+        return LedgerEntry(**dict(r._mapping)) if r else None
+
+
+def _row(e: LedgerEntry) -> dict[str, object]:
+    if e.outcome not in OUTCOMES:
+        raise ValueError(f"unknown ledger outcome {e.outcome!r}")
+    return {f: getattr(e, f) for f in LedgerEntry.__dataclass_fields__}

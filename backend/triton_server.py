@@ -1,0 +1,194 @@
+"""Finding, starting and stopping the real ``tritonserver`` binary.
+
+On a CPU-only machine the binary and the Python backend come from the ``nvidia-pytriton`` wheel
+(only its server files are used). In the official Triton container they live under
+``/opt/tritonserver``. ``LORAPLANE_TRITONSERVER`` points at any other binary.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+
+
+class TritonUnavailable(RuntimeError):
+    """No usable tritonserver here; the message says how to get one."""
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    binary: Path
+    backend_dir: Path  # a directory holding python/ with the Python backend and stub
+
+
+def _pytriton_root() -> Path | None:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+    return root if (root / "bin" / "tritonserver").exists() else None
+
+
+def find_triton(work_dir: Path) -> TritonInstall:
+    """Locate tritonserver and assemble a backend directory for this Python under ``work_dir``."""
+    explicit = os.environ.get("LORAPLANE_TRITONSERVER")
+    if explicit:
+        binary = Path(explicit)
+        return TritonInstall(binary, binary.parent.parent / "backends")
+    if Path("/opt/tritonserver/bin/tritonserver").exists():
+        return TritonInstall(
+            Path("/opt/tritonserver/bin/tritonserver"), Path("/opt/tritonserver/backends")
+        )
+    root = _pytriton_root()
+    if root is None:
+        on_path = shutil.which("tritonserver")
+        if on_path:
+            return TritonInstall(Path(on_path), Path(on_path).parent.parent / "backends")
+        raise TritonUnavailable(
+            "tritonserver not found: install the 'serve' extra (pip install 'loraplane[serve]', "
+            "which brings nvidia-pytriton's server files), run inside the official Triton "
+            "container, or set LORAPLANE_TRITONSERVER"
+        )
+    pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / pyver / "triton_python_backend_stub"
+    if not stub.exists():
+        raise TritonUnavailable(f"no Triton Python backend stub for Python {pyver}")
+    # The stub must match the running Python, so the backend directory is assembled per launch
+    # from symlinks instead of writing into site-packages.
+    py_dir = work_dir / "triton-backends" / "python"
+    py_dir.mkdir(parents=True, exist_ok=True)
+    links = {
+        "libtriton_python.so": root / "backends" / "python" / "libtriton_python.so",
+        "triton_python_backend_utils.py": root / "backends" / "python"
+        / "triton_python_backend_utils.py",
+        "triton_python_backend_stub": stub,
+    }
+    for name, target in links.items():
+        link = py_dir / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(target)
+    return TritonInstall(root / "bin" / "tritonserver", py_dir.parent)
+
+
+@dataclass
+class TritonProcess:
+    """One running tritonserver serving ``model_repository/``."""
+
+    work_dir: Path
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    env: dict[str, str] = field(default_factory=dict)
+    model_repository: Path = MODEL_REPOSITORY
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.work_dir / f"tritonserver-{self.http_port}.log"
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def command(self, install: TritonInstall) -> list[str]:
+        return [
+            str(install.binary),
+            f"--model-repository={self.model_repository}",
+            f"--backend-directory={install.backend_dir}",
+            f"--http-port={self.http_port}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-port={self.metrics_port}",
+            "--http-header-forward-pattern=x-lora-.*",
+            "--grpc-header-forward-pattern=x-lora-.*",
+            "--exit-timeout-secs=5",
+            "--log-verbose=0",
+        ]
+
+    def start(self) -> None:
+        install = find_triton(self.work_dir)
+        env = dict(os.environ)
+        env.update(self.env)
+        # The stub links libpython: use the running interpreter's, and its environment on PATH
+        # so the stub imports torch, transformers and this project from the same place.
+        libdir = sysconfig.get_config_var("LIBDIR") or ""
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p
+        )
+        bindir = str(Path(sys.executable).parent)
+        env["PATH"] = os.pathsep.join((bindir, env.get("PATH", "")))
+        env["VIRTUAL_ENV"] = sys.prefix
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+        )
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            self.command(install),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # its stubs die with it when we signal the group
+        )
+        log.close()
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(
+                f"http://{self.http_url}/v2/models/lora_llm/ready", timeout=1
+            ) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"tritonserver exited with code {self.proc.returncode}; see {self.log_path}"
+                )
+            if self.ready():
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f}s; see {self.log_path}")
+
+    def kill(self) -> None:
+        """SIGKILL the server and its stubs (fault tests)."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop gracefully, then by force; never leaves a stub behind."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait()

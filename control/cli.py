@@ -1,0 +1,393 @@
+"""The ``loraplane`` command line (typer). ``--json`` before any verb prints machine-readable output."""
+
+from __future__ import annotations
+
+import datetime as dt
+import getpass
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from control.config import Settings
+from control.digests import DigestError, check_digest, short
+from control.domain import DomainError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="Serve many LoRA adapters on one base model, per tenant, on Triton.")
+kit_app = typer.Typer(no_args_is_help=True, help="The reference model kit.")
+base_app = typer.Typer(no_args_is_help=True, help="Base models.")
+adapter_app = typer.Typer(no_args_is_help=True, help="Adapters: register, promote, revoke.")
+tenant_app = typer.Typer(no_args_is_help=True, help="Tenants and their API keys.")
+ticket_app = typer.Typer(no_args_is_help=True, help="Routing tickets (operators).")
+incident_app = typer.Typer(no_args_is_help=True, help="Incident queries on the request ledger.")
+audit_app = typer.Typer(no_args_is_help=True, help="The event history.")
+for sub, name in ((kit_app, "kit"), (base_app, "base"), (adapter_app, "adapter"),
+                  (tenant_app, "tenant"), (ticket_app, "ticket"), (incident_app, "incident"),
+                  (audit_app, "audit")):
+    app.add_typer(sub, name=name)
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+class _State:
+    json: bool = False
+    home: Path | None = None
+    actor: str = ""
+
+
+state = _State()
+
+
+@app.callback()
+def main(
+    json_out: Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")] = False,
+    home: Annotated[Path | None, typer.Option(
+        "--home", help="State folder (default $LORAPLANE_HOME or ./.loraplane).")] = None,
+    actor: Annotated[str | None, typer.Option(
+        "--actor", help="Who is acting, recorded on every event (default $LORAPLANE_ACTOR or "
+        "the login name).")] = None,
+) -> None:
+    state.json = json_out
+    state.home = home
+    state.actor = actor or os.environ.get("LORAPLANE_ACTOR") or _login()
+
+
+def _login() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:
+        return "operator"
+
+
+def settings() -> Settings:
+    s = Settings.from_env(state.home)
+    s.ensure_dirs()
+    return s
+
+
+def emit(data: Any, human: Callable[[], None]) -> None:
+    if state.json:
+        print(json.dumps(data, indent=None, default=str))
+    else:
+        human()
+
+
+@contextmanager
+def errors() -> Iterator[None]:
+    """Known failures become one clear line on stderr and a non-zero exit."""
+    try:
+        yield
+    except (DomainError, DigestError, ValueError, FileNotFoundError, RuntimeError) as e:
+        check = getattr(e, "check", None)
+        msg = f"{type(e).__name__}: {e}"
+        if state.json:
+            print(json.dumps({"error": str(e), "kind": type(e).__name__, "check": check}))
+        else:
+            err_console.print(f"[red]error[/red] {msg}")
+        raise typer.Exit(2) from None
+
+
+def _registry() -> Any:
+    from control.registry import Registry
+
+    return Registry(settings())
+
+
+def _digest(value: str) -> str:
+    try:
+        return check_digest(value)
+    except DigestError:
+        raise typer.BadParameter("expected a digest like sha256:<64 hex>") from None
+
+
+# --- kit --------------------------------------------------------------------------------------
+
+@kit_app.command("build")
+def kit_build(
+    out_dir: Path,
+    seed: Annotated[int, typer.Option(help="Seed: same seed, same digests.")] = 1234,
+) -> None:
+    """Build the reference kit: a small Llama base, a tokenizer, and LoRA adapters."""
+    from backend.kit import build_kit
+
+    with errors():
+        manifest = build_kit(out_dir, seed=seed,
+                             progress=None if state.json else lambda m: err_console.print(m))
+    data = json.loads((out_dir / "kit.json").read_text())
+    emit(data, lambda: console.print_json(json.dumps(data)) if manifest else None)
+
+
+# --- base -------------------------------------------------------------------------------------
+
+@base_app.command("register")
+def base_register(
+    base_dir: Path,
+    tokenizer: Annotated[Path | None, typer.Option(
+        help="Tokenizer folder (default: ../tokenizer beside the base, or the base itself).")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="Base name (default: folder name).")] = None,
+    alias: Annotated[str | None, typer.Option(
+        help="Also create an alias for base-only tickets.")] = None,
+) -> None:
+    """Register a base model (and its tokenizer) by digest."""
+    tok = tokenizer or (base_dir.parent / "tokenizer"
+                        if (base_dir.parent / "tokenizer").is_dir() else base_dir)
+    base_name = name or base_dir.name
+    with errors():
+        digest = _registry().register_base(base_dir, tok, name=base_name,
+                                           actor=state.actor, alias=alias)
+    emit({"name": base_name, "digest": digest, "alias": alias}, lambda: console.print(
+        f"registered base [bold]{base_name}[/bold] {digest}"))
+
+
+@base_app.command("list")
+def base_list() -> None:
+    """Registered base models."""
+    rows = [_as_dict(b) for b in _routing().bases()]
+    emit(rows, lambda: _table(["name", "digest", "tokenizer_digest"], rows))
+
+
+# --- adapters ---------------------------------------------------------------------------------
+
+@adapter_app.command("register")
+def adapter_register(
+    adapter_dir: Path,
+    tenant: Annotated[str, typer.Option(help="Owning tenant.")],
+    alias: Annotated[str, typer.Option(help="Alias to point at this adapter.")],
+    base: Annotated[str | None, typer.Option(
+        help="Base digest or name (default: from adapter_config.json).")] = None,
+) -> None:
+    """Validate and register a PEFT LoRA adapter (safetensors only); state: draft."""
+    with errors():
+        digest = _registry().register_adapter(adapter_dir, tenant=tenant, alias=alias,
+                                              actor=state.actor, base=base)
+    emit({"digest": digest, "tenant": tenant, "alias": alias, "state": "draft"},
+         lambda: console.print(
+             f"registered adapter {digest} for {tenant} as [bold]{alias}[/bold] (draft)"))
+
+
+@adapter_app.command("promote")
+def adapter_promote(
+    digest: str,
+    to: Annotated[str, typer.Option("--to", help="Target state.")] = "stable",
+) -> None:
+    """Promote an adapter (issue 2: draft -> stable)."""
+    d = _digest(digest)
+    with errors():
+        _registry().promote(d, to=to, actor=state.actor)
+    emit({"digest": d, "state": to}, lambda: console.print(f"{short(d)} -> {to}"))
+
+
+@adapter_app.command("revoke")
+def adapter_revoke(
+    digest: str,
+    reason: Annotated[str, typer.Option(help="Why (recorded in the audit log).")],
+) -> None:
+    """Revoke an adapter everywhere: no new tickets, Triton refuses it within a second."""
+    d = _digest(digest)
+    with errors():
+        _registry().revoke(d, reason=reason, actor=state.actor)
+    emit({"digest": d, "state": "revoked"}, lambda: console.print(f"{short(d)} revoked"))
+
+
+@adapter_app.command("list")
+def adapter_list(tenant: Annotated[str | None, typer.Option()] = None) -> None:
+    """The adapter catalogue."""
+    rows = [_as_dict(a) for a in _routing().adapters(tenant)]
+    emit(rows, lambda: _table(["tenant", "alias", "digest", "state", "rank"], rows))
+
+
+# --- tenants, grants, tickets -----------------------------------------------------------------
+
+@tenant_app.command("create")
+def tenant_create(name: str) -> None:
+    """Create a tenant; prints its API key once (only a hash is stored)."""
+    with errors():
+        key = _registry().create_tenant(name, actor=state.actor)
+    emit({"tenant": name, "api_key": key}, lambda: console.print(
+        f"tenant [bold]{name}[/bold] created. API key (shown once): {key}"))
+
+
+@tenant_app.command("list")
+def tenant_list() -> None:
+    names = _routing().tenants()
+    emit(names, lambda: [console.print(n) for n in names])
+
+
+@app.command("grant")
+def grant(tenant: str, alias: str) -> None:
+    """Allow TENANT to resolve ALIAS."""
+    with errors():
+        _registry().grant(tenant, alias, actor=state.actor)
+    emit({"tenant": tenant, "alias": alias}, lambda: console.print(
+        f"granted {alias} to {tenant}"))
+
+
+@ticket_app.command("issue")
+def ticket_issue(
+    tenant: Annotated[str, typer.Option()],
+    alias: Annotated[str, typer.Option()],
+) -> None:
+    """Issue a routing ticket for TENANT and ALIAS, as the gateway would."""
+    from control.serve import open_signer
+    from control.ticket_office import NotGranted, TicketOffice
+
+    s = settings()
+    with errors():
+        office = TicketOffice(s, _routing(), open_signer(s, _registry(), state.actor))
+        try:
+            issued = office.issue(tenant, alias)
+        except NotGranted:
+            raise DomainError("no ticket: the alias is not available to this tenant") from None
+    data = {"ticket": issued.token, **issued.claims.to_json()}
+    emit(data, lambda: print(issued.token))
+
+
+# --- incident and audit -----------------------------------------------------------------------
+
+def _time(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        t = dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise typer.BadParameter("expected an ISO 8601 time, e.g. 2026-11-29T10:00:00") from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=dt.timezone.utc)
+    return t.timestamp()
+
+
+def _iso(t: float | None) -> str:
+    if t is None:
+        return ""
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+@incident_app.command("requests")
+def incident_requests(
+    adapter: Annotated[str, typer.Option(help="Adapter digest.")],
+    since: Annotated[str | None, typer.Option(help="ISO time, inclusive.")] = None,
+    until: Annotated[str | None, typer.Option(help="ISO time, exclusive.")] = None,
+    include_refused: Annotated[bool, typer.Option(
+        "--include-refused", help="Also list requests refused for this digest.")] = False,
+) -> None:
+    """Every request the adapter DIGEST served (for whom, when, outcome)."""
+    from backend.ledger import Ledger
+    from control.db import make_engine
+
+    d = _digest(adapter)
+    rows = Ledger(make_engine(settings().db_url)).query(
+        adapter=d, since=_time(since), until=_time(until))
+    if not include_refused:
+        rows = [r for r in rows if r.outcome != "rejected"]
+    data = [_as_dict(r) for r in rows]
+    for r in data:
+        r["admitted_at_iso"] = _iso(r["admitted_at"])
+
+    def human() -> None:
+        _table(["request_id", "tenant", "admitted_at_iso", "outcome", "tokens_in", "tokens_out",
+                "host"], data, title=f"requests served by {short(d)}: {len(data)}")
+
+    emit(data, human)
+
+
+@audit_app.command("log")
+def audit_log() -> None:
+    """The event history, in order, with time and actor."""
+    from control.audit import audit_log as read_log
+
+    entries = [_as_dict(e) for e in read_log(_registry())]
+    emit(entries, lambda: _table(list(entries[0].keys()) if entries else ["event"], entries,
+                                 title=f"audit log: {len(entries)} events"))
+
+
+# --- serve and demo ---------------------------------------------------------------------------
+
+@app.command("serve")
+def serve(
+    base: Annotated[str | None, typer.Option(help="Base digest (default: the only one).")] = None,
+    http_port: Annotated[int, typer.Option()] = 8000,
+    grpc_port: Annotated[int, typer.Option()] = 8001,
+    metrics_port: Annotated[int, typer.Option()] = 8002,
+    gateway_port: Annotated[int, typer.Option()] = 8080,
+) -> None:
+    """Run the gateway, the projection follower and tritonserver until interrupted."""
+    from control.serve import Deployment, Ports
+
+    dep = Deployment(settings(), Ports(http_port, grpc_port, metrics_port, gateway_port),
+                     base=base, actor=state.actor, progress=lambda m: err_console.print(m))
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    with errors():
+        dep.start()
+    try:
+        err_console.print("serving; Ctrl-C to stop")
+        while not done.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        dep.stop()
+
+
+@app.command("demo")
+def demo(
+    work_dir: Annotated[Path, typer.Option(help="Where the demo builds everything.")] = Path(
+        ".loraplane/demo"),
+    keep: Annotated[bool, typer.Option(help="Keep the demo's state from a previous run.")] = False,
+) -> None:
+    """Build the kit, register, serve, send mixed traffic, revoke, show incident and audit views."""
+    from control.demo import run_demo
+
+    with errors():
+        code = run_demo(work_dir, fresh=not keep, json_out=state.json)
+    raise typer.Exit(code)
+
+
+# --- rendering --------------------------------------------------------------------------------
+
+def _routing() -> Any:
+    from control.db import make_engine
+    from projections.routing import RoutingView
+
+    return RoutingView(make_engine(settings().db_url))
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    if isinstance(obj, dict):
+        return dict(obj)
+    if hasattr(obj, "__dataclass_fields__"):
+        return {k: getattr(obj, k) for k in obj.__dataclass_fields__}
+    if hasattr(obj, "_asdict"):
+        return dict(obj._asdict())
+    return {"value": obj}
+
+
+def _table(cols: list[str], rows: list[dict[str, Any]], title: str | None = None) -> None:
+    t = Table(title=title)
+    for c in cols:
+        t.add_column(c)
+    for r in rows:
+        t.add_row(*[_cell(r.get(c)) for c in cols])
+    console.print(t)
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, str) and v.startswith("sha256:"):
+        return short(v)
+    return "" if v is None else str(v)
+
+
+if __name__ == "__main__":
+    sys.exit(app())

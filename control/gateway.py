@@ -1,0 +1,78 @@
+"""The tenant-facing gateway (aiohttp): API key in, signed routing ticket out.
+
+``POST /v1/tickets`` with ``Authorization: Bearer <api key>`` and ``{"alias": "..."}``.
+401 when the key is missing or unknown; 403, with one fixed body, when the alias is unknown, not
+granted to the caller, not servable or revoked: the caller cannot tell which, so the gateway never
+confirms that another tenant's alias exists.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+from aiohttp import web
+
+from control.ticket_office import NotGranted, TicketOffice
+
+log = logging.getLogger("loraplane.gateway")
+
+ALIAS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+MAX_BODY = 4096
+UNAUTHORISED = {"error": "unauthorised: missing or unknown API key"}
+FORBIDDEN = {"error": "forbidden: this alias is not available to your tenant"}
+OFFICE_KEY = web.AppKey("office", TicketOffice)
+
+
+def _json(status: int, body: dict[str, object]) -> web.Response:
+    return web.json_response(body, status=status)
+
+
+async def issue_ticket(request: web.Request) -> web.Response:
+    office = request.app[OFFICE_KEY]
+    auth = request.headers.get("Authorization", "")
+    scheme, _, key = auth.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return _json(401, UNAUTHORISED)
+    tenant = office.routing.tenant_for_api_key(key.strip())
+    if tenant is None:
+        return _json(401, UNAUTHORISED)
+    if request.content_length is not None and request.content_length > MAX_BODY:
+        return _json(400, {"error": "request body too large"})
+    try:
+        body = json.loads(await request.content.read(MAX_BODY + 1) or b"null")
+    except ValueError:
+        return _json(400, {"error": "body must be JSON: {\"alias\": \"...\"}"})
+    alias = body.get("alias") if isinstance(body, dict) else None
+    if not isinstance(alias, str) or not ALIAS_RE.match(alias):
+        return _json(400, {"error": "field 'alias' must be an alias name"})
+    try:
+        issued = office.issue(tenant, alias)
+    except NotGranted:
+        log.info("ticket refused", extra={"tenant": tenant})
+        return _json(403, FORBIDDEN)
+    c = issued.claims
+    return _json(
+        200,
+        {
+            "ticket": issued.token,
+            "ticket_id": c.jti,
+            "expires_at": c.exp,
+            "model": c.model,
+            "alias": alias,
+            "adapter_digest": c.adapter,
+        },
+    )
+
+
+async def healthz(_request: web.Request) -> web.Response:
+    return _json(200, {"status": "ok"})
+
+
+def make_app(office: TicketOffice) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY)
+    app[OFFICE_KEY] = office
+    app.router.add_post("/v1/tickets", issue_ticket)
+    app.router.add_get("/healthz", healthz)
+    return app

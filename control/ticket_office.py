@@ -1,0 +1,46 @@
+"""Issuing routing tickets: resolve (tenant, alias) on the routing projection, then sign.
+
+The gateway and the operator CLI both issue through here, so both follow the same rules: a tenant
+gets a ticket only for an alias it is granted, that points at a servable release.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from control.config import Settings
+from control.tickets import TicketClaims, TicketSigner
+from projections.routing import RoutingView
+
+
+class NotGranted(Exception):
+    """No ticket: unknown alias, not granted, not servable or revoked (deliberately one error)."""
+
+
+@dataclass(frozen=True)
+class IssuedTicket:
+    token: str
+    claims: TicketClaims
+    alias: str
+
+
+class TicketOffice:
+    def __init__(self, settings: Settings, routing: RoutingView, signer: TicketSigner) -> None:
+        self.settings = settings
+        self.routing = routing
+        self.signer = signer
+
+    def issue(self, tenant: str, alias: str) -> IssuedTicket:
+        """A fresh ticket for ``tenant`` to use ``alias``, else NotGranted."""
+        route = self.routing.resolve(tenant, alias)
+        if route is None:
+            raise NotGranted()
+        token, claims = self.signer.issue(
+            tenant=tenant,
+            model=self.settings.model_name,
+            base=route.base_digest,
+            adapter=route.adapter_digest,
+            tokenizer=route.tokenizer_digest,
+            ttl_s=self.settings.ticket_ttl_s,
+        )
+        return IssuedTicket(token, claims, alias)

@@ -1,0 +1,259 @@
+"""Routing tickets: the one ticket codec, signing on the control plane, verifying on Triton hosts.
+
+A ticket is a PASETO v4.public token (Ed25519). Its payload holds the claims below, its footer
+the key id, so hosts that hold several public keys (rotation) pick the right one without trying
+all. The implicit assertion binds every ticket to this protocol, so a PASETO signed by the same key
+for some other purpose is never a ticket.
+
+Verification failures raise :class:`TicketRejected` with a short machine reason for the ledger and
+metrics; what a client is told is always :data:`GENERIC_REFUSAL`, whatever the reason.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import os
+import secrets
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pyseto
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from control.digests import DIGEST_RE
+
+TOKEN_PREFIX = "v4.public."
+MAX_TOKEN_BYTES = 4096
+IMPLICIT_ASSERTION = b"loraplane-routing-ticket-v1"
+CLOCK_SKEW_S = 30
+GENERIC_REFUSAL = "request refused: invalid or unauthorised routing ticket"
+_CLAIMS = ("tenant", "model", "base", "adapter", "tokenizer", "iat", "exp", "jti", "kid")
+
+
+class TicketRejected(Exception):
+    """A ticket failed verification; ``reason`` is for the ledger, never for the client."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class TicketClaims:
+    tenant: str
+    model: str
+    base: str
+    adapter: str | None  # None: the bare base model (still a ticket: default deny)
+    tokenizer: str
+    iat: int
+    exp: int
+    jti: str
+    kid: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def key_id(public_raw: bytes) -> str:
+    """Key id: the first 16 hex characters of the SHA-256 of the raw public key."""
+    return hashlib.sha256(public_raw).hexdigest()[:16]
+
+
+def _public_raw(private: Ed25519PrivateKey) -> bytes:
+    return private.public_key().public_bytes(
+        serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    )
+
+
+class TicketSigner:
+    """Signs tickets with the control plane's Ed25519 key (created on first use, mode 0600)."""
+
+    def __init__(self, private: Ed25519PrivateKey) -> None:
+        self._private = private
+        self.public_raw = _public_raw(private)
+        self.kid = key_id(self.public_raw)
+        pem = private.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        self._key = pyseto.Key.new(version=4, purpose="public", key=pem)
+
+    @property
+    def public_b64(self) -> str:
+        return base64.b64encode(self.public_raw).decode("ascii")
+
+    @classmethod
+    def load_or_create(cls, keys_dir: Path) -> tuple[TicketSigner, bool]:
+        """The active signing key under ``keys_dir``; returns (signer, created)."""
+        private_dir = keys_dir / "private"
+        public_dir = keys_dir / "public"
+        private_dir.mkdir(parents=True, exist_ok=True)
+        public_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(private_dir, 0o700)
+        active = private_dir / "active.pem"
+        if active.exists():
+            key = serialization.load_pem_private_key(active.read_bytes(), password=None)
+            if not isinstance(key, Ed25519PrivateKey):
+                raise ValueError("the active ticket signing key is not an Ed25519 key")
+            return cls(key), False
+        signer = cls(Ed25519PrivateKey.generate())
+        pem = signer._private.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        # Create with 0600 from the start: the key must never exist world-readable.
+        tmp = private_dir / f".active.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+        (public_dir / f"{signer.kid}.pub").write_text(signer.public_b64 + "\n")
+        os.replace(tmp, active)
+        return signer, True
+
+    def issue(
+        self,
+        *,
+        tenant: str,
+        model: str,
+        base: str,
+        adapter: str | None,
+        tokenizer: str,
+        ttl_s: int,
+        now: float | None = None,
+    ) -> tuple[str, TicketClaims]:
+        """Sign a ticket; returns (token, claims)."""
+        iat = int(now if now is not None else time.time())
+        claims = TicketClaims(
+            tenant=tenant,
+            model=model,
+            base=base,
+            adapter=adapter,
+            tokenizer=tokenizer,
+            iat=iat,
+            exp=iat + ttl_s,
+            jti=str(uuid.uuid4()),
+            kid=self.kid,
+        )
+        token = pyseto.encode(
+            self._key,
+            json.dumps(claims.to_json(), separators=(",", ":")).encode(),
+            footer=json.dumps({"kid": self.kid}, separators=(",", ":")).encode(),
+            implicit_assertion=IMPLICIT_ASSERTION,
+        )
+        return token.decode("ascii"), claims
+
+
+def load_public_keys(public_dir: Path) -> dict[str, bytes]:
+    """kid -> raw Ed25519 public key, from ``<kid>.pub`` files (base64 raw keys)."""
+    keys: dict[str, bytes] = {}
+    if not public_dir.is_dir():
+        return keys
+    for p in sorted(public_dir.glob("*.pub")):
+        raw = base64.b64decode(p.read_text().strip(), validate=True)
+        keys[key_id(raw)] = raw
+    return keys
+
+
+class TicketVerifier:
+    """Verifies tickets on a Triton host that serves one model on one base and tokenizer."""
+
+    def __init__(
+        self,
+        public_keys: dict[str, bytes],
+        *,
+        model: str,
+        base: str,
+        tokenizer: str,
+    ) -> None:
+        self.model = model
+        self.base = base
+        self.tokenizer = tokenizer
+        self._keys: dict[str, Any] = {}
+        for kid, raw in public_keys.items():
+            pem = _raw_public_to_pem(raw)
+            self._keys[kid] = pyseto.Key.new(version=4, purpose="public", key=pem)
+
+    def verify(self, token: object, now: float | None = None) -> TicketClaims:
+        """The claims of a valid ticket bound to this host, else TicketRejected."""
+        if isinstance(token, bytes):
+            try:
+                token = token.decode("ascii")
+            except UnicodeDecodeError:
+                raise TicketRejected("encoding") from None
+        if not isinstance(token, str) or not token:
+            raise TicketRejected("missing")
+        if len(token) > MAX_TOKEN_BYTES or not token.isascii():
+            raise TicketRejected("encoding")
+        if not token.startswith(TOKEN_PREFIX):
+            raise TicketRejected("format")
+        parts = token.split(".")
+        if len(parts) != 4:
+            raise TicketRejected("format")
+        try:
+            footer = json.loads(_b64url_decode(parts[3]))
+            kid = footer["kid"]
+        except (ValueError, KeyError, TypeError, binascii.Error):
+            raise TicketRejected("format") from None
+        key = self._keys.get(kid) if isinstance(kid, str) else None
+        if key is None:
+            raise TicketRejected("unknown_key")
+        try:
+            decoded = pyseto.decode(key, token, implicit_assertion=IMPLICIT_ASSERTION)
+        except Exception:  # pyseto raises several types for bad signatures and encodings
+            raise TicketRejected("signature") from None
+        claims = _parse_claims(decoded.payload, kid)
+        t = time.time() if now is None else now
+        if claims.exp <= t:
+            raise TicketRejected("expired")
+        if claims.iat > t + CLOCK_SKEW_S:
+            raise TicketRejected("not_yet_valid")
+        if claims.model != self.model:
+            raise TicketRejected("model")
+        if claims.base != self.base:
+            raise TicketRejected("base")
+        if claims.tokenizer != self.tokenizer:
+            raise TicketRejected("tokenizer")
+        return claims
+
+
+def _raw_public_to_pem(raw: bytes) -> bytes:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    return Ed25519PublicKey.from_public_bytes(raw).public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+
+
+def _b64url_decode(s: str) -> bytes:
+    return base64.urlsafe_b64decode(s + "=" * (-len(s) % 4))
+
+
+def _parse_claims(payload: object, kid: str) -> TicketClaims:
+    try:
+        data = json.loads(payload) if isinstance(payload, (bytes, str)) else None
+    except ValueError:
+        data = None
+    if not isinstance(data, dict) or set(data) != set(_CLAIMS):
+        raise TicketRejected("claims")
+    strs = ("tenant", "model", "base", "tokenizer", "jti", "kid")
+    if not all(isinstance(data[k], str) and data[k] for k in strs):
+        raise TicketRejected("claims")
+    if not all(type(data[k]) is int for k in ("iat", "exp")):
+        raise TicketRejected("claims")
+    adapter = data["adapter"]
+    if adapter is not None and not (isinstance(adapter, str) and DIGEST_RE.match(adapter)):
+        raise TicketRejected("claims")
+    if not (DIGEST_RE.match(data["base"]) and DIGEST_RE.match(data["tokenizer"])):
+        raise TicketRejected("claims")
+    if data["kid"] != kid:  # the signed kid must match the footer's
+        raise TicketRejected("claims")
+    return TicketClaims(**data)

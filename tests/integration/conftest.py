@@ -1,0 +1,87 @@
+"""One real deployment per test session: registry on a SQLite file, gateway, follower, tritonserver.
+
+Skipped with a reason where the tritonserver binary is not installed (the `serve` extra).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from backend.kit import KitManifest
+from backend.triton_server import TritonUnavailable, find_triton
+from control.clients import free_port, request_ticket
+from control.config import Settings
+from control.registry import Registry
+from control.serve import Deployment, Ports
+
+ACTOR = "test-operator"
+# (tenant, alias, kit adapter or None for the base alone)
+ROUTES = (
+    ("acme", "acme-alpha", "alpha"),
+    ("acme", "acme-beta", "beta"),
+    ("globex", "globex-gamma", "gamma"),
+    ("acme", "base", None),
+    ("globex", "base", None),
+)
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    registry: Registry
+    deployment: Deployment
+    kit_dir: Path
+    kit: KitManifest
+    api_keys: dict[str, str]
+    digests: dict[str, str]  # kit adapter name -> registered digest
+    tickets: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    @property
+    def http(self) -> str:
+        assert self.deployment.triton is not None
+        return self.deployment.triton.http_url
+
+    @property
+    def grpc(self) -> str:
+        assert self.deployment.triton is not None
+        return self.deployment.triton.grpc_url
+
+    def ticket(self, tenant: str, alias: str) -> str:
+        status, body = request_ticket(self.deployment.gateway_url, self.api_keys[tenant], alias)
+        assert status == 200, body
+        return str(body["ticket"])
+
+
+@pytest.fixture(scope="session")
+def stack(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    home = tmp_path_factory.mktemp("home")
+    try:
+        find_triton(home)
+    except TritonUnavailable as e:
+        pytest.skip(f"real Triton not available: {e}")
+    settings = Settings(home=home, db_url=f"sqlite:///{home / 'loraplane.db'}")
+    settings.ensure_dirs()
+    kit = KitManifest.load(kit_dir)
+    reg = Registry(settings)
+    reg.register_base(kit_dir / kit.base_path, kit_dir / kit.tokenizer_path, name="tiny-llama",
+                      actor=ACTOR, alias="base")
+    keys = {t: reg.create_tenant(t, actor=ACTOR) for t in ("acme", "globex")}
+    digests: dict[str, str] = {}
+    for tenant, alias, name in ROUTES:
+        if name is not None:
+            digest = reg.register_adapter(kit_dir / kit.adapters[name].path, tenant=tenant,
+                                          alias=alias, actor=ACTOR)
+            reg.promote(digest, to="stable", actor=ACTOR)
+            digests[name] = digest
+        reg.grant(tenant, alias, actor=ACTOR)
+    dep = Deployment(settings, Ports(free_port(), free_port(), free_port(), free_port()),
+                     actor=ACTOR)
+    dep.start()
+    try:
+        yield Stack(settings, reg, dep, kit_dir, kit, keys, digests)
+    finally:
+        dep.stop()

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from backend.engine import Engine, GenerationRequest
+from backend.engine import Engine, GenerationRequest, InvalidRequestError
 from backend.ledger import AdapterLoad, Completion, Ledger, LedgerEntry
 from control.config import Settings
 from control.db import make_engine
@@ -42,6 +42,7 @@ MAX_PROMPT_CHARS = 8192
 MAX_NEW_TOKENS = 512
 DEFAULT_MAX_TOKENS = 16
 FAILURE_MESSAGE = "request failed: the adapter could not be served"
+LIMITS_MESSAGE = "request refused: prompt plus max_tokens exceed the model's limits"
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,15 @@ class LoraService:
         runnable: list[_Admitted] = []
         for a in admitted:
             if a.claims.adapter is None or self._ensure_resident(a.claims.adapter):
+                try:
+                    # One request over the engine's limits must not fail the whole batch.
+                    self.engine.validate(a.gen)
+                except InvalidRequestError:
+                    refused.append(self._entry(a.request_id, a.claims, now, outcome="rejected",
+                                               reason="request_limits"))
+                    answers[a.index] = Answer(ok=False, request_id=a.request_id,
+                                              error=LIMITS_MESSAGE, status="invalid_arg")
+                    continue
                 runnable.append(a)
             else:
                 # Not served, so "rejected": the incident view lists only what a digest served.

@@ -7,6 +7,7 @@ On a CPU-only machine the binary and the Python backend come from the ``nvidia-p
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -186,9 +187,7 @@ class TritonProcess:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 pass
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         if self.proc.poll() is None:
             self.proc.wait()

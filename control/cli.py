@@ -1,4 +1,7 @@
-"""The ``loraplane`` command line (typer). ``--json`` before any verb prints machine-readable output."""
+"""The ``loraplane`` command line (typer).
+
+``--json`` before any verb prints machine-readable output.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from rich.table import Table
 from control.config import Settings
 from control.digests import DigestError, check_digest, short
 from control.domain import DomainError
+from control.views import audit_table, cell, incident_table, iso
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Serve many LoRA adapters on one base model, per tenant, on Triton.")
@@ -221,8 +225,9 @@ def tenant_create(name: str) -> None:
 
 @tenant_app.command("list")
 def tenant_list() -> None:
+    """Tenant names."""
     names = _routing().tenants()
-    emit(names, lambda: [console.print(n) for n in names])
+    emit(names, lambda: console.print("\n".join(names)))
 
 
 @app.command("grant")
@@ -268,12 +273,6 @@ def _time(value: str | None) -> float | None:
     return t.timestamp()
 
 
-def _iso(t: float | None) -> str:
-    if t is None:
-        return ""
-    return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="milliseconds")
-
-
 @incident_app.command("requests")
 def incident_requests(
     adapter: Annotated[str, typer.Option(help="Adapter digest.")],
@@ -293,13 +292,9 @@ def incident_requests(
         rows = [r for r in rows if r.outcome != "rejected"]
     data = [_as_dict(r) for r in rows]
     for r in data:
-        r["admitted_at_iso"] = _iso(r["admitted_at"])
+        r["admitted_at_iso"] = iso(r["admitted_at"])
 
-    def human() -> None:
-        _table(["request_id", "tenant", "admitted_at_iso", "outcome", "tokens_in", "tokens_out",
-                "host"], data, title=f"requests served by {short(d)}: {len(data)}")
-
-    emit(data, human)
+    emit(data, lambda: console.print(incident_table(rows, d)))
 
 
 @audit_app.command("log")
@@ -307,9 +302,8 @@ def audit_log() -> None:
     """The event history, in order, with time and actor."""
     from control.audit import audit_log as read_log
 
-    entries = [_as_dict(e) for e in read_log(_registry())]
-    emit(entries, lambda: _table(list(entries[0].keys()) if entries else ["event"], entries,
-                                 title=f"audit log: {len(entries)} events"))
+    entries = read_log(_registry())
+    emit([_as_dict(e) for e in entries], lambda: console.print(audit_table(entries)))
 
 
 # --- serve and demo ---------------------------------------------------------------------------
@@ -379,14 +373,8 @@ def _table(cols: list[str], rows: list[dict[str, Any]], title: str | None = None
     for c in cols:
         t.add_column(c)
     for r in rows:
-        t.add_row(*[_cell(r.get(c)) for c in cols])
+        t.add_row(*[cell(r.get(c)) for c in cols])
     console.print(t)
-
-
-def _cell(v: Any) -> str:
-    if isinstance(v, str) and v.startswith("sha256:"):
-        return short(v)
-    return "" if v is None else str(v)
 
 
 if __name__ == "__main__":

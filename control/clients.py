@@ -88,7 +88,7 @@ def generate(
     if protocol == "http":
         import tritonclient.http as mod
     elif protocol == "grpc":
-        import tritonclient.grpc as mod  # type: ignore[no-redef]
+        import tritonclient.grpc as mod
     else:
         raise ValueError("protocol is http or grpc")
     params = dict(parameters or {})
@@ -110,7 +110,9 @@ def generate(
                       _first(result, "adapter_digest"))
 
 
-def generate_endpoint(http_url: str, text: str, ticket: str, max_tokens: int = 16) -> dict[str, Any]:
+def generate_endpoint(
+    http_url: str, text: str, ticket: str, max_tokens: int = 16
+) -> dict[str, Any]:
     """POST /v2/models/lora_llm/generate (Triton's generate extension); returns the JSON body."""
     body = {"text_input": text, "max_tokens": max_tokens, "parameters": {"lora_ticket": ticket}}
     req = urllib.request.Request(

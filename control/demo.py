@@ -29,6 +29,7 @@ from control.digests import short
 from control.domain import ValidationFailed
 from control.registry import Registry
 from control.serve import Deployment, Ports
+from control.views import audit_table, incident_table
 
 PROMPTS = ("Hello there", "What is the weather", "Tell me a story", "Name a colour",
            "Count to three", "Who are you")
@@ -161,25 +162,15 @@ def run_demo(work_dir: Path, *, fresh: bool = True, json_out: bool = False) -> i
         step("stopping tritonserver, gateway and follower")
         dep.stop()
 
-    rows = Ledger(make_engine(settings.db_url)).query(adapter=digests["gamma"])
-    t = Table(title=f"incident: requests served by gamma {short(digests['gamma'])}")
-    for c in ("request_id", "tenant", "outcome", "reason", "tokens_out"):
-        t.add_column(c)
-    for r in rows:
-        t.add_row(r.request_id, r.tenant or "", r.outcome, r.reason or "", str(r.tokens_out or ""))
-    console.print(t)
+    gamma = digests["gamma"]
+    rows = [r for r in Ledger(make_engine(settings.db_url)).query(adapter=gamma)
+            if r.outcome != "rejected"]
+    console.print(incident_table(rows, gamma))
     served = sum(1 for r in rows if r.outcome == "ok")
-    expected = sum(1 for r in results if r["adapter_digest"] == digests["gamma"])
-    step(f"gamma served {served} requests (the burst sent it {expected})")
-
+    expected = sum(1 for r in results if r["adapter_digest"] == gamma)
+    step(f"incident view: gamma served {len(rows)} requests; the burst sent it {expected}")
     entries = audit_log(reg)
-    t = Table(title=f"audit log: {len(entries)} events")
-    cols = list(_fields(entries[0]).keys()) if entries else []
-    for c in cols:
-        t.add_column(c)
-    for e in entries:
-        t.add_row(*[_cell(v) for v in _fields(e).values()])
-    console.print(t)
+    console.print(audit_table(entries))
     dispose_engines()
     ok = served == expected and bool(refusal)
     if json_out:
@@ -187,18 +178,6 @@ def run_demo(work_dir: Path, *, fresh: bool = True, json_out: bool = False) -> i
                           "incident_rows": len(rows), "audit_events": len(entries)}))
     step("demo finished" + ("" if ok else " [red]with unexpected results[/red]"))
     return 0 if ok else 1
-
-
-def _fields(obj: Any) -> dict[str, Any]:
-    return {k: getattr(obj, k) for k in obj.__dataclass_fields__}
-
-
-def _cell(v: Any) -> str:
-    if isinstance(v, str) and v.startswith("sha256:"):
-        return short(v)
-    if isinstance(v, dict):
-        return ", ".join(f"{k}={_cell(x)}" for k, x in v.items())
-    return "" if v is None else str(v)
 
 
 def _rmtree(path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 
 from aiohttp import web
 
@@ -25,7 +26,7 @@ FORBIDDEN = {"error": "forbidden: this alias is not available to your tenant"}
 OFFICE_KEY = web.AppKey("office", TicketOffice)
 
 
-def _json(status: int, body: dict[str, object]) -> web.Response:
+def _json(status: int, body: Mapping[str, object]) -> web.Response:
     return web.json_response(body, status=status)
 
 

@@ -1,0 +1,56 @@
+"""Tables for people: the audit log and the incident view, as the CLI and the demo print them."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any
+
+from rich.table import Table
+
+from backend.ledger import LedgerEntry
+from control.audit import AuditEntry
+from control.digests import short
+
+SUMMARY_WIDTH = 90
+
+
+def iso(t: float | None) -> str:
+    """Epoch seconds as ISO 8601 UTC with milliseconds ("" for None)."""
+    if t is None:
+        return ""
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def cell(v: Any) -> str:
+    """A value as a short cell: digests shortened, lists joined."""
+    if isinstance(v, str) and v.startswith("sha256:"):
+        return short(v)
+    if isinstance(v, (list, tuple)):
+        return ",".join(cell(x) for x in v)
+    if isinstance(v, dict):
+        return " ".join(f"{k}={cell(x)}" for k, x in v.items())
+    return "" if v is None else str(v)
+
+
+def audit_table(entries: Sequence[AuditEntry]) -> Table:
+    t = Table(title=f"audit log: {len(entries)} events, in recorded order")
+    for c in ("#", "time (UTC)", "actor", "event", "details"):
+        t.add_column(c, overflow="fold" if c == "details" else "ellipsis")
+    for e in entries:
+        details = cell(e.summary)
+        if len(details) > SUMMARY_WIDTH:
+            details = details[: SUMMARY_WIDTH - 1] + "…"
+        t.add_row(str(e.position), e.time[11:23], e.actor, e.event_type, details)
+    return t
+
+
+def incident_table(rows: Sequence[LedgerEntry], digest: str) -> Table:
+    t = Table(title=f"requests served by {short(digest)}: {len(rows)}")
+    for c in ("request id", "tenant", "admitted (UTC)", "outcome", "tokens in/out", "host"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r.request_id, r.tenant or "", iso(r.admitted_at)[11:23],
+                  r.outcome + (f" ({r.reason})" if r.reason else ""),
+                  f"{r.tokens_in or 0}/{r.tokens_out or 0}", r.host)
+    return t

@@ -1,0 +1,230 @@
+"""Follows the event store's notification log and keeps the projection tables current.
+
+Each batch of notifications is applied and its tracking position written in ONE database
+transaction: a follower killed at any point has either applied a batch and recorded it, or
+neither, so no event is ever applied twice. Several followers (a ``serve`` thread, a CLI
+process catching up after a command) may run at once against one database: the tracking row is
+locked (PostgreSQL ``SELECT ... FOR UPDATE``; SQLite ``BEGIN IMMEDIATE``) and written with a
+compare-and-set, and a loser of any race rolls back and tries again from the new position.
+
+``python -m projections.follower`` runs forever, until SIGTERM or SIGINT.
+
+Why not eventsourcing's ``ProjectionRunner``: it needs ``subscribe()``, which the SQLAlchemy
+recorder implements for PostgreSQL only. This loop reads ``select_notifications`` on every
+backend, and its own tracking table lives beside the view rows so one transaction covers both.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from eventsourcing.persistence import OperationalError as EventStoreOperationalError
+from sqlalchemy.engine import Connection, Engine
+
+from projections import routing
+from projections.tables import VIEW_TABLES, create_tables, projection_tracking
+
+if TYPE_CHECKING:
+    from eventsourcing.application import Application
+
+    from control.config import Settings
+
+log = logging.getLogger("loraplane.follower")
+
+DEFAULT_NAME = "routing"
+_RETRIES = 8
+
+
+class _LostRace(Exception):
+    """Another follower moved the tracking position under us."""
+
+
+class ProjectionFollower:
+    """Applies new events from ``app``'s notification log to the tables on ``engine``."""
+
+    def __init__(
+        self,
+        app: Application[Any],
+        engine: Engine,
+        *,
+        name: str = DEFAULT_NAME,
+        batch_size: int = 200,
+    ) -> None:
+        if len(name) > 32:
+            raise ValueError("tracking names are at most 32 characters")
+        self.app = app
+        self.engine = engine
+        self.name = name
+        self.batch_size = batch_size
+        self._lock = threading.Lock()
+        create_tables(engine)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ProjectionFollower:
+        """A follower for the deployment configured by ``settings``."""
+        from control.db import make_engine
+        from control.registry import Registry
+
+        return cls(Registry(settings, follow=False), make_engine(settings.db_url))
+
+    # -- position ---------------------------------------------------------------------------
+
+    def position(self, engine: Engine | None = None) -> int:
+        """The last notification id applied (0 before any)."""
+        with (engine or self.engine).connect() as conn:
+            value = conn.execute(sa.select(projection_tracking.c.position)
+                                 .where(projection_tracking.c.name == self.name)).scalar()
+        return int(value or 0)
+
+    def _read_position(self, conn: Connection) -> int | None:
+        q = (sa.select(projection_tracking.c.position)
+             .where(projection_tracking.c.name == self.name).with_for_update())
+        value = conn.execute(q).scalar()
+        return None if value is None else int(value)
+
+    def _write_position(self, conn: Connection, old: int | None, new: int) -> None:
+        if old is None:
+            conn.execute(projection_tracking.insert().values(name=self.name, position=new))
+            return
+        result = conn.execute(
+            projection_tracking.update()
+            .where(projection_tracking.c.name == self.name,
+                   projection_tracking.c.position == old)
+            .values(position=new))
+        if result.rowcount != 1:
+            raise _LostRace
+
+    # -- applying ---------------------------------------------------------------------------
+
+    def _apply_batch(self, engine: Engine) -> int:
+        """Apply one batch in one transaction; return how many notifications it covered."""
+        with engine.connect() as conn:
+            if engine.dialect.name == "sqlite":
+                # Take the write lock first: a deferred transaction that read and then writes
+                # fails outright (SQLITE_BUSY_SNAPSHOT) when another writer got in between.
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            try:
+                old = self._read_position(conn)
+                notifications = self.app.recorder.select_notifications(
+                    start=old or 0, limit=self.batch_size, inclusive_of_start=False)
+                if not notifications:
+                    conn.rollback()
+                    return 0
+                for notification in notifications:
+                    routing.apply(conn, self.app.mapper.to_domain_event(notification))
+                self._write_position(conn, old, notifications[-1].id)
+                conn.commit()
+            except BaseException:
+                conn.rollback()
+                raise
+        return len(notifications)
+
+    def _catch_up(self, engine: Engine) -> int:
+        total = 0
+        attempts = 0
+        while True:
+            try:
+                n = self._apply_batch(engine)
+            except (_LostRace, sa.exc.IntegrityError, sa.exc.OperationalError,
+                    EventStoreOperationalError) as exc:
+                # Another follower applied these events first (or held the lock too long):
+                # our transaction rolled back; start again from the position it recorded.
+                attempts += 1
+                if attempts > _RETRIES:
+                    raise
+                log.debug("projection race (%s), retrying", type(exc).__name__)
+                time.sleep(0.02 * attempts)
+                continue
+            if n == 0:
+                return total
+            total += n
+            attempts = 0
+
+    def catch_up(self) -> int:
+        """Apply every notification not yet applied; return how many were applied."""
+        with self._lock:
+            return self._catch_up(self.engine)
+
+    def run(self, stop: threading.Event, interval: float = 0.1) -> None:
+        """Catch up every ``interval`` seconds until ``stop`` is set. Errors are logged, not
+        fatal: the next round retries from the recorded position."""
+        while not stop.is_set():
+            try:
+                n = self.catch_up()
+                if n:
+                    log.info("applied %d events (position %d)", n, self.position())
+            except Exception:
+                log.exception("projection catch-up failed; retrying")
+                stop.wait(min(5.0, interval * 20))
+            stop.wait(interval)
+
+    def rebuild_into(self, engine: Engine) -> int:
+        """Replay the whole event history into the projection tables on ``engine``.
+
+        The target's view rows and tracking row are cleared first. Returns the events applied.
+        """
+        create_tables(engine)
+        with engine.begin() as conn:
+            for table in VIEW_TABLES:
+                conn.execute(table.delete())
+            conn.execute(projection_tracking.delete()
+                         .where(projection_tracking.c.name == self.name))
+        with self._lock:
+            return self._catch_up(engine)
+
+
+def _row_key(row: tuple[Any, ...]) -> list[tuple[bool, str]]:
+    return [(v is None, str(v)) for v in row]
+
+
+def _portable(value: Any) -> Any:
+    # SQLite hands back naive datetimes, PostgreSQL aware ones; the values are UTC either way.
+    if isinstance(value, datetime):
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else (
+            value.astimezone(timezone.utc))
+    return value
+
+
+def snapshot(engine: Engine) -> dict[str, list[tuple[Any, ...]]]:
+    """Every view table's rows, sorted, datetimes in UTC: compare a live database with a
+    rebuilt one, also across SQLite and PostgreSQL."""
+    out: dict[str, list[tuple[Any, ...]]] = {}
+    with engine.connect() as conn:
+        for table in VIEW_TABLES:
+            rows = [tuple(_portable(v) for v in r) for r in conn.execute(sa.select(table))]
+            out[table.name] = sorted(rows, key=_row_key)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the follower for the configured deployment until SIGTERM/SIGINT."""
+    from control.config import Settings
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = Settings.from_env()
+    settings.ensure_dirs()
+    follower = ProjectionFollower.from_settings(settings)
+    stop = threading.Event()
+
+    def _stop(signum: int, _frame: Any) -> None:
+        log.info("signal %d: stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    log.info("following the event store from position %d", follower.position())
+    follower.run(stop)
+    log.info("stopped at position %d", follower.position())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

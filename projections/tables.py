@@ -1,0 +1,97 @@
+"""The projection tables: the one place that knows their names and columns.
+
+SQLAlchemy Core tables on their own ``MetaData``, bound to no engine, so the same definitions
+serve the live database and a scratch database that a rebuild replays into.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+metadata = sa.MetaData()
+
+_digest = sa.String(71)  # "sha256:" + 64 hex
+_name = sa.String(64)
+_ts = sa.DateTime(timezone=True)
+
+routes = sa.Table(
+    "routes", metadata,
+    sa.Column("alias", _name, primary_key=True),
+    sa.Column("owner", _name, nullable=True),  # None: an operator's base-only alias
+    sa.Column("base_digest", _digest, nullable=False),
+    sa.Column("adapter_digest", _digest, nullable=True),  # None: the base alone
+    sa.Column("tokenizer_digest", _digest, nullable=False),
+    sa.Column("servable", sa.Boolean, nullable=False),
+)
+
+grants = sa.Table(
+    "grants", metadata,
+    sa.Column("tenant", _name, primary_key=True),
+    sa.Column("alias", _name, primary_key=True),
+)
+
+api_keys = sa.Table(
+    "api_keys", metadata,
+    sa.Column("key_hash", sa.String(64), primary_key=True),
+    sa.Column("tenant", _name, nullable=False, index=True),
+)
+
+tenants = sa.Table(
+    "tenants", metadata,
+    sa.Column("name", _name, primary_key=True),
+    sa.Column("created_at", _ts, nullable=False),
+)
+
+adapters = sa.Table(
+    "adapters", metadata,
+    sa.Column("digest", _digest, primary_key=True),
+    sa.Column("tenant", _name, nullable=False, index=True),
+    sa.Column("alias", _name, nullable=False),
+    sa.Column("base_digest", _digest, nullable=False),
+    sa.Column("tokenizer_digest", _digest, nullable=False),
+    sa.Column("state", sa.String(32), nullable=False),
+    sa.Column("rank", sa.Integer, nullable=False),
+    sa.Column("registered_at", _ts, nullable=False),
+)
+
+bases = sa.Table(
+    "bases", metadata,
+    sa.Column("digest", _digest, primary_key=True),
+    sa.Column("name", _name, nullable=False, unique=True),
+    sa.Column("tokenizer_digest", _digest, nullable=False),
+)
+
+revocations = sa.Table(
+    "revocations", metadata,
+    sa.Column("digest", _digest, primary_key=True),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("revoked_at", _ts, nullable=False),
+)
+
+signing_keys = sa.Table(
+    "signing_keys", metadata,
+    sa.Column("kid", _name, primary_key=True),
+    sa.Column("public_key", sa.Text, nullable=False),
+    sa.Column("created_at", _ts, nullable=False),
+)
+
+# Position of each projection in the event store's notification log. Written in the same
+# transaction as the view rows it accounts for.
+projection_tracking = sa.Table(
+    "projection_tracking", metadata,
+    sa.Column("name", sa.String(32), primary_key=True),
+    sa.Column("position", sa.BigInteger, nullable=False),
+)
+
+VIEW_TABLES: tuple[sa.Table, ...] = (
+    routes, grants, api_keys, tenants, adapters, bases, revocations, signing_keys,
+)
+
+def create_tables(engine: Engine) -> None:
+    """Create the projection tables on ``engine`` where missing."""
+    try:
+        metadata.create_all(engine, checkfirst=True)
+    except (sa.exc.IntegrityError, sa.exc.ProgrammingError):
+        # Another process created one between the check and the CREATE: check again.
+        metadata.create_all(engine, checkfirst=True)

@@ -1,0 +1,93 @@
+"""Registration through the CLI: bad adapters exit non-zero, say why, are audited, store nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from backend.kit import KitManifest
+from control.cli import app
+from control.store import ArtifactStore
+from tests.artifacts import misshapen_copy, pickled_copy
+
+
+def _cli(home: Path, *args: str) -> tuple[int, str]:
+    res = CliRunner().invoke(app, ["--json", "--home", str(home), "--actor", "ops", *args],
+                             env={"LORAPLANE_DB_URL": ""})
+    return res.exit_code, res.stdout
+
+
+@pytest.fixture()
+def home(tmp_path: Path, kit_dir: Path) -> Path:
+    kit = KitManifest.load(kit_dir)
+    h = tmp_path / "home"
+    code, out = _cli(h, "base", "register", str(kit_dir / kit.base_path), "--name", "tiny",
+                     "--alias", "base")
+    assert code == 0, out
+    assert json.loads(out)["digest"] == kit.base_digest
+    code, out = _cli(h, "tenant", "create", "acme")
+    assert code == 0 and json.loads(out)["api_key"].startswith("lp_")
+    return h
+
+
+def _bad_adapters(kit_dir: Path, tmp: Path) -> dict[str, Path]:
+    kit = KitManifest.load(kit_dir)
+    alpha = kit_dir / kit.adapters["alpha"].path
+    return {
+        "base": kit_dir / kit.adapters["other-base"].path,
+        "format": pickled_copy(alpha, tmp / "pickled"),
+        "shapes": misshapen_copy(alpha, tmp / "misshapen"),
+    }
+
+
+def test_bad_adapters_are_refused_audited_and_not_stored(home: Path, kit_dir: Path,
+                                                         tmp_path: Path) -> None:
+    store = ArtifactStore(home / "store")
+    before = set(store.digests())
+    for check, path in _bad_adapters(kit_dir, tmp_path).items():
+        code, out = _cli(home, "adapter", "register", str(path), "--tenant", "acme",
+                         "--alias", "acme-x")
+        assert code != 0, f"{check}: accepted"
+        err = json.loads(out)
+        assert err["check"] == check and err["error"], err
+        assert str(home) not in err["error"]  # no store paths in messages
+    assert set(store.digests()) == before
+    code, out = _cli(home, "audit", "log")
+    events = json.loads(out)
+    rejected = [e for e in events if e["event_type"] == "RegistrationRejected"]
+    assert sorted(e["summary"]["check"] for e in rejected) == ["base", "format", "shapes"]
+    assert all(e["actor"] == "ops" for e in rejected)
+    assert not any(e["event_type"] == "AdapterRegistered" for e in events)
+
+
+def test_full_operator_flow(home: Path, kit_dir: Path) -> None:
+    kit = KitManifest.load(kit_dir)
+    code, out = _cli(home, "adapter", "register", str(kit_dir / kit.adapters["alpha"].path),
+                     "--tenant", "acme", "--alias", "acme-alpha")
+    assert code == 0, out
+    digest = json.loads(out)["digest"]
+    assert digest == kit.adapters["alpha"].digest
+    assert _cli(home, "grant", "acme", "acme-alpha")[0] == 0
+    # Draft releases cannot be resolved: no ticket yet.
+    code, out = _cli(home, "ticket", "issue", "--tenant", "acme", "--alias", "acme-alpha")
+    assert code != 0
+    assert _cli(home, "adapter", "promote", digest, "--to", "stable")[0] == 0
+    code, out = _cli(home, "ticket", "issue", "--tenant", "acme", "--alias", "acme-alpha")
+    assert code == 0, out
+    ticket = json.loads(out)
+    assert ticket["adapter"] == digest and ticket["tenant"] == "acme"
+    assert ticket["ticket"].startswith("v4.public.")
+    assert _cli(home, "adapter", "revoke", digest, "--reason", "leak")[0] == 0
+    code, _ = _cli(home, "ticket", "issue", "--tenant", "acme", "--alias", "acme-alpha")
+    assert code != 0
+    code, out = _cli(home, "audit", "log")
+    kinds = [e["event_type"] for e in json.loads(out)]
+    for kind in ("BaseRegistered", "TenantCreated", "AdapterRegistered", "AliasGranted",
+                 "AdapterPromoted", "SigningKeyRecorded", "AdapterRevoked"):
+        assert kind in kinds
+    assert (home / "keys" / "private" / "active.pem").stat().st_mode & 0o777 == 0o600
+    code, out = _cli(home, "adapter", "promote", digest, "--to", "stable")
+    assert code != 0 and "revoked" in json.loads(out)["error"]

@@ -35,9 +35,13 @@ tenant_app = typer.Typer(no_args_is_help=True, help="Tenants and their API keys.
 ticket_app = typer.Typer(no_args_is_help=True, help="Routing tickets (operators).")
 incident_app = typer.Typer(no_args_is_help=True, help="Incident queries on the request ledger.")
 audit_app = typer.Typer(no_args_is_help=True, help="The event history.")
+alias_app = typer.Typer(no_args_is_help=True, help="Aliases: point, rollback, canary split.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios measured side by side).")
+selftest_app = typer.Typer(no_args_is_help=True, help="Self-tests against a running deployment.")
 for sub, name in ((kit_app, "kit"), (base_app, "base"), (adapter_app, "adapter"),
                   (tenant_app, "tenant"), (ticket_app, "ticket"), (incident_app, "incident"),
-                  (audit_app, "audit")):
+                  (audit_app, "audit"), (alias_app, "alias"), (bench_app, "bench"),
+                  (selftest_app, "selftest")):
     app.add_typer(sub, name=name)
 
 console = Console()
@@ -376,6 +380,9 @@ def _table(cols: list[str], rows: list[dict[str, Any]], title: str | None = None
         t.add_row(*[cell(r.get(c)) for c in cols])
     console.print(t)
 
+
+# Verbs that live beside their area register themselves on the apps above.
+from control import cli_engine, cli_ops, cli_registry, cli_selftest  # noqa: E402, F401
 
 if __name__ == "__main__":
     sys.exit(app())

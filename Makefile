@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -ra
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check control projections backend tests bench model_repository
+	$(VENV)/bin/ruff check control projections backend tests model_repository $(wildcard bench)
 	$(VENV)/bin/mypy control projections backend
 
 clean:

@@ -6,9 +6,16 @@ aggregates it needs, lets them apply the domain rules (``control.domain``), save
 event in one transaction, and then brings the projection tables up to date, so that a CLI
 command run without a ``serve`` process still leaves fresh routing tables behind.
 
-Artifacts (base model, tokenizer, adapter bytes) enter the content-addressed store before their
-registration event is saved; a rejected adapter leaves nothing in the store, only a
-``RegistrationRejected`` event for the audit.
+Two commands that change the same aggregate at once (two moves of one alias) collide on the
+event store's unique (aggregate id, version) index: one is recorded, the other raises
+``Conflict`` and records nothing.
+
+Artifacts (base model, tokenizer, adapter bytes, release manifests, evaluation reports) enter
+the content-addressed store before their event is saved; a rejected adapter leaves nothing in
+the store, only a ``RegistrationRejected`` event for the audit.
+
+Operators walk an adapter through its lifecycle one step at a time (``promote``) or with
+``release`` (evaluation report -> candidate -> canary -> stable, each step its own event).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import secrets
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from uuid import UUID
 
 import sqlalchemy as sa
@@ -28,21 +35,31 @@ from eventsourcing.application import AggregateNotFoundError, Application
 from eventsourcing.domain import Aggregate
 from eventsourcing.persistence import IntegrityError as EventStoreIntegrityError
 
+from control import limits
 from control.config import Settings
 from control.db import make_engine
 from control.digests import DIGEST_RE, directory_digest
 from control.domain import (
+    CANARY,
+    CANDIDATE,
+    DEPRECATED,
+    REVOKED,
     STABLE,
     Adapter,
+    AdapterMetadata,
     Alias,
     AlreadyExists,
     BaseModel,
     BaseName,
+    Conflict,
     DomainError,
+    IllegalTransition,
     NotFound,
     RegistrationRejection,
+    Release,
     SigningKey,
     Tenant,
+    TenantPolicy,
     ValidationFailed,
     adapter_id,
     alias_id,
@@ -50,8 +67,22 @@ from control.domain import (
     base_name_id,
     check_actor,
     check_name,
+    is_servable,
+    lifecycle_guard,
+    next_state,
+    release_id,
     signing_key_id,
     tenant_id,
+)
+from control.releases import (
+    MANIFEST_FILE,
+    REPORT_FILE,
+    chat_template_digest,
+    check_report,
+    manifest,
+    parse_defaults,
+    put_document,
+    report_summary,
 )
 from control.store import ArtifactStore
 from control.validation import (
@@ -68,11 +99,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("loraplane.registry")
 
 API_KEY_PREFIX = "lp_"
+DEFAULT_CANARY_PERCENT = 10
 TAggregate = TypeVar("TAggregate", bound=Aggregate)
 
 
 class Registry(Application[UUID]):
-    """Registers bases, adapters, tenants, aliases, grants and signing keys as events."""
+    """Registers bases, adapters, releases, tenants, aliases, grants and keys as events."""
 
     name = "Registry"  # event table: registry_events
 
@@ -107,13 +139,28 @@ class Registry(Application[UUID]):
         except Exception:
             # The command is recorded; a running follower (or the next command) catches up.
             log.warning("projection catch-up after command failed", exc_info=True)
+        try:
+            from control.integrity import AuditSeal
+
+            AuditSeal.for_registry(self).seal_if_due()
+        except Exception:
+            log.warning("audit checkpoint after command failed", exc_info=True)
 
     def _save(self, *aggregates: Aggregate | None, what: str) -> None:
-        """Save all pending events of ``aggregates`` atomically; a lost race is AlreadyExists."""
+        """Save all pending events of ``aggregates`` atomically.
+
+        A lost race on a new aggregate is AlreadyExists; on an existing one, Conflict.
+        """
+        creating = any(e.originator_version == 1 for a in aggregates if a is not None
+                       for e in a.pending_events)
         try:
             self.save(*aggregates)
         except (EventStoreIntegrityError, sa.exc.IntegrityError):
-            raise AlreadyExists(f"{what} changed concurrently or already exists; retry") from None
+            if creating:
+                raise AlreadyExists(f"{what} already exists (or was created concurrently)") \
+                    from None
+            raise Conflict(f"{what} was changed concurrently by another command; nothing was "
+                           "recorded, retry") from None
         self._after_command()
 
     # -- reading aggregates -----------------------------------------------------------------
@@ -148,6 +195,10 @@ class Registry(Application[UUID]):
         """A registered adapter by digest; NotFound if none."""
         return self._get(Adapter, adapter_id(digest), "adapter")
 
+    def release_manifest(self, digest: str) -> Release:
+        """A release by its manifest digest; NotFound if none."""
+        return self._get(Release, release_id(digest), "release")
+
     def alias(self, name: str) -> Alias:
         """An alias by name; NotFound if none."""
         return self._get(Alias, alias_id(name), "alias")
@@ -160,20 +211,35 @@ class Registry(Application[UUID]):
         return BaseInfo(name=b.name, digest=b.digest, tokenizer_digest=b.tokenizer_digest,
                         linear_shapes=b.linear_shapes)
 
-    # -- commands ---------------------------------------------------------------------------
+    def _release_servable(self, release: Release) -> bool:
+        if release.adapter_digest is None:
+            return True
+        return is_servable(self.adapter(release.adapter_digest).state)
 
-    def create_tenant(self, name: str, *, actor: str) -> str:
-        """Create a tenant and return its API key; only the key's SHA-256 is recorded.
+    # -- tenants ----------------------------------------------------------------------------
 
-        The key is shown once: it cannot be recovered from the event history.
-        """
+    def create_tenant(self, name: str, *, actor: str,
+                      policy: TenantPolicy | None = None) -> str:
+        """Create a tenant (with ``policy``, in the same transaction) and return its API key;
+        only the key's SHA-256 is recorded. The key is shown once."""
         check_name("tenant", name)
         check_actor(actor)
         if self.tenant_exists(name):
             raise AlreadyExists(f"tenant {name!r} already exists")
         api_key = API_KEY_PREFIX + secrets.token_urlsafe(32)
-        self._save(Tenant.create(name, api_key, actor), what="tenant")
+        tenant = Tenant.create(name, api_key, actor)
+        if policy is not None:
+            tenant.set_policy(policy, actor)
+        self._save(tenant, what="tenant")
         return api_key
+
+    def set_policy(self, tenant: str, policy: TenantPolicy, *, actor: str) -> None:
+        """Replace a tenant's policy (limits, signature requirement, trusted keys)."""
+        t = self.tenant(tenant)
+        t.set_policy(policy, actor)
+        self._save(t, what="tenant policy")
+
+    # -- bases ------------------------------------------------------------------------------
 
     def register_base(
         self,
@@ -188,8 +254,8 @@ class Registry(Application[UUID]):
 
         ``linear_shapes`` (every Linear weight, from the safetensors headers) is recorded so
         adapters can be checked against the base without loading it. ``alias`` creates an
-        operator-owned alias that points at the base alone (grant it to tenants for base-only
-        tickets).
+        operator-owned alias whose stable release is the base alone (grant it to tenants for
+        base-only tickets).
         """
         check_name("base", name)
         check_actor(actor)
@@ -210,12 +276,35 @@ class Registry(Application[UUID]):
         base = BaseModel.register(name=name, digest=digest, tokenizer_digest=tokenizer_digest,
                                   linear_shapes=shapes, actor=actor)
         index = BaseName(name=name, digest=digest, actor=actor)
-        route = None
+        release = route = None
         if alias is not None:
-            route = Alias.create(alias, owner=None, base_digest=digest, adapter_digest=None,
-                                 tokenizer_digest=tokenizer_digest, actor=actor)
-        self._save(base, index, route, what="base model")
+            release = self._new_base_release(base, actor)
+            route = Alias.create(alias, owner=None, release=release.digest, actor=actor)
+        self._save(base, index, release, route, what="base model")
         return digest
+
+    def _new_base_release(self, base: BaseModel, actor: str) -> Release:
+        return self._new_release(tenant=None, adapter_digest=None, base_digest=base.digest,
+                                 tokenizer_digest=base.tokenizer_digest, evaluation=None,
+                                 defaults={}, actor=actor)
+
+    def _new_release(self, *, tenant: str | None, adapter_digest: str | None,
+                     base_digest: str, tokenizer_digest: str, evaluation: str | None,
+                     defaults: dict[str, Any], actor: str) -> Release:
+        """A release manifest stored by digest; the Release aggregate is new or existing."""
+        template = chat_template_digest(self.store, tokenizer_digest)
+        doc = manifest(tenant=tenant, adapter_digest=adapter_digest, base_digest=base_digest,
+                       tokenizer_digest=tokenizer_digest, chat_template_digest=template,
+                       inference_defaults=defaults, evaluation_report_digest=evaluation)
+        digest = put_document(self.store, MANIFEST_FILE, doc)
+        if self._exists(release_id(digest)):
+            return self.release_manifest(digest)  # same manifest: same release, no new event
+        return Release(digest=digest, tenant=tenant, adapter_digest=adapter_digest,
+                       base_digest=base_digest, tokenizer_digest=tokenizer_digest,
+                       chat_template_digest=template, inference_defaults=defaults,
+                       evaluation_report_digest=evaluation, actor=check_actor(actor))
+
+    # -- adapters ---------------------------------------------------------------------------
 
     def register_adapter(
         self,
@@ -225,28 +314,46 @@ class Registry(Application[UUID]):
         alias: str,
         actor: str,
         base: str | None = None,
+        signature: Path | None = None,
+        metadata: AdapterMetadata | None = None,
     ) -> str:
         """Validate, store and register a tenant's LoRA adapter (state ``draft``); return its
-        digest. ``alias`` is pointed at it (created, owned by ``tenant``, if new).
+        digest. ``alias`` (created, owned by ``tenant``, if new) is where its releases will be
+        routed once it reaches canary; registering does not move the alias.
 
-        Raises ValidationFailed (and records ``RegistrationRejected``, storing nothing) if a
-        check fails; see ``control.validation`` for the checks.
+        ``signature``: a model_signing bundle over the folder, verified against the tenant's
+        trusted keys (required when the tenant's policy says so). Raises ValidationFailed (and
+        records ``RegistrationRejected``, storing nothing) if a check fails; see
+        ``control.validation`` and ``control.limits`` for the checks.
         """
         check_actor(actor)
         check_name("alias", alias)
-        self.tenant(tenant)  # NotFound before anything else
+        meta = metadata or AdapterMetadata()
+        policy = self.tenant(tenant).policy  # NotFound before anything else
         try:
             with tempfile.TemporaryDirectory(prefix="lp-adapter-") as tmp:
                 # Validate, digest and store one private copy, so the bytes that were checked
                 # are the bytes that are stored, whatever happens to the source meanwhile.
                 src = Path(adapter_dir)
+                limits.check_submission(src, policy)
                 check_files(src)
                 staged = Path(tmp) / "adapter"
                 staged.mkdir()
                 for file_name in sorted(ALLOWED_FILES):
                     shutil.copyfile(src / file_name, staged / file_name)
-                facts = validate_adapter(staged, lookup_base=self._base_info,
-                                         max_rank=self.settings.max_rank, base=base)
+                facts = validate_adapter(
+                    staged, lookup_base=self._base_info, base=base,
+                    max_rank=limits.rank_limit(policy, self.settings.max_rank))
+                limits.check_targets(policy, facts.base_digest, facts.target_modules)
+                limits.check_adapter_count(policy, self._live_adapters(tenant))
+                verified = None
+                if signature is not None:
+                    from control.signatures import verify_signature
+
+                    verified = verify_signature(staged, Path(signature), policy.trusted_keys)
+                elif policy.require_signature:
+                    raise ValidationFailed("signature", "your tenant's policy requires a "
+                                                        "model_signing signature (--signature)")
                 digest = directory_digest(staged)
                 route = self._alias_or_none(alias)
                 if route is not None and route.owner != tenant:
@@ -260,15 +367,18 @@ class Registry(Application[UUID]):
             raise
         adapter = Adapter(tenant=tenant, digest=digest, base_digest=facts.base_digest,
                           tokenizer_digest=facts.tokenizer_digest, rank=facts.rank,
-                          target_modules=facts.target_modules, alias=alias, actor=actor)
+                          target_modules=facts.target_modules, alias=alias,
+                          metadata=meta.to_json(),
+                          signature=verified.to_json() if verified else None, actor=actor)
         if route is None:
-            route = Alias.create(alias, owner=tenant, base_digest=facts.base_digest,
-                                 adapter_digest=digest, tokenizer_digest=facts.tokenizer_digest,
-                                 actor=actor)
-        else:
-            route.point_to_adapter(adapter, actor)
+            route = Alias.create(alias, owner=tenant, release=None, actor=actor)
         self._save(adapter, route, what="adapter")
         return digest
+
+    def _live_adapters(self, tenant: str) -> int:
+        from projections.routing import RoutingView
+
+        return RoutingView(self.follower.engine).live_adapter_count(tenant)
 
     def _alias_or_none(self, name: str) -> Alias | None:
         try:
@@ -282,20 +392,149 @@ class Registry(Application[UUID]):
         self.save(rejection)
         self._after_command()
 
-    def promote(self, digest: str, to: str = STABLE, *, actor: str) -> None:
-        """Move an adapter along its lifecycle (issue 2: draft -> stable).
+    def record_evaluation(self, digest: str, report: dict[str, Any], *, actor: str) -> str:
+        """Store an evaluation report (content-addressed JSON) for an adapter; return its digest.
 
-        IllegalTransition (nothing recorded) if the lifecycle does not allow it.
+        The latest recorded report is the one a canary release names.
         """
         adapter = self.adapter(digest)
-        adapter.promote(to, actor)
+        report_digest = put_document(self.store, REPORT_FILE, check_report(report))
+        adapter.record_evaluation(report_digest, report_summary(report), actor)
         self._save(adapter, what="adapter")
+        return report_digest
+
+    def promote(
+        self,
+        digest: str,
+        to: str | None = None,
+        *,
+        actor: str,
+        canary_percent: int = DEFAULT_CANARY_PERCENT,
+        inference_defaults: dict[str, Any] | None = None,
+    ) -> str:
+        """Move an adapter one step along its lifecycle (``to``: default the next state); return
+        the new state. IllegalTransition, recording nothing, if the move or its guard fails.
+
+        Entering canary creates the release manifest and sends ``canary_percent`` per cent of
+        the sessions of the adapter's alias to it; entering stable makes it the alias's stable
+        release (the previous one stays in the alias history for rollback).
+        """
+        adapter = self.adapter(digest)
+        changed = self._step(adapter, to or next_state(adapter.state), actor=actor,
+                             canary_percent=canary_percent, defaults=inference_defaults)
+        self._save(adapter, *changed, what="adapter")
+        return adapter.state
+
+    def release(
+        self,
+        digest: str,
+        *,
+        actor: str,
+        evaluation: dict[str, Any] | None = None,
+        to: str = STABLE,
+        canary_percent: int = DEFAULT_CANARY_PERCENT,
+        inference_defaults: dict[str, Any] | None = None,
+    ) -> str:
+        """Walk an adapter from where it stands up to ``to`` (canary or stable), recording each
+        step as its own event, all in one transaction; return the final state.
+
+        ``evaluation``: a report to record first (needed for canary unless one is recorded).
+        """
+        if to not in (CANARY, STABLE):
+            raise DomainError("release walks up to canary or stable")
+        adapter = self.adapter(digest)
+        changed: dict[UUID, Aggregate] = {}
+        if evaluation is not None:
+            report_digest = put_document(self.store, REPORT_FILE, check_report(evaluation))
+            adapter.record_evaluation(report_digest, report_summary(evaluation), actor)
+        order = (CANDIDATE, CANARY, STABLE)
+        if adapter.state not in ("draft", *order):
+            raise IllegalTransition(f"an adapter in state {adapter.state!r} cannot be released")
+        while adapter.state != to:
+            if adapter.state == STABLE:
+                raise IllegalTransition("the adapter is already stable")
+            for agg in self._step(adapter, next_state(adapter.state), actor=actor,
+                                  canary_percent=canary_percent, defaults=inference_defaults,
+                                  cache=changed):
+                changed[agg.id] = agg
+        self._save(adapter, *changed.values(), what="adapter")
+        return adapter.state
+
+    def _step(self, adapter: Adapter, to: str, *, actor: str, canary_percent: int,
+              defaults: dict[str, Any] | None,
+              cache: dict[UUID, Aggregate] | None = None) -> list[Aggregate]:
+        """Apply one lifecycle move to ``adapter`` (and its release/alias); return the other
+        aggregates that changed. Nothing is saved here."""
+        policy = self.tenant(adapter.tenant).policy
+        route = self._cached_alias(adapter.alias, cache)
+        if to != CANARY:
+            adapter.promote(to, actor, policy)
+            if to == STABLE and route is not None and adapter.release is not None:
+                release = self._cached_release(adapter.release, cache)
+                if route.stable != release.digest:
+                    route.point(release, True, actor)
+                return [route]
+            if to == DEPRECATED and route is not None and route.canary == adapter.release:
+                route.clear_canary(actor)
+                return [route]
+            return []
+        # Entering canary: build the release manifest; the guard checks the evaluation report.
+        lifecycle_guard(adapter, CANARY, policy)  # before any manifest is written
+        release = self._new_release(
+            tenant=adapter.tenant, adapter_digest=adapter.digest,
+            base_digest=adapter.base_digest, tokenizer_digest=adapter.tokenizer_digest,
+            evaluation=adapter.evaluation_report, defaults=parse_defaults(defaults), actor=actor)
+        adapter.promote(to, actor, policy, release=release.digest)
+        out: list[Aggregate] = [release]
+        if route is not None:
+            if route.stable is None:
+                route.point(release, True, actor)  # a first release: nothing to split with
+            else:
+                route.set_canary(release, canary_percent, True, actor)
+            out.append(route)
+        if cache is not None:
+            cache[release.id] = release
+        return out
+
+    def _cached_alias(self, name: str, cache: dict[UUID, Aggregate] | None) -> Alias | None:
+        if cache is not None and alias_id(name) in cache:
+            return cache[alias_id(name)]  # type: ignore[return-value]
+        route = self._alias_or_none(name)
+        if route is not None and cache is not None:
+            cache[route.id] = route
+        return route
+
+    def _cached_release(self, digest: str, cache: dict[UUID, Aggregate] | None) -> Release:
+        if cache is not None and release_id(digest) in cache:
+            return cache[release_id(digest)]  # type: ignore[return-value]
+        return self.release_manifest(digest)
 
     def revoke(self, digest: str, reason: str, *, actor: str) -> None:
-        """Revoke an adapter, from any state; its routes stop being servable."""
+        """Revoke an adapter, from any state: no new resolution from the next projection
+        update on; the serving side then reports drained, purged, unloaded per host."""
         adapter = self.adapter(digest)
         adapter.revoke(reason, actor)
         self._save(adapter, what="adapter")
+
+    def record_serving_step(self, digest: str, host: str, step: str, *, actor: str) -> None:
+        """Record one step of the serving side's revocation work on ``host``:
+        ``drained`` (references at zero), ``purged`` (every cache entry of the digest gone),
+        ``unloaded`` (no longer resident). Steps come in that order, once each per host.
+
+        The backend calls this (or ``loraplane adapter serving-step``) after each step; a lost
+        race with another host's report on the same adapter is retried here.
+        """
+        for attempt in range(5):
+            adapter = self.adapter(digest)
+            adapter.record_serving_step(host, step, actor)
+            try:
+                self._save(adapter, what="adapter")
+                return
+            except Conflict:
+                if attempt == 4:
+                    raise
+
+    # -- aliases ----------------------------------------------------------------------------
 
     def grant(self, tenant: str, alias: str, *, actor: str) -> None:
         """Allow ``tenant`` to resolve ``alias`` (both must exist)."""
@@ -304,16 +543,56 @@ class Registry(Application[UUID]):
         route.grant(tenant, actor)
         self._save(route, what="grant")
 
-    def point_alias(self, alias: str, digest: str, *, actor: str) -> None:
-        """Point ``alias`` at an adapter of its owner, or at a registered base alone."""
+    def _target_release(self, target: str, actor: str) -> Release:
+        """A release by manifest digest, by adapter digest (its release), or by base digest (a
+        base-only release, created if new: then it has pending events)."""
+        if self._exists(release_id(target)):
+            return self.release_manifest(target)
+        if self._exists(adapter_id(target)):
+            adapter = self.adapter(target)
+            if adapter.release is None:
+                raise IllegalTransition("that adapter has no release yet: promote it to canary "
+                                        "first")
+            return self.release_manifest(adapter.release)
+        if self._exists(base_id(target)):
+            return self._new_base_release(self.base(target), actor)
+        raise NotFound("no release, adapter or base model with that digest")
+
+    def point_alias(self, alias: str, target: str, *, actor: str) -> str:
+        """Make ``target`` (release, adapter or base digest) the alias's stable release; return
+        the release digest. The previous stable release goes to the alias history."""
         route = self.alias(alias)
-        if self._exists(adapter_id(digest)):
-            route.point_to_adapter(self.adapter(digest), actor)
-        elif self._exists(base_id(digest)):
-            route.point_to_base(self.base(digest), actor)
-        else:
-            raise NotFound("no adapter or base model with that digest")
+        release = self._target_release(target, actor)
+        route.point(release, self._release_servable(release), actor)
+        self._save(route, release if release.pending_events else None, what="alias")
+        return release.digest
+
+    def set_canary(self, alias: str, target: str, percent: int, *, actor: str) -> str:
+        """Send ``percent`` per cent of sessions (hash of tenant and session id) to ``target``."""
+        route = self.alias(alias)
+        release = self._target_release(target, actor)
+        route.set_canary(release, percent, self._release_servable(release), actor)
+        self._save(route, release if release.pending_events else None, what="alias")
+        return release.digest
+
+    def clear_canary(self, alias: str, *, actor: str) -> None:
+        """End an alias's canary split."""
+        route = self.alias(alias)
+        route.clear_canary(actor)
         self._save(route, what="alias")
+
+    def rollback(self, alias: str, *, actor: str) -> str:
+        """Point ``alias`` back at its previous stable release (recorded as AliasRolledBack);
+        return that release's digest."""
+        route = self.alias(alias)
+        if not route.history:
+            raise IllegalTransition("the alias has no previous release to roll back to")
+        previous = self.release_manifest(route.history[-1])
+        route.rollback(self._release_servable(previous), actor)
+        self._save(route, what="alias")
+        return previous.digest
+
+    # -- keys -------------------------------------------------------------------------------
 
     def record_signing_key(self, kid: str, public_key_b64: str, *, actor: str) -> None:
         """Record a ticket-signing public key (raw Ed25519, base64); a rotation adds a key."""
@@ -332,3 +611,6 @@ class Registry(Application[UUID]):
 
     def __repr__(self) -> str:
         return f"Registry(home={self.settings.home!s})"
+
+
+__all__ = ["DEFAULT_CANARY_PERCENT", "REVOKED", "Registry"]

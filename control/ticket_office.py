@@ -22,6 +22,7 @@ class IssuedTicket:
     token: str
     claims: TicketClaims
     alias: str
+    release: str | None = None  # the release manifest resolved at issue time
 
 
 class TicketOffice:
@@ -30,9 +31,15 @@ class TicketOffice:
         self.routing = routing
         self.signer = signer
 
-    def issue(self, tenant: str, alias: str) -> IssuedTicket:
-        """A fresh ticket for ``tenant`` to use ``alias``, else NotGranted."""
-        route = self.routing.resolve(tenant, alias)
+    def issue(self, tenant: str, alias: str, session: str | None = None) -> IssuedTicket:
+        """A fresh ticket for ``tenant`` to use ``alias``, else NotGranted.
+
+        ``session``: the client's session id; the alias's canary split hashes (tenant, session)
+        so a session keeps landing on one release. The ticket binds the adapter, base and
+        tokenizer of the release resolved now, so a request in flight keeps it when the alias
+        moves.
+        """
+        route = self.routing.resolve(tenant, alias, session)
         if route is None:
             raise NotGranted()
         token, claims = self.signer.issue(
@@ -43,4 +50,4 @@ class TicketOffice:
             tokenizer=route.tokenizer_digest,
             ttl_s=self.settings.ticket_ttl_s,
         )
-        return IssuedTicket(token, claims, alias)
+        return IssuedTicket(token, claims, alias, route.release)

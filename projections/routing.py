@@ -2,12 +2,14 @@
 
 ``apply(conn, event)`` folds one domain event into the tables of ``projections.tables`` on an
 open connection (the follower owns the transaction). ``RoutingView`` answers run-time questions
-from those tables: which route a tenant may use for an alias, who holds an API key, which
-digests are revoked.
+from those tables: which release a tenant's session gets for an alias (canary split by the hash
+of tenant and session id), who holds an API key, which digests are revoked.
 """
 
 from __future__ import annotations
 
+import json
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -17,14 +19,19 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from control.domain import (
+    DEPRECATED,
+    DRAFT,
     REVOKED,
+    SERVABLE_STATES,
     Adapter,
     Alias,
     BaseModel,
+    Release,
     SigningKey,
     Tenant,
+    canary_bucket,
+    choose_release,
     hash_api_key,
-    is_servable,
 )
 from projections.tables import (
     adapters,
@@ -32,8 +39,10 @@ from projections.tables import (
     bases,
     create_tables,
     grants,
+    releases,
     revocations,
     routes,
+    serving_steps,
     signing_keys,
     tenants,
 )
@@ -41,12 +50,15 @@ from projections.tables import (
 
 @dataclass(frozen=True)
 class Route:
-    """Where a granted, servable alias leads. ``adapter_digest`` is None for the base alone."""
+    """Where a granted alias leads for one session. ``adapter_digest`` is None for the base
+    alone; ``release`` is the release manifest digest that was resolved."""
 
     alias: str
     base_digest: str
     adapter_digest: str | None
     tokenizer_digest: str
+    release: str | None = None
+    canary: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,13 @@ class AdapterRow:
     state: str
     rank: int
     registered_at: datetime
+    owner: str = ""
+    training_data_version: str = ""
+    licence: str = ""
+    allowed_tasks: str = ""
+    signature: str | None = None
+    evaluation_report_digest: str | None = None
+    release_digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -68,22 +87,17 @@ class BaseRow:
     tokenizer_digest: str
 
 
+@dataclass(frozen=True)
+class AliasRow:
+    alias: str
+    owner: str | None
+    stable_release: str | None
+    canary_release: str | None
+    canary_percent: int
+
+
 # ---------------------------------------------------------------------------------------------
 # Event -> rows
-
-
-def _adapter_state(conn: Connection, digest: str | None) -> str | None:
-    if digest is None:
-        return None
-    state = conn.execute(sa.select(adapters.c.state).where(adapters.c.digest == digest)).scalar()
-    # An alias is only ever pointed at a registered adapter; "unknown" keeps it unservable.
-    return str(state) if state is not None else "unknown"
-
-
-def _refresh_routes_for(conn: Connection, digest: str) -> None:
-    state = _adapter_state(conn, digest)
-    conn.execute(routes.update().where(routes.c.adapter_digest == digest)
-                 .values(servable=is_servable(state)))
 
 
 def _tenant_created(conn: Connection, e: Tenant.TenantCreated) -> None:
@@ -97,38 +111,78 @@ def _base_registered(conn: Connection, e: BaseModel.BaseRegistered) -> None:
 
 
 def _adapter_registered(conn: Connection, e: Adapter.AdapterRegistered) -> None:
+    meta = e.metadata or {}
     conn.execute(adapters.insert().values(
         digest=e.digest, tenant=e.tenant, alias=e.alias, base_digest=e.base_digest,
-        tokenizer_digest=e.tokenizer_digest, state="draft", rank=e.rank,
-        registered_at=e.timestamp))
+        tokenizer_digest=e.tokenizer_digest, state=DRAFT, rank=e.rank,
+        registered_at=e.timestamp, owner=str(meta.get("owner", "")),
+        training_data_version=str(meta.get("training_data_version", "")),
+        licence=str(meta.get("licence", "")),
+        allowed_tasks=",".join(meta.get("allowed_tasks", [])),
+        signature=(e.signature or {}).get("method")))
+
+
+def _evaluation_recorded(conn: Connection, e: Adapter.EvaluationRecorded) -> None:
+    conn.execute(adapters.update().where(adapters.c.digest == e.digest)
+                 .values(evaluation_report_digest=e.report_digest))
 
 
 def _adapter_promoted(conn: Connection, e: Adapter.AdapterPromoted) -> None:
-    digest = e.digest
-    conn.execute(adapters.update().where(adapters.c.digest == digest).values(state=e.to))
-    _refresh_routes_for(conn, digest)
+    values: dict[str, Any] = {"state": e.to}
+    if e.release is not None:
+        values["release_digest"] = e.release
+    conn.execute(adapters.update().where(adapters.c.digest == e.digest).values(**values))
 
 
 def _adapter_revoked(conn: Connection, e: Adapter.AdapterRevoked) -> None:
-    digest = e.digest
-    conn.execute(adapters.update().where(adapters.c.digest == digest).values(state=REVOKED))
-    conn.execute(revocations.insert().values(digest=digest, reason=e.reason,
+    conn.execute(adapters.update().where(adapters.c.digest == e.digest).values(state=REVOKED))
+    conn.execute(revocations.insert().values(digest=e.digest, reason=e.reason,
                                              revoked_at=e.timestamp))
-    _refresh_routes_for(conn, digest)
+
+
+def _serving_step(step: str) -> Callable[[Connection, Any], None]:
+    def handler(conn: Connection, e: Any) -> None:
+        conn.execute(serving_steps.insert().values(digest=e.digest, host=e.host, step=step,
+                                                   at=e.timestamp))
+    return handler
+
+
+def _release_created(conn: Connection, e: Release.ReleaseCreated) -> None:
+    conn.execute(releases.insert().values(
+        digest=e.digest, tenant=e.tenant, adapter_digest=e.adapter_digest,
+        base_digest=e.base_digest, tokenizer_digest=e.tokenizer_digest,
+        chat_template_digest=e.chat_template_digest,
+        inference_defaults=json.dumps(e.inference_defaults, sort_keys=True),
+        evaluation_report_digest=e.evaluation_report_digest, created_at=e.timestamp))
 
 
 def _alias_created(conn: Connection, e: Alias.AliasCreated) -> None:
-    conn.execute(routes.insert().values(
-        alias=e.name, owner=e.owner, base_digest=e.base_digest,
-        adapter_digest=e.adapter_digest, tokenizer_digest=e.tokenizer_digest,
-        servable=is_servable(_adapter_state(conn, e.adapter_digest))))
+    conn.execute(routes.insert().values(alias=e.name, owner=e.owner, stable_release=e.release,
+                                        canary_release=None, canary_percent=0))
 
 
 def _alias_pointed(conn: Connection, e: Alias.AliasPointed) -> None:
-    conn.execute(routes.update().where(routes.c.alias == e.alias).values(
-        base_digest=e.base_digest, adapter_digest=e.adapter_digest,
-        tokenizer_digest=e.tokenizer_digest,
-        servable=is_servable(_adapter_state(conn, e.adapter_digest))))
+    conn.execute(routes.update().where(routes.c.alias == e.alias)
+                 .values(stable_release=e.release))
+    # A canary that became the stable release ends its split (as the aggregate does).
+    conn.execute(routes.update().where(routes.c.alias == e.alias,
+                                       routes.c.canary_release == e.release)
+                 .values(canary_release=None, canary_percent=0))
+
+
+def _alias_canary_set(conn: Connection, e: Alias.AliasCanarySet) -> None:
+    conn.execute(routes.update().where(routes.c.alias == e.alias)
+                 .values(canary_release=e.release, canary_percent=e.percent))
+
+
+def _alias_canary_cleared(conn: Connection, e: Alias.AliasCanaryCleared) -> None:
+    conn.execute(routes.update().where(routes.c.alias == e.alias)
+                 .values(canary_release=None, canary_percent=0))
+
+
+def _alias_rolled_back(conn: Connection, e: Alias.AliasRolledBack) -> None:
+    conn.execute(routes.update().where(routes.c.alias == e.alias)
+                 .values(stable_release=e.to_release))
 
 
 def _alias_granted(conn: Connection, e: Alias.AliasGranted) -> None:
@@ -144,10 +198,18 @@ HANDLERS: dict[type, Callable[[Connection, Any], None]] = {
     Tenant.TenantCreated: _tenant_created,
     BaseModel.BaseRegistered: _base_registered,
     Adapter.AdapterRegistered: _adapter_registered,
+    Adapter.EvaluationRecorded: _evaluation_recorded,
     Adapter.AdapterPromoted: _adapter_promoted,
     Adapter.AdapterRevoked: _adapter_revoked,
+    Adapter.AdapterDrained: _serving_step("drained"),
+    Adapter.AdapterPurged: _serving_step("purged"),
+    Adapter.AdapterUnloaded: _serving_step("unloaded"),
+    Release.ReleaseCreated: _release_created,
     Alias.AliasCreated: _alias_created,
     Alias.AliasPointed: _alias_pointed,
+    Alias.AliasCanarySet: _alias_canary_set,
+    Alias.AliasCanaryCleared: _alias_canary_cleared,
+    Alias.AliasRolledBack: _alias_rolled_back,
     Alias.AliasGranted: _alias_granted,
     SigningKey.SigningKeyRecorded: _signing_key_recorded,
 }
@@ -171,26 +233,90 @@ class RoutingView:
         self.engine = engine
         create_tables(engine)
 
-    def resolve(self, tenant: str, alias: str) -> Route | None:
-        """The route ``tenant`` may use for ``alias``, or None.
+    def resolve(self, tenant: str, alias: str, session: str | None = None) -> Route | None:
+        """The release ``tenant``'s ``session`` gets for ``alias``, or None.
 
-        None covers every refusal alike (unknown alias, not granted, not servable, revoked), so
-        a caller cannot probe for other tenants' aliases.
+        The canary split hashes (tenant, session id): one session always lands on the same
+        release while the alias stays put. Without a session id each call is its own session.
+        Only releases of canary or stable adapters (or the base alone) resolve; if the release
+        the split picks is no longer servable, the other one is used. None covers every refusal
+        alike (unknown alias, not granted, nothing servable), so a caller cannot probe for
+        other tenants' aliases.
         """
         q = (
-            sa.select(routes.c.alias, routes.c.base_digest, routes.c.adapter_digest,
-                      routes.c.tokenizer_digest)
+            sa.select(routes.c.stable_release, routes.c.canary_release, routes.c.canary_percent)
             .select_from(routes.join(grants, grants.c.alias == routes.c.alias))
-            .where(routes.c.alias == alias, grants.c.tenant == tenant,
-                   routes.c.servable.is_(True))
-            .where(~sa.exists().where(revocations.c.digest == routes.c.adapter_digest))
+            .where(routes.c.alias == alias, grants.c.tenant == tenant)
         )
         with self.engine.connect() as conn:
             row = conn.execute(q).first()
-        if row is None:
+            if row is None:
+                return None
+            bucket = canary_bucket(tenant, session if session is not None
+                                   else secrets.token_hex(8))
+            order = choose_release(row.stable_release, row.canary_release,
+                                   int(row.canary_percent), bucket)
+            if not order:
+                return None
+            found = {r.digest: r for r in conn.execute(
+                sa.select(releases.c.digest, releases.c.adapter_digest, releases.c.base_digest,
+                          releases.c.tokenizer_digest, adapters.c.state)
+                .select_from(releases.outerjoin(
+                    adapters, adapters.c.digest == releases.c.adapter_digest))
+                .where(releases.c.digest.in_(order)))}
+        for digest in order:
+            r = found.get(digest)
+            if r is None:
+                continue
+            if r.adapter_digest is not None and r.state not in SERVABLE_STATES:
+                continue
+            return Route(alias=alias, base_digest=r.base_digest, adapter_digest=r.adapter_digest,
+                         tokenizer_digest=r.tokenizer_digest, release=r.digest,
+                         canary=digest == row.canary_release)
+        return None
+
+    def alias_row(self, alias: str) -> AliasRow | None:
+        """An alias's routing row (operators only: no grant check)."""
+        with self.engine.connect() as conn:
+            r = conn.execute(sa.select(routes).where(routes.c.alias == alias)).first()
+        return AliasRow(**r._mapping) if r is not None else None
+
+    def release(self, digest: str) -> dict[str, Any] | None:
+        """A release manifest's row, or None."""
+        with self.engine.connect() as conn:
+            r = conn.execute(sa.select(releases).where(releases.c.digest == digest)).first()
+        if r is None:
             return None
-        return Route(alias=row.alias, base_digest=row.base_digest,
-                     adapter_digest=row.adapter_digest, tokenizer_digest=row.tokenizer_digest)
+        out = dict(r._mapping)
+        out["inference_defaults"] = json.loads(out["inference_defaults"])
+        return out
+
+    def live_adapter_count(self, tenant: str) -> int:
+        """Adapters of ``tenant`` that are neither revoked nor deprecated."""
+        q = (sa.select(sa.func.count()).select_from(adapters)
+             .where(adapters.c.tenant == tenant,
+                    adapters.c.state.not_in([REVOKED, DEPRECATED])))
+        with self.engine.connect() as conn:
+            return int(conn.execute(q).scalar() or 0)
+
+    def adapters_by_training_data(self, version: str,
+                                  tenant: str | None = None) -> list[str]:
+        """Digests of the adapters trained on data version ``version``."""
+        q = sa.select(adapters.c.digest).where(adapters.c.training_data_version == version)
+        if tenant is not None:
+            q = q.where(adapters.c.tenant == tenant)
+        with self.engine.connect() as conn:
+            return sorted(str(d) for d in conn.execute(q).scalars())
+
+    def serving_steps(self, digest: str) -> dict[str, list[str]]:
+        """``{host: [steps in order]}`` reported after ``digest`` was revoked."""
+        q = (sa.select(serving_steps.c.host, serving_steps.c.step)
+             .where(serving_steps.c.digest == digest).order_by(serving_steps.c.at))
+        out: dict[str, list[str]] = {}
+        with self.engine.connect() as conn:
+            for host, step in conn.execute(q):
+                out.setdefault(str(host), []).append(str(step))
+        return out
 
     def tenant_for_api_key(self, api_key: str) -> str | None:
         """The tenant holding ``api_key`` (looked up by its hash), or None."""

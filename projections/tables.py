@@ -15,14 +15,28 @@ _digest = sa.String(71)  # "sha256:" + 64 hex
 _name = sa.String(64)
 _ts = sa.DateTime(timezone=True)
 
+# An alias: its stable release and optional canary release (manifest digests). Whether a
+# release is servable is read from its adapter's state at resolution time.
 routes = sa.Table(
     "routes", metadata,
     sa.Column("alias", _name, primary_key=True),
     sa.Column("owner", _name, nullable=True),  # None: an operator's base-only alias
+    sa.Column("stable_release", _digest, nullable=True),
+    sa.Column("canary_release", _digest, nullable=True),
+    sa.Column("canary_percent", sa.Integer, nullable=False),
+)
+
+releases = sa.Table(
+    "releases", metadata,
+    sa.Column("digest", _digest, primary_key=True),
+    sa.Column("tenant", _name, nullable=True),  # None: base-only release
+    sa.Column("adapter_digest", _digest, nullable=True, index=True),  # None: the base alone
     sa.Column("base_digest", _digest, nullable=False),
-    sa.Column("adapter_digest", _digest, nullable=True),  # None: the base alone
     sa.Column("tokenizer_digest", _digest, nullable=False),
-    sa.Column("servable", sa.Boolean, nullable=False),
+    sa.Column("chat_template_digest", _digest, nullable=True),
+    sa.Column("inference_defaults", sa.Text, nullable=False),  # canonical JSON
+    sa.Column("evaluation_report_digest", _digest, nullable=True),
+    sa.Column("created_at", _ts, nullable=False),
 )
 
 grants = sa.Table(
@@ -53,6 +67,22 @@ adapters = sa.Table(
     sa.Column("state", sa.String(32), nullable=False),
     sa.Column("rank", sa.Integer, nullable=False),
     sa.Column("registered_at", _ts, nullable=False),
+    sa.Column("owner", sa.String(200), nullable=False),
+    sa.Column("training_data_version", sa.String(200), nullable=False, index=True),
+    sa.Column("licence", sa.String(200), nullable=False),
+    sa.Column("allowed_tasks", sa.Text, nullable=False),  # comma-separated task names
+    sa.Column("signature", sa.String(32), nullable=True),  # verification method, if signed
+    sa.Column("evaluation_report_digest", _digest, nullable=True),
+    sa.Column("release_digest", _digest, nullable=True),
+)
+
+# The serving side's work after a revocation: one row per (digest, host, step).
+serving_steps = sa.Table(
+    "serving_steps", metadata,
+    sa.Column("digest", _digest, primary_key=True),
+    sa.Column("host", _name, primary_key=True),
+    sa.Column("step", sa.String(16), primary_key=True),  # drained | purged | unloaded
+    sa.Column("at", _ts, nullable=False),
 )
 
 bases = sa.Table(
@@ -85,8 +115,10 @@ projection_tracking = sa.Table(
 )
 
 VIEW_TABLES: tuple[sa.Table, ...] = (
-    routes, grants, api_keys, tenants, adapters, bases, revocations, signing_keys,
+    routes, releases, grants, api_keys, tenants, adapters, bases, revocations, signing_keys,
+    serving_steps,
 )
+
 
 def create_tables(engine: Engine) -> None:
     """Create the projection tables on ``engine`` where missing."""

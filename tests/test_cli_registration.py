@@ -74,7 +74,13 @@ def test_full_operator_flow(home: Path, kit_dir: Path) -> None:
     # Draft releases cannot be resolved: no ticket yet.
     code, out = _cli(home, "ticket", "issue", "--tenant", "acme", "--alias", "acme-alpha")
     assert code != 0
-    assert _cli(home, "adapter", "promote", digest, "--to", "stable")[0] == 0
+    # Guarded lifecycle: no skipping from draft to stable.
+    code, out = _cli(home, "adapter", "promote", digest, "--to", "stable")
+    assert code != 0 and "draft" in json.loads(out)["error"]
+    report = home.parent / "eval.json"
+    report.write_text(json.dumps({"suite": "smoke", "passed": True}))
+    code, out = _cli(home, "adapter", "release", digest, "--evaluation", str(report))
+    assert code == 0 and json.loads(out)["state"] == "stable", out
     code, out = _cli(home, "ticket", "issue", "--tenant", "acme", "--alias", "acme-alpha")
     assert code == 0, out
     ticket = json.loads(out)
@@ -86,7 +92,8 @@ def test_full_operator_flow(home: Path, kit_dir: Path) -> None:
     code, out = _cli(home, "audit", "log")
     kinds = [e["event_type"] for e in json.loads(out)]
     for kind in ("BaseRegistered", "TenantCreated", "AdapterRegistered", "AliasGranted",
-                 "AdapterPromoted", "SigningKeyRecorded", "AdapterRevoked"):
+                 "EvaluationRecorded", "AdapterPromoted", "ReleaseCreated", "AliasPointed",
+                 "SigningKeyRecorded", "AdapterRevoked"):
         assert kind in kinds
     assert (home / "keys" / "private" / "active.pem").stat().st_mode & 0o777 == 0o600
     code, out = _cli(home, "adapter", "promote", digest, "--to", "stable")

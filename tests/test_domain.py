@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 from control.domain import (
+    CANARY,
+    CANDIDATE,
+    DEPRECATED,
     DRAFT,
     REVOKED,
     STABLE,
@@ -18,10 +21,14 @@ from control.domain import (
     BaseModel,
     DomainError,
     IllegalTransition,
+    Release,
     Tenant,
+    TenantPolicy,
     ValidationFailed,
     adapter_id,
+    canary_bucket,
     check_transition,
+    choose_release,
     hash_api_key,
     is_servable,
     tenant_id,
@@ -35,9 +42,17 @@ BASE = "sha256:" + "b" * 64
 TOK = "sha256:" + "c" * 64
 
 
-def _adapter(tenant: str = "acme", digest: str = D1) -> Adapter:
+def _adapter(tenant: str = "acme", digest: str = D1,
+             signature: dict[str, str] | None = None) -> Adapter:
     return Adapter(tenant=tenant, digest=digest, base_digest=BASE, tokenizer_digest=TOK, rank=4,
-                   target_modules=["q_proj"], alias="chat", actor="alice")
+                   target_modules=["q_proj"], alias="chat", metadata={}, signature=signature,
+                   actor="alice")
+
+
+def _release(digest: str, adapter: str | None = D1, tenant: str | None = "acme") -> Release:
+    return Release(digest=digest, tenant=tenant, adapter_digest=adapter, base_digest=BASE,
+                   tokenizer_digest=TOK, chat_template_digest=None, inference_defaults={},
+                   evaluation_report_digest=None, actor="op")
 
 
 def test_ids_are_deterministic() -> None:
@@ -61,25 +76,61 @@ def test_names_and_actor_are_checked() -> None:
         Tenant.create("acme", "lp_x", " ")
 
 
-def test_lifecycle() -> None:
+def test_lifecycle_walks_each_guarded_step() -> None:
     adapter = _adapter()
     assert adapter.state == DRAFT
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalTransition, match="lifecycle is"):
         adapter.promote("canary-that-does-not-exist", "bob")
+    with pytest.raises(IllegalTransition, match="from 'draft' to 'stable'"):
+        adapter.promote(STABLE, "bob")  # no skipping: stable needs candidate and canary first
+    adapter.promote(CANDIDATE, "bob")
+    with pytest.raises(IllegalTransition, match="evaluation report"):
+        adapter.promote(CANARY, "bob", release="sha256:" + "e" * 64)
+    adapter.record_evaluation("sha256:" + "f" * 64, {"accuracy": 0.9}, "eve")
+    adapter.promote(CANARY, "bob", release="sha256:" + "e" * 64)
+    assert adapter.had_canary and adapter.release == "sha256:" + "e" * 64
     adapter.promote(STABLE, "bob")
-    assert adapter.state == STABLE
+    adapter.promote(DEPRECATED, "bob")
     with pytest.raises(IllegalTransition):
         adapter.promote(STABLE, "bob")
     adapter.revoke("leaked", "carol")
     assert adapter.state == REVOKED and adapter.revoked
     with pytest.raises(IllegalTransition):
         adapter.revoke("again", "carol")
-    with pytest.raises(IllegalTransition):
-        adapter.promote(STABLE, "bob")
     events = adapter.collect_events()
     assert [type(e).__name__ for e in events] == [
-        "AdapterRegistered", "AdapterPromoted", "AdapterRevoked"]
+        "AdapterRegistered", "AdapterPromoted", "EvaluationRecorded", "AdapterPromoted",
+        "AdapterPromoted", "AdapterPromoted", "AdapterRevoked"]
     assert all(e.actor for e in events)  # type: ignore[attr-defined]
+
+
+def test_signature_policy_guards_candidate() -> None:
+    key = "-----BEGIN PUBLIC KEY-----\nx\n-----END PUBLIC KEY-----\n"
+    policy = TenantPolicy(require_signature=True, trusted_keys=[key])
+    unsigned = _adapter()
+    unsigned.collect_events()
+    with pytest.raises(IllegalTransition, match="signature"):
+        unsigned.promote(CANDIDATE, "bob", policy)
+    assert unsigned.collect_events() == []
+    signed = _adapter(digest=D2, signature={"method": "model-signing/key"})
+    signed.promote(CANDIDATE, "bob", policy)
+    assert signed.state == CANDIDATE
+    with pytest.raises(DomainError, match="trusted key"):
+        TenantPolicy(require_signature=True)
+    with pytest.raises(DomainError):
+        TenantPolicy(max_rank=0)
+
+
+@pytest.mark.parametrize("state", [DRAFT, CANDIDATE, CANARY, STABLE, DEPRECATED])
+def test_revocation_from_any_state(state: str) -> None:
+    adapter = _adapter()
+    adapter.record_evaluation("sha256:" + "f" * 64, {}, "eve")
+    path = [CANDIDATE, CANARY, STABLE, DEPRECATED]
+    for step in path[: path.index(state) + 1] if state != DRAFT else []:
+        adapter.promote(step, "bob", release="sha256:" + "e" * 64)
+    assert adapter.state == state
+    adapter.revoke("bad", "carol")
+    assert adapter.state == REVOKED
 
 
 def test_illegal_transition_records_nothing() -> None:
@@ -89,34 +140,82 @@ def test_illegal_transition_records_nothing() -> None:
         check_transition(DRAFT, REVOKED)  # revocation is its own command, not a promotion
     with pytest.raises(IllegalTransition):
         adapter.promote(REVOKED, "bob")
+    with pytest.raises(IllegalTransition):
+        adapter.promote(CANARY, "bob", release="sha256:" + "e" * 64)
     assert adapter.collect_events() == []
+    assert adapter.state == DRAFT
+
+
+def test_serving_steps_after_revocation() -> None:
+    adapter = _adapter()
+    with pytest.raises(IllegalTransition, match="revoked"):
+        adapter.record_serving_step("host-a", "drained", "backend")
+    adapter.revoke("leak", "sec")
+    with pytest.raises(IllegalTransition, match="'drained' before 'purged'"):
+        adapter.record_serving_step("host-a", "purged", "backend")
+    for step in ("drained", "purged", "unloaded"):
+        adapter.record_serving_step("host-a", step, "backend")
+    adapter.record_serving_step("host-b", "drained", "backend")
+    with pytest.raises(AlreadyExists):
+        adapter.record_serving_step("host-b", "drained", "backend")
+    assert adapter.serving_steps == {"host-a": ["drained", "purged", "unloaded"],
+                                     "host-b": ["drained"]}
+    kinds = [type(e).__name__ for e in adapter.collect_events()][-4:]
+    assert kinds == ["AdapterDrained", "AdapterPurged", "AdapterUnloaded", "AdapterDrained"]
 
 
 def test_servability() -> None:
     assert is_servable(None)  # the base alone
-    assert is_servable(STABLE)
-    assert not is_servable(DRAFT)
-    assert not is_servable(REVOKED)
+    assert is_servable(STABLE) and is_servable(CANARY)
+    for state in (DRAFT, CANDIDATE, DEPRECATED, REVOKED):
+        assert not is_servable(state)
+
+
+def test_canary_split_is_sticky_and_proportional() -> None:
+    buckets = [canary_bucket("acme", f"session-{i}") for i in range(4000)]
+    assert buckets == [canary_bucket("acme", f"session-{i}") for i in range(4000)]
+    share = sum(b < 25 for b in buckets) / len(buckets)
+    assert 0.2 < share < 0.3
+    assert choose_release("S", "C", 25, 10) == ["C", "S"]
+    assert choose_release("S", "C", 25, 60) == ["S", "C"]
+    assert choose_release(None, "C", 25, 60) == ["C"]  # no stable yet: the canary takes all
+    assert choose_release("S", None, 0, 0) == ["S"]
+    assert choose_release(None, None, 0, 0) == []
 
 
 def test_alias_rules() -> None:
-    alias = Alias.create("chat", owner="acme", base_digest=BASE, adapter_digest=D1,
-                         tokenizer_digest=TOK, actor="alice")
+    alias = Alias.create("chat", owner="acme", release=None, actor="alice")
     assert not alias.may_resolve("acme")  # the owner is not granted implicitly
     alias.grant("acme", "alice")
     assert alias.may_resolve("acme")
     with pytest.raises(AlreadyExists):
         alias.grant("acme", "alice")
-    with pytest.raises(DomainError):
-        alias.point_to_adapter(_adapter(tenant="other", digest=D2), "alice")
-    revoked = _adapter(digest=D2)
-    revoked.revoke("bad", "alice")
-    with pytest.raises(IllegalTransition):
-        alias.point_to_adapter(revoked, "alice")
+    with pytest.raises(DomainError, match="owner"):
+        alias.point(_release("sha256:" + "1" * 64, tenant="other"), True, "alice")
+    with pytest.raises(IllegalTransition, match="not servable"):
+        alias.point(_release("sha256:" + "2" * 64), False, "alice")
+    r1, r2 = _release("sha256:" + "3" * 64), _release("sha256:" + "4" * 64, adapter=D2)
+    alias.point(r1, True, "alice")
+    with pytest.raises(IllegalTransition, match="already"):
+        alias.point(r1, True, "alice")
+    alias.set_canary(r2, 20, True, "alice")
+    assert (alias.canary, alias.canary_percent) == (r2.digest, 20)
+    with pytest.raises(DomainError, match="percent"):
+        alias.set_canary(r2, 0, True, "alice")
+    alias.point(r2, True, "alice")  # the canary graduates: the split ends
+    assert alias.stable == r2.digest and alias.canary is None and alias.history == [r1.digest]
+    with pytest.raises(IllegalTransition, match="no longer servable"):
+        alias.rollback(False, "alice")
+    alias.rollback(True, "alice")
+    assert alias.stable == r1.digest and alias.history == []
+    with pytest.raises(IllegalTransition, match="no previous"):
+        alias.rollback(True, "alice")
     base = BaseModel.register(name="tiny", digest=BASE, tokenizer_digest=TOK,
                               linear_shapes={"m.q": [4, 4]}, actor="op")
-    alias.point_to_base(base, "alice")
-    assert alias.adapter_digest is None
+    assert base.digest == BASE
+    base_release = _release("sha256:" + "5" * 64, adapter=None, tenant=None)
+    alias.point(base_release, True, "alice")  # a base-only release fits any alias
+    assert alias.stable == base_release.digest
 
 
 # -- validation (files only) ------------------------------------------------------------------

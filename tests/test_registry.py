@@ -107,18 +107,23 @@ class RegistryContract:
         assert row.rank == 4 and row.base_digest == base
         registry.grant("acme", "acme-chat", actor="op")
         assert view.resolve("acme", "acme-chat") is None  # draft: not servable
-        registry.promote(digest, actor="alice")
-        route = view.resolve("acme", "acme-chat")
-        assert route is not None and route.adapter_digest == digest
-        assert view.resolve("globex", "acme-chat") is None  # not granted
-        with pytest.raises(IllegalTransition):
+        assert registry.promote(digest, actor="alice") == "candidate"
+        assert view.resolve("acme", "acme-chat") is None  # candidate: not servable either
+        with pytest.raises(IllegalTransition, match="evaluation report"):
             registry.promote(digest, actor="alice")
-        # A second version on the same alias: the alias moves to the new (draft) adapter.
+        registry.record_evaluation(digest, {"suite": "smoke", "accuracy": 0.9}, actor="eve")
+        assert registry.promote(digest, actor="alice") == "canary"
+        route = view.resolve("acme", "acme-chat")
+        assert route is not None and route.adapter_digest == digest and route.release
+        assert view.resolve("globex", "acme-chat") is None  # not granted
+        assert registry.promote(digest, actor="alice") == "stable"
+        assert view.resolve("acme", "acme-chat") == route.__class__(
+            **{**route.__dict__, "canary": False})
+        # A second version on the same alias: registering does not move the alias.
         d2 = registry.register_adapter(artifacts.adapters["by-name"], tenant="acme",
                                        alias="acme-chat", actor="alice")
-        assert view.resolve("acme", "acme-chat") is None
-        registry.point_alias("acme-chat", digest, actor="alice")
-        assert view.resolve("acme", "acme-chat") == route
+        stable_route = view.resolve("acme", "acme-chat")
+        assert stable_route is not None and stable_route.adapter_digest == digest
         registry.revoke(digest, "leaked weights", actor="sec")
         assert digest in view.revoked_digests() and view.is_revoked(digest)
         assert view.resolve("acme", "acme-chat") is None
@@ -129,6 +134,7 @@ class RegistryContract:
         assert view.base_for_digest(digest) == base
         kinds = [(e.aggregate, e.event_type) for e in audit_log(registry)]
         assert ("Adapter", "AdapterRevoked") in kinds and ("Alias", "AliasPointed") in kinds
+        assert ("Release", "ReleaseCreated") in kinds
         assert all(e.actor for e in audit_log(registry))
 
     def test_alias_owned_by_another_tenant(self, registry: Registry, artifacts: Artifacts,  # noqa: F811
@@ -198,7 +204,7 @@ class RegistryContract:
         entries = audit_log(registry)
         assert [e.position for e in entries] == sorted(e.position for e in entries)
         assert [e.event_type for e in entries] == [
-            "BaseRegistered", "BaseNamed", "AliasCreated", "TenantCreated"]
+            "BaseRegistered", "BaseNamed", "ReleaseCreated", "AliasCreated", "TenantCreated"]
         assert entries[0].summary["linear_modules"] == 15
         assert "linear_shapes" not in entries[0].summary
         assert entries[0].time.endswith("+00:00")

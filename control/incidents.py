@@ -1,0 +1,49 @@
+"""Incident queries on the request ledger: by adapter digest, training data version or base.
+
+The ledger (``backend.ledger``) is read, never written, here. A training data version is
+resolved to the adapters registered with it (the registry metadata in the adapter catalogue),
+then to every request those adapters served.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from backend.ledger import Ledger, LedgerEntry, request_ledger
+from control.config import Settings
+from control.db import make_engine
+from projections.routing import RoutingView
+
+
+def requests_for(
+    settings: Settings,
+    *,
+    adapter: str | None = None,
+    training_data_version: str | None = None,
+    base: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+) -> list[LedgerEntry]:
+    """Ledger rows for exactly one of ``adapter``, ``training_data_version`` or ``base``,
+    oldest first, within [``since``, ``until``)."""
+    if sum(x is not None for x in (adapter, training_data_version, base)) != 1:
+        raise ValueError("give exactly one of adapter, training data version, base")
+    engine = make_engine(settings.db_url)
+    ledger = Ledger(engine)
+    if adapter is not None:
+        return ledger.query(adapter=adapter, since=since, until=until)
+    if base is not None:
+        q = sa.select(request_ledger).where(request_ledger.c.base_digest == base)
+    else:
+        assert training_data_version is not None
+        digests = RoutingView(engine).adapters_by_training_data(training_data_version)
+        if not digests:
+            return []
+        q = sa.select(request_ledger).where(request_ledger.c.adapter_digest.in_(digests))
+    if since is not None:
+        q = q.where(request_ledger.c.admitted_at >= since)
+    if until is not None:
+        q = q.where(request_ledger.c.admitted_at < until)
+    q = q.order_by(request_ledger.c.admitted_at, request_ledger.c.request_id)
+    with engine.connect() as conn:
+        return [LedgerEntry(**dict(r._mapping)) for r in conn.execute(q)]

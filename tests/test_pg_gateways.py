@@ -1,0 +1,106 @@
+"""Two gateway processes and the projection follower process on one PostgreSQL.
+
+Commands come from a third process (this test, with a registry that does not follow); only the
+follower process updates the projections; both gateways see each change.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from control.clients import free_port, request_ticket
+from control.config import Settings
+from control.registry import Registry
+from tests.fixtures_control import (  # noqa: F401  (pytest fixture)
+    Artifacts,
+    artifacts,
+    close_registry,
+    postgres_settings,
+)
+
+pytestmark = pytest.mark.postgres
+
+GATEWAY = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from aiohttp import web
+    from control.config import Settings
+    from control.db import make_engine
+    from control.gateway import make_app
+    from control.tickets import TicketSigner
+    from control.ticket_office import TicketOffice
+    from projections.routing import RoutingView
+    s = Settings(home=Path(sys.argv[1]), db_url=sys.argv[2])
+    signer, _ = TicketSigner.load_or_create(s.keys_dir)
+    office = TicketOffice(s, RoutingView(make_engine(s.db_url)), signer)
+    web.run_app(make_app(office), host="127.0.0.1", port=int(sys.argv[3]), print=None)
+""")
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Iterator[Settings]:
+    with postgres_settings(tmp_path / "home") as s:
+        s.ensure_dirs()
+        yield s
+
+
+def _wait(predicate: object, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_two_gateways_and_follower_share_one_postgres(settings: Settings,
+                                                      artifacts: Artifacts) -> None:  # noqa: F811
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "LORAPLANE_HOME": str(settings.home),
+           "LORAPLANE_DB_URL": settings.db_url}
+    reg = Registry(settings, follow=False)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        reg.register_base(artifacts.base, artifacts.tokenizer, name="tiny", actor="op")
+        key = reg.create_tenant("acme", actor="op")
+        d = reg.register_adapter(artifacts.adapters["alpha"], tenant="acme", alias="chat",
+                                 actor="op")
+        reg.release(d, evaluation={"suite": "smoke"}, actor="op")
+        reg.grant("acme", "chat", actor="op")
+        procs.append(subprocess.Popen([sys.executable, "-m", "projections.follower"], env=env,
+                                      cwd=root, stderr=subprocess.DEVNULL))
+        ports = [free_port(), free_port()]
+        for port in ports:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", GATEWAY, str(settings.home), settings.db_url,
+                 str(port)], env=env, cwd=root, stderr=subprocess.DEVNULL))
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+
+        def ticket(url: str) -> tuple[int, dict[str, object]]:
+            try:
+                return request_ticket(url, key, "chat")
+            except OSError:
+                return 0, {}
+
+        assert _wait(lambda: all(ticket(u)[0] == 200 for u in urls), 60)
+        assert {ticket(u)[1]["adapter_digest"] for u in urls} == {d}
+        reg.revoke(d, "leak", actor="sec")  # recorded here, projected by the follower process
+        assert _wait(lambda: all(ticket(u)[0] == 403 for u in urls), 30)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        close_registry(reg)

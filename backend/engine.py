@@ -1,9 +1,13 @@
 """The multi-LoRA serving engine: many adapters on one shared base, in one mixed batch.
 
-Every LoRA-targeted ``nn.Linear`` of the base is wrapped by a ``LoraLinear`` that computes
-``base(x) + delta``, where each row of the batch picks its adapter through
-``AdapterBatch.adapter_indices``; rows without an adapter get no delta. One forward pass per
-decoding step serves every row of every adapter together.
+Resident adapters live in stacked slots (``backend.slots``): every LoRA-targeted ``nn.Linear`` is
+wrapped by a ``SlottedLinear`` holding A/B for all slots; each row of a batch names its slot, slot
+0 being the all-zero base slot. The per-row delta runs the segment or the gather path
+(``backend.lora_ops``), chosen per batch. One forward pass per decoding step serves every row.
+
+Rows join and leave between decode steps (``prefill``, ``merge``, ``retain``, ``advance``): that is
+what the continuous-batching scheduler (``backend.scheduler``) drives; ``generate`` drives the same
+steps for one fixed batch.
 
 Prompt format (the one the reference kit is trained with, see ``backend.kit``): the raw prompt text
 tokenized without special tokens (text spelling one stays plain text), with the tokenizer's bos
@@ -19,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,9 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM, PreTrainedConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from backend.lora_ops import SlotBatch
+from backend.slots import SlotContext, SlotsFull, SlotTable, SlottedLinear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -98,106 +105,6 @@ class GenerationResult:
 
 
 @dataclass(frozen=True)
-class LoraWeights:
-    """One adapter's LoRA pair for one linear module."""
-
-    a: torch.Tensor  # [rank, in_features]
-    b: torch.Tensor  # [out_features, rank]
-    scaling: float
-
-
-@dataclass(frozen=True)
-class AdapterSegment:
-    """The rows of a batch that use one adapter slot."""
-
-    slot: int
-    rows: torch.Tensor  # [n] long, row indices into the batch
-
-
-@dataclass(frozen=True)
-class AdapterBatch:
-    """Which adapter each row of the current forward pass uses."""
-
-    adapter_indices: torch.Tensor  # [batch] long, adapter slot per row, -1 for the bare base
-    segments: tuple[AdapterSegment, ...]  # one per distinct adapter slot in the batch
-
-    @classmethod
-    def from_slots(cls, slots: Sequence[int], device: torch.device) -> AdapterBatch:
-        """Group the rows by slot; base rows (-1) get no segment."""
-        segments = tuple(
-            AdapterSegment(
-                slot=slot,
-                rows=torch.tensor(
-                    [i for i, s in enumerate(slots) if s == slot], dtype=torch.long, device=device
-                ),
-            )
-            for slot in sorted(set(slots))
-            if slot >= 0
-        )
-        indices = torch.tensor(list(slots), dtype=torch.long, device=device)
-        return cls(adapter_indices=indices, segments=segments)
-
-
-@dataclass
-class LoraContext:
-    """Shared by every ``LoraLinear``: the batch of the forward pass in progress."""
-
-    batch: AdapterBatch | None = None
-
-
-def apply_lora_grouped(
-    out: torch.Tensor,  # [batch, seq, out_features], updated in place
-    x: torch.Tensor,  # [batch, seq, in_features]
-    batch: AdapterBatch,
-    weights: dict[int, LoraWeights],
-) -> None:
-    """Add each row's LoRA delta, one gathered matmul pair per adapter in the batch.
-
-    The same arithmetic as PEFT (``B(A(x)) * scaling`` added to the base output), so results match
-    it to fp32 rounding. A later backend swaps this for stacked slots and a bgmv kernel.
-    """
-    for segment in batch.segments:
-        w = weights.get(segment.slot)
-        if w is None:  # this adapter does not target this module
-            continue
-        xs = x.index_select(0, segment.rows)  # [n, seq, in_features]
-        delta = F.linear(F.linear(xs.to(w.a.dtype), w.a), w.b) * w.scaling  # [n, seq, out]
-        out.index_add_(0, segment.rows, delta.to(out.dtype))
-
-
-class LoraLinear(nn.Module):
-    """A base ``nn.Linear`` plus the per-row delta of whichever adapters target it."""
-
-    def __init__(self, base: nn.Linear, context: LoraContext) -> None:
-        super().__init__()
-        self.base = base
-        self.context = context
-        self.weights: dict[int, LoraWeights] = {}  # adapter slot -> weights
-
-    @property
-    def in_features(self) -> int:
-        return self.base.in_features
-
-    @property
-    def out_features(self) -> int:
-        return self.base.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
-        batch = self.context.batch
-        if batch is not None and self.weights:
-            apply_lora_grouped(out, x, batch, self.weights)
-        return out
-
-
-@dataclass
-class _Resident:
-    slot: int
-    nbytes: int
-    modules: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
 class _LoraSpec:
     """What adapter_config.json says, validated."""
 
@@ -231,8 +138,60 @@ class _LoraSpec:
         return cls(rank=rank, scaling=float(scaling))
 
 
+
+class AdapterBusyError(EngineError):
+    """An adapter still serves running sequences; it cannot be unloaded yet."""
+
+
+@dataclass(frozen=True)
+class HostAdapter:
+    """One adapter parsed and validated on the host, ready to be placed in a slot."""
+
+    rank: int
+    scaling: float
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> (A [rank, in], B [out, rank])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the host tensors (the host tier's accounting)."""
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
+                   for a, b in self.pairs.values())
+
+
+@dataclass
+class Sequence:
+    """One request being generated: its prompt, slot and the tokens produced so far."""
+
+    request: GenerationRequest
+    prompt_ids: list[int]
+    slot: int  # 0 = the all-zero base slot; otherwise the slot of the ticket's adapter
+    generator: torch.Generator | None
+    produced: list[int] = field(default_factory=list)
+    done: bool = False
+
+    def result(self, text: str) -> GenerationResult:
+        return GenerationResult(text=text, token_ids=list(self.produced),
+                                tokens_in=len(self.prompt_ids), tokens_out=len(self.produced))
+
+
+@dataclass
+class DecodeBatch:
+    """The running rows and their KV cache; rows join and leave between decode steps."""
+
+    seqs: list[Sequence]
+    keys: list[torch.Tensor]  # per layer [batch, kv_heads, width, head_dim]
+    values: list[torch.Tensor]  # per layer [batch, kv_heads, width, head_dim]
+    mask: torch.Tensor  # [batch, width] long, 0 for left padding
+    last_pos: torch.Tensor  # [batch, 1] long, position of each row's last token
+    logits: torch.Tensor  # [batch, vocab], for each row's next token
+    slots: SlotBatch
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
 class Engine:
-    """One base model serving mixed batches of LoRA adapters."""
+    """One base model serving mixed batches of LoRA adapters held in stacked slots."""
 
     def __init__(
         self,
@@ -242,6 +201,7 @@ class Engine:
         device: str | None = None,
         dtype: torch.dtype | None = None,
         max_rank: int = 64,
+        max_adapters: int = 64,
     ) -> None:
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
@@ -257,9 +217,10 @@ class Engine:
         )
         # transformers wraps .to() with a signature mypy misreads
         self._model: LlamaForCausalLM = model.to(self._device).eval()  # type: ignore[arg-type]
-        self._context = LoraContext()
-        self._adapters: dict[str, _Resident] = {}
-        self._next_slot = 0
+        self._context = SlotContext()
+        self._table = SlotTable(max_adapters)
+        self._modules: dict[str, list[str]] = {}  # digest -> modules it targets
+        self._active: dict[int, int] = {}  # slot -> sequences using it right now
 
         eos = self._model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -287,7 +248,39 @@ class Engine:
     def dtype(self) -> torch.dtype:
         return self._dtype
 
+    @property
+    def max_adapters(self) -> int:
+        return self._table.capacity
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self._eos_ids
+
     # -- adapters ---------------------------------------------------------------------------
+
+    def read_adapter(self, adapter_dir: Path) -> HostAdapter:
+        """Parse and validate an adapter directory on the host; nothing becomes resident."""
+        spec = _LoraSpec.from_config(_read_config(Path(adapter_dir)), self._max_rank)
+        pairs = self._validated_pairs(_read_tensors(Path(adapter_dir)), spec)
+        return HostAdapter(rank=spec.rank, scaling=spec.scaling, pairs=pairs)
+
+    def place(self, digest: str, adapter: HostAdapter) -> int:
+        """Put a validated adapter in a free slot; return its resident device bytes."""
+        with self._lock:
+            if self._table.slot_of(digest) is not None:
+                return self.resident_adapters()[digest]
+            modules = sorted(adapter.pairs)
+            wrapped = [self._wrapped(name) for name in modules]  # may wrap, never fails half-way
+            try:
+                slot = self._table.allocate(digest)
+            except SlotsFull as e:
+                raise AdapterLoadError(str(e)) from None
+            for module, name in zip(wrapped, modules, strict=True):
+                a, b = adapter.pairs[name]
+                module.place(slot, a.to(self._device, self._dtype), b.to(self._device, self._dtype),
+                             adapter.scaling)
+            self._modules[digest] = modules
+            return self._slot_bytes(digest)
 
     def load_adapter(self, digest: str, adapter_dir: Path) -> int:
         """Make an adapter resident under ``digest``; return its resident bytes.
@@ -296,42 +289,64 @@ class Engine:
         adapter stays resident and ``AdapterLoadError`` says what was expected and found.
         """
         with self._lock:
-            if digest in self._adapters:
-                return self._adapters[digest].nbytes
-            spec = _LoraSpec.from_config(_read_config(Path(adapter_dir)), self._max_rank)
-            pairs = self._validated_pairs(_read_tensors(Path(adapter_dir)), spec)
-
-            # Everything is validated: from here on nothing can fail half-way.
-            staged = {
-                name: LoraWeights(
-                    a=a.to(device=self._device, dtype=self._dtype).contiguous(),
-                    b=b.to(device=self._device, dtype=self._dtype).contiguous(),
-                    scaling=spec.scaling,
-                )
-                for name, (a, b) in pairs.items()
-            }
-            slot = self._next_slot
-            self._next_slot += 1
-            nbytes = 0
-            for name, w in staged.items():
-                self._wrapped(name).weights[slot] = w
-                nbytes += w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size()
-            self._adapters[digest] = _Resident(slot=slot, nbytes=nbytes, modules=sorted(staged))
-            return nbytes
+            if self._table.slot_of(digest) is not None:
+                return self._slot_bytes(digest)
+            return self.place(digest, self.read_adapter(adapter_dir))
 
     def unload_adapter(self, digest: str) -> None:
-        """Drop a resident adapter; raise ``UnknownAdapterError`` if it is not resident."""
+        """Drop a resident adapter and zero its slot.
+
+        Raises ``UnknownAdapterError`` if it is not resident and ``AdapterBusyError`` while a
+        running sequence still uses it: its slot must not be handed to another adapter mid-way.
+        """
         with self._lock:
-            resident = self._adapters.pop(digest, None)
-            if resident is None:
+            slot = self._table.slot_of(digest)
+            if slot is None:
                 raise UnknownAdapterError(f"adapter not resident: {digest}")
-            for name in resident.modules:
-                self._wrapped(name).weights.pop(resident.slot, None)
+            if self._active.get(slot, 0):
+                raise AdapterBusyError("adapter is serving running sequences")
+            for name in self._modules.pop(digest):
+                self._wrapped(name).clear(slot)
+            self._table.release(digest)
 
     def resident_adapters(self) -> dict[str, int]:
         """Resident adapter digests and their bytes on the device."""
         with self._lock:
-            return {digest: r.nbytes for digest, r in self._adapters.items()}
+            return {d: self._slot_bytes(d) for d in self._table.digests()}
+
+    def slot_of(self, digest: str) -> int | None:
+        """The slot an adapter occupies, or None."""
+        with self._lock:
+            return self._table.slot_of(digest)
+
+    def slot_tensors(self, digest: str) -> list[torch.Tensor]:
+        """The tensor views an adapter occupies on the device (for byte accounting checks)."""
+        with self._lock:
+            slot = self._table.slot_of(digest)
+            if slot is None:
+                return []
+            out: list[torch.Tensor] = []
+            for name in self._modules[digest]:
+                m = self._wrapped(name)
+                out += [m.a[slot], m.b[slot]]
+            return out
+
+    def base_slot_is_zero(self) -> bool:
+        """Slot 0 (base rows) is all zero in every module: no sentinel reaches an adapter."""
+        with self._lock:
+            return all(
+                not m.a[0].any() and not m.b[0].any()
+                for m in self._model.modules() if isinstance(m, SlottedLinear)
+            )
+
+    def slot_bytes_for(self, adapter: HostAdapter) -> int:
+        """Device bytes ``adapter`` will occupy once placed (its modules, padded rank)."""
+        esize = torch.empty((), dtype=self._dtype).element_size()
+        return sum((self._max_rank * a.shape[1] + b.shape[0] * self._max_rank) * esize
+                   for a, b in adapter.pairs.values())
+
+    def _slot_bytes(self, digest: str) -> int:
+        return sum(self._wrapped(n).slot_nbytes() for n in self._modules[digest])
 
     def _validated_pairs(
         self, tensors: dict[str, torch.Tensor], spec: _LoraSpec
@@ -359,7 +374,7 @@ class Engine:
                 target = self._model.get_submodule(module)
             except AttributeError:
                 raise AdapterLoadError(f"module {module!r} does not exist in the base") from None
-            if not isinstance(target, (nn.Linear, LoraLinear)):
+            if not isinstance(target, (nn.Linear, SlottedLinear)):
                 raise AdapterLoadError(
                     f"module {module!r} is a {type(target).__name__}, expected a Linear layer"
                 )
@@ -378,18 +393,19 @@ class Engine:
             pairs[module] = (a, b)
         return pairs
 
-    def _wrapped(self, name: str) -> LoraLinear:
-        """The ``LoraLinear`` at ``name``, wrapping the plain Linear there on first use."""
+    def _wrapped(self, name: str) -> SlottedLinear:
+        """The ``SlottedLinear`` at ``name``, wrapping the plain Linear there on first use."""
         module = self._model.get_submodule(name)
-        if isinstance(module, LoraLinear):
+        if isinstance(module, SlottedLinear):
             return module
         assert isinstance(module, nn.Linear)
-        wrapper = LoraLinear(module, self._context)
+        wrapper = SlottedLinear(module, self._context, self._table.num_slots, self._max_rank,
+                                self._dtype)
         parent_name, _, child = name.rpartition(".")
         setattr(self._model.get_submodule(parent_name), child, wrapper)
         return wrapper
 
-    # -- generation -------------------------------------------------------------------------
+    # -- requests ---------------------------------------------------------------------------
 
     def encode(self, prompt: str) -> list[int]:
         """Prompt token ids: bos, then the prompt's tokens (the kit's prompt format)."""
@@ -399,32 +415,6 @@ class Engine:
         )["input_ids"]
         bos = self._tokenizer.bos_token_id
         return [int(bos), *ids] if bos is not None else list(ids)
-
-    def next_token_logits(self, requests: Sequence[GenerationRequest]) -> torch.Tensor:
-        """Logits for the first generated token of each request, in one mixed batch.
-
-        Shape ``[batch, vocab]``, float32. The correctness oracle compares these with PEFT.
-        """
-        with self._lock, torch.inference_mode():
-            prompts, slots = self._prepare(requests)
-            if not prompts:
-                return torch.empty((0, self._model.config.vocab_size))
-            try:
-                logits, _, _, _ = self._prefill(prompts, slots)
-            finally:
-                self._context.batch = None
-            return logits.float().cpu()
-
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Continue every request in one mixed batch, one forward pass per step."""
-        with self._lock, torch.inference_mode():
-            prompts, slots = self._prepare(requests)
-            if not prompts:
-                return []
-            try:
-                return self._decode(requests, prompts, slots)
-            finally:
-                self._context.batch = None
 
     def validate(self, request: GenerationRequest) -> int:
         """Check one request as ``generate`` would; return its prompt length in tokens.
@@ -436,18 +426,37 @@ class Engine:
             ids, _ = self._prepare_one(request)
             return len(ids)
 
-    def _prepare(self, requests: Sequence[GenerationRequest]) -> tuple[list[list[int]], list[int]]:
-        """Validate requests; return prompt ids and adapter slots (-1 for base) per row."""
-        prepared = [self._prepare_one(r) for r in requests]
-        return [ids for ids, _ in prepared], [slot for _, slot in prepared]
+    def open_sequence(self, request: GenerationRequest) -> Sequence:
+        """Validate a request and pin its adapter's slot until ``close_sequence``."""
+        with self._lock:
+            ids, slot = self._prepare_one(request)
+            self._active[slot] = self._active.get(slot, 0) + 1
+            return Sequence(request, ids, slot, self._generator(request))
+
+    def close_sequence(self, seq: Sequence) -> None:
+        """Release the slot pin taken by ``open_sequence``."""
+        with self._lock:
+            left = self._active.get(seq.slot, 0) - 1
+            if left > 0:
+                self._active[seq.slot] = left
+            else:
+                self._active.pop(seq.slot, None)
+
+    def text(self, ids: Sequence_[int]) -> str:
+        """Decode generated ids (eos dropped) to text."""
+        out = self._tokenizer.decode([t for t in ids if t not in self._eos_ids],
+                                     skip_special_tokens=True)
+        assert isinstance(out, str)
+        return out
 
     def _prepare_one(self, r: GenerationRequest) -> tuple[list[int], int]:
         if r.adapter is None:
-            slot = -1
-        elif r.adapter in self._adapters:
-            slot = self._adapters[r.adapter].slot
+            slot = 0
         else:
-            raise UnknownAdapterError(f"adapter not resident: {r.adapter}")
+            found = self._table.slot_of(r.adapter)
+            if found is None:
+                raise UnknownAdapterError(f"adapter not resident: {r.adapter}")
+            slot = found
         if not isinstance(r.max_tokens, int) or r.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be >= 1, found {r.max_tokens!r}")
         if not (r.temperature >= 0.0 and math.isfinite(r.temperature)):
@@ -463,10 +472,77 @@ class Engine:
             )
         return ids, slot
 
-    def _prefill(
-        self, prompts: list[list[int]], slots: list[int]
-    ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]:
-        """Run the left-padded prompts; return (logits [batch, vocab], cache, mask, positions)."""
+    # -- whole batches (the oracle's entry points) ------------------------------------------
+
+    def next_token_logits(self, requests: Sequence_[GenerationRequest]) -> torch.Tensor:
+        """Logits for the first generated token of each request, in one mixed batch.
+
+        Shape ``[batch, vocab]``, float32. The correctness oracle compares these with PEFT.
+        """
+        with self._lock:
+            seqs = self._open_all(requests)
+            try:
+                if not seqs:
+                    return torch.empty((0, self._model.config.vocab_size))
+                return self.prefill(seqs).logits.float().cpu()
+            finally:
+                for s in seqs:
+                    self.close_sequence(s)
+
+    def generate(self, requests: Sequence_[GenerationRequest]) -> list[GenerationResult]:
+        """Continue every request in one mixed batch, one forward pass per step."""
+        with self._lock:
+            seqs = self._open_all(requests)
+            try:
+                batch = self.prefill(seqs) if seqs else None
+                while batch is not None:
+                    self.choose(batch)
+                    batch = self.retain(batch, [i for i, s in enumerate(batch.seqs)
+                                                if not s.done])
+                    if batch is not None:
+                        self.advance(batch)
+                return [s.result(self.text(s.produced)) for s in seqs]
+            finally:
+                for s in seqs:
+                    self.close_sequence(s)
+
+    def _open_all(self, requests: Sequence_[GenerationRequest]) -> list[Sequence]:
+        for r in requests:  # all or nothing: validate every request before pinning any slot
+            self._prepare_one(r)
+        return [self.open_sequence(r) for r in requests]
+
+    # -- continuous batching steps ----------------------------------------------------------
+
+    def prefill(self, seqs: list[Sequence],
+                cached: dict[int, DecodeBatch] | None = None) -> DecodeBatch:
+        """Run the prompts of new sequences (left-padded, one mixed batch) into a DecodeBatch.
+
+        ``cached`` maps an index of ``seqs`` to a one-row batch restored from a prefix cache;
+        those rows skip the forward pass.
+        """
+        cached = cached or {}
+        todo = [i for i in range(len(seqs)) if i not in cached]
+        with self._lock, torch.inference_mode():
+            parts: list[DecodeBatch] = []
+            if todo:
+                parts.append(self._prefill_rows([seqs[i] for i in todo]))
+            order = todo + [i for i in range(len(seqs)) if i in cached]
+            for i in order[len(todo):]:
+                one = cached[i]
+                parts.append(DecodeBatch([seqs[i]], one.keys, one.values, one.mask,
+                                         one.last_pos, one.logits, one.slots))
+            merged = parts[0]
+            for p in parts[1:]:
+                merged = self.merge(merged, p)
+            # restore request order
+            pos = {i: k for k, i in enumerate(order)}
+            out = self._select(merged, [pos[i] for i in range(len(seqs))])
+            # slots come from the sequences now, never from what a cached entry was built with
+            out.slots = SlotBatch.from_slots([s.slot for s in out.seqs], self._device)
+            return out
+
+    def _prefill_rows(self, seqs: list[Sequence]) -> DecodeBatch:
+        prompts = [s.prompt_ids for s in seqs]
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -475,64 +551,106 @@ class Engine:
             mask[i, width - len(p) :] = 1
         ids, mask = ids.to(self._device), mask.to(self._device)  # [batch, width]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [batch, width]
-        self._context.batch = AdapterBatch.from_slots(slots, self._device)
+        slots = SlotBatch.from_slots([s.slot for s in seqs], self._device)
         cache = DynamicCache(config=self._model.config)
-        out = self._model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
+        logits = self._forward(slots, ids, mask, positions, cache)
+        keys, values = _cache_tensors(cache)
+        return DecodeBatch(list(seqs), keys, values, mask, positions[:, -1:], logits, slots)
+
+    def _forward(self, slots: SlotBatch, ids: torch.Tensor, mask: torch.Tensor,
+                 positions: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        self._context.batch = slots
+        try:
+            out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                              cache=cache, use_cache=True, logits_to_keep=1)
+        finally:
+            self._context.batch = None
+        logits: torch.Tensor = out.logits[:, -1, :]
+        return logits
+
+    def merge(self, a: DecodeBatch, b: DecodeBatch) -> DecodeBatch:
+        """One batch holding the rows of both; the narrower KV is left-padded to match."""
+        with self._lock, torch.inference_mode():
+            wa, wb = a.mask.shape[1], b.mask.shape[1]
+            width = max(wa, wb)
+
+            def pad_kv(t: torch.Tensor, w: int) -> torch.Tensor:
+                return t if w == width else F.pad(t, (0, 0, width - w, 0))
+
+            def pad_mask(m: torch.Tensor, w: int) -> torch.Tensor:
+                return m if w == width else F.pad(m, (width - w, 0))
+
+            seqs = a.seqs + b.seqs
+            return DecodeBatch(
+                seqs,
+                [torch.cat([pad_kv(x, wa), pad_kv(y, wb)]) for x, y in zip(a.keys, b.keys,
+                                                                         strict=True)],
+                [torch.cat([pad_kv(x, wa), pad_kv(y, wb)]) for x, y in zip(a.values, b.values,
+                                                                         strict=True)],
+                torch.cat([pad_mask(a.mask, wa), pad_mask(b.mask, wb)]),
+                torch.cat([a.last_pos, b.last_pos]),
+                torch.cat([a.logits, b.logits]),
+                SlotBatch.from_slots([s.slot for s in seqs], self._device),
+            )
+
+    def retain(self, batch: DecodeBatch, keep: list[int]) -> DecodeBatch | None:
+        """The batch with only rows ``keep``; None when no row is left."""
+        if not keep:
+            return None
+        if keep == list(range(len(batch))):
+            return batch
+        with self._lock, torch.inference_mode():
+            return self._select(batch, keep)
+
+    def _select(self, batch: DecodeBatch, keep: list[int]) -> DecodeBatch:
+        if keep == list(range(len(batch))):
+            return batch
+        idx = torch.tensor(keep, dtype=torch.long, device=self._device)
+        mask = batch.mask.index_select(0, idx)
+        # drop left columns that are padding for every remaining row
+        used = mask.any(dim=0).nonzero()
+        first = int(used[0]) if used.numel() else 0
+        seqs = [batch.seqs[i] for i in keep]
+        return DecodeBatch(
+            seqs,
+            [k.index_select(0, idx)[:, :, first:] for k in batch.keys],
+            [v.index_select(0, idx)[:, :, first:] for v in batch.values],
+            mask[:, first:],
+            batch.last_pos.index_select(0, idx),
+            batch.logits.index_select(0, idx),
+            SlotBatch.from_slots([s.slot for s in seqs], self._device),
         )
-        return out.logits[:, -1, :], cache, mask, positions[:, -1:]
 
-    def _decode(
-        self,
-        requests: Sequence[GenerationRequest],
-        prompts: list[list[int]],
-        slots: list[int],
-    ) -> list[GenerationResult]:
-        logits, cache, mask, last_pos = self._prefill(prompts, slots)
-        generators = [self._generator(r) for r in requests]
-        produced: list[list[int]] = [[] for _ in requests]
-        done = [False] * len(requests)
-        for _ in range(max(r.max_tokens for r in requests)):
-            next_ids = self._choose(logits.float(), requests, generators, done)  # [batch]
-            for i, token in enumerate(next_ids.tolist()):
-                if done[i]:
-                    continue
-                produced[i].append(token)
-                if token in self._eos_ids or len(produced[i]) >= requests[i].max_tokens:
-                    done[i] = True
-            if all(done):
-                break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # [batch, width+t]
-            last_pos = last_pos + 1  # [batch, 1]
-            out = self._model(
-                input_ids=next_ids.unsqueeze(1),
-                attention_mask=mask,
-                position_ids=last_pos,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            cache = out.cache
-            logits = out.logits[:, -1, :]
-        return [
-            GenerationResult(
-                text=self._text([t for t in ids if t not in self._eos_ids]),
-                token_ids=ids,
-                tokens_in=len(prompt),
-                tokens_out=len(ids),
-            )
-            for ids, prompt in zip(produced, prompts, strict=True)
-        ]
+    def choose(self, batch: DecodeBatch) -> list[int]:
+        """Pick each row's next token from its logits; mark rows that reached eos or limit."""
+        with torch.inference_mode():
+            logits = batch.logits.float()
+            chosen = logits.argmax(dim=-1)  # [batch]
+            for i, s in enumerate(batch.seqs):
+                if s.generator is not None:
+                    chosen[i] = _sample(logits[i], s.request.temperature, s.request.top_p,
+                                        s.generator)
+            tokens = [int(t) for t in chosen.tolist()]
+        for s, token in zip(batch.seqs, tokens, strict=True):
+            s.produced.append(token)
+            if token in self._eos_ids or len(s.produced) >= s.request.max_tokens:
+                s.done = True
+        return tokens
 
-    def _text(self, ids: list[int]) -> str:
-        text = self._tokenizer.decode(ids, skip_special_tokens=True)
-        assert isinstance(text, str)
-        return text
+    def advance(self, batch: DecodeBatch) -> None:
+        """One decode step: feed each row's last token, extend the KV cache, new logits."""
+        with self._lock, torch.inference_mode():
+            ids = torch.tensor([[s.produced[-1]] for s in batch.seqs], dtype=torch.long,
+                               device=self._device)  # [batch, 1]
+            batch.mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
+            batch.last_pos = batch.last_pos + 1
+            cache = DynamicCache(config=self._model.config)
+            layers: list[Any] = list(cache.layers)
+            for layer, k, v in zip(layers, batch.keys, batch.values, strict=True):
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v
+            batch.logits = self._forward(batch.slots, ids, batch.mask, batch.last_pos, cache)
+            batch.keys, batch.values = _cache_tensors(cache)
 
     def _generator(self, request: GenerationRequest) -> torch.Generator | None:
         if request.temperature == 0.0:
@@ -544,23 +662,11 @@ class Engine:
             gen.manual_seed(request.seed)
         return gen
 
-    def _choose(
-        self,
-        logits: torch.Tensor,  # [batch, vocab] float32
-        requests: Sequence[GenerationRequest],
-        generators: list[torch.Generator | None],
-        done: list[bool],
-    ) -> torch.Tensor:
-        """Next token per row ([batch] long): greedy, or temperature/top-p sampling."""
-        chosen = logits.argmax(dim=-1)  # [batch]
-        for i, (r, gen) in enumerate(zip(requests, generators, strict=True)):
-            if gen is None:
-                continue
-            if done[i]:
-                chosen[i] = self._pad_id
-                continue
-            chosen[i] = _sample(logits[i], r.temperature, r.top_p, gen)
-        return chosen
+
+def _cache_tensors(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer keys and values ([batch, kv_heads, width, head_dim]) of a filled cache."""
+    layers: list[Any] = list(cache.layers)
+    return [layer.keys for layer in layers], [layer.values for layer in layers]
 
 
 def _sample(

@@ -1,9 +1,11 @@
-"""The serving pipeline behind the Triton model, importable and testable without Triton.
+"""The serving pipeline behind the Triton models, importable and testable without Triton.
 
-For each batch Triton hands over: read the ticket from the request parameters, verify it, check
-the revocation set, make sure the adapter named by the verified ticket is resident (loaded from
-the content-addressed store by digest, bytes checked against the digest), write the ledger rows,
-run one mixed-adapter generation for every admitted request, close the ledger rows, answer.
+For each request Triton hands over: read the ticket from the request parameters, verify it, check
+the revocation set, and only then reference the adapter the verified ticket names in the governed
+cache (``backend.cache``: loaded from the content-addressed store by digest, bytes checked against
+the digest). The ledger row is written (durable) before the sequence joins the continuous batch
+(``backend.scheduler``); tokens stream to the caller's sink; when the sequence ends its ledger row
+is completed, durably, before the final answer leaves.
 
 Nothing a client sends other than a verified ticket can choose an adapter: no name, path or digest
 in any parameter is read.
@@ -13,15 +15,29 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from backend.engine import Engine, GenerationRequest, InvalidRequestError
+from backend.cache import AdapterCache, CacheBudgets, CacheRefused, Lease, TenantPolicy
+from backend.engine import (
+    DecodeBatch,
+    Engine,
+    EngineError,
+    GenerationRequest,
+    GenerationResult,
+    InvalidRequestError,
+)
 from backend.ledger import AdapterLoad, Completion, Ledger, LedgerEntry
+from backend.messages import BUSY_MESSAGE, FAILURE_MESSAGE, INTERNAL_MESSAGE, LIMITS_MESSAGE
+from backend.prefix_cache import PrefixCache, PrefixKey
+from backend.scheduler import QueueFull, Scheduler, SchedulerLimits
 from control.config import Settings
 from control.db import make_engine
 from control.store import ArtifactStore
@@ -41,8 +57,8 @@ TICKET_HEADER = "x-lora-ticket"
 MAX_PROMPT_CHARS = 8192
 MAX_NEW_TOKENS = 512
 DEFAULT_MAX_TOKENS = 16
-FAILURE_MESSAGE = "request failed: the adapter could not be served"
-LIMITS_MESSAGE = "request refused: prompt plus max_tokens exceed the model's limits"
+PREFIX_CACHE_BYTES = 64 * 2**20
+__all__ = ["BUSY_MESSAGE", "FAILURE_MESSAGE", "LIMITS_MESSAGE", "LoraService"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +71,7 @@ class IncomingRequest:
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
+    stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,20 +84,22 @@ class Answer:
     adapter_digest: str = ""  # "" for the bare base model
     error: str = ""
     status: str = ""  # "invalid_arg" | "unavailable" | "internal"
+    outcome: str = ""  # ok | cancelled | rejected | failed
 
 
-@dataclass
-class _Admitted:
-    index: int
-    request_id: str
-    claims: TicketClaims
-    gen: GenerationRequest
+class AnswerSink(Protocol):
+    """Where one request's answer goes (a Triton response sender, a test's collector)."""
+
+    def cancelled(self) -> bool: ...
+    def piece(self, text: str, request_id: str, adapter_digest: str) -> None: ...
+    def answer(self, a: Answer) -> None: ...
 
 
 @dataclass
 class ServiceStats:
     refused: dict[str, int] = field(default_factory=dict)
     served: int = 0
+    cancelled: int = 0
     load_failures: int = 0
 
 
@@ -100,14 +119,17 @@ def ticket_from_parameters(raw: str | dict[str, object] | None) -> str:
         raise RequestRefused("missing")
     if isinstance(raw, str):
         try:
-            params = json.loads(raw)
-        except ValueError:
+            # Duplicate keys or deep nesting: refused, never guessed at or crashed on.
+            params = json.loads(raw, object_pairs_hook=_unique_keys)
+        except (ValueError, RecursionError):
             raise RequestRefused("parameters") from None
     else:
         params = raw
     if not isinstance(params, dict):
         raise RequestRefused("parameters")
-    found = [params[k] for k in (TICKET_PARAM, TICKET_HEADER) if k in params]
+    # Header names are case-insensitive: X-Lora-Ticket is the same header as x-lora-ticket.
+    names = (TICKET_PARAM, TICKET_HEADER)
+    found = [v for k, v in params.items() if isinstance(k, str) and k.lower() in names]
     if not found:
         raise RequestRefused("missing")
     if any(not isinstance(v, str) for v in found):
@@ -117,8 +139,59 @@ def ticket_from_parameters(raw: str | dict[str, object] | None) -> str:
     return str(found[0])
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate key")
+    return out
+
+
+@dataclass
+class _Admitted:
+    request_id: str
+    claims: TicketClaims
+    sink: AnswerSink
+    stream: bool
+    lease: Lease | None
+    admitted_at: float
+
+
+class _SequenceSink:
+    """Bridges the scheduler's callbacks to the service's completion path."""
+
+    def __init__(self, service: LoraService, adm: _Admitted) -> None:
+        self.service, self.adm = service, adm
+
+    def cancelled(self) -> bool:
+        return self.adm.sink.cancelled()
+
+    def token(self, piece: str) -> None:
+        self.adm.sink.piece(piece, self.adm.request_id, self.adm.claims.adapter or "")
+
+    def finish(self, result: GenerationResult, outcome: str) -> None:
+        self.service._completions.put((self.adm, result, outcome))
+
+
+class _Collector:
+    """A sink for the synchronous ``handle``: waits for one final answer."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.final: Answer | None = None
+
+    def cancelled(self) -> bool:
+        return False
+
+    def piece(self, text: str, request_id: str, adapter_digest: str) -> None:
+        pass
+
+    def answer(self, a: Answer) -> None:
+        self.final = a
+        self.done.set()
+
+
 class LoraService:
-    """Verifies, admits, generates and records; one per Triton model instance."""
+    """Verifies, admits, schedules and records; one per Triton engine model instance."""
 
     def __init__(
         self,
@@ -127,8 +200,18 @@ class LoraService:
         *,
         host: str | None = None,
         engine: Engine | None = None,
+        limits: SchedulerLimits | None = None,
+        budgets: CacheBudgets | None = None,
+        policy: TenantPolicy | None = None,
+        prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
+        governed: bool = True,
     ) -> None:
         self.settings = settings
+        # governed=False exists only for the governed-vs-open benchmark: each distinct ticket is
+        # verified once and remembered, revocation is not checked and nothing is written to the
+        # ledger. Never on in a deployment (see backend.triton_glue).
+        self.governed = governed
+        self._verified: dict[str, TicketClaims] = {}
         self.host = host or socket.gethostname()
         db = make_engine(settings.db_url)
         self.routing = RoutingView(db)
@@ -146,9 +229,24 @@ class LoraService:
                 max_rank=settings.max_rank,
             )
         self.engine = engine
+        self.limits = limits or SchedulerLimits.from_env()
+        self.prefix_cache: PrefixCache[DecodeBatch] = PrefixCache(prefix_cache_bytes)
+        self.cache = AdapterCache(engine, self.store.verify, budgets=budgets, policy=policy,
+                                  on_event=self._record_load,
+                                  on_purge=self.prefix_cache.purge_adapter)
+        self.scheduler = Scheduler(engine, self.limits, self.prefix_cache)
         self._verifier_lock = threading.Lock()
         self.verifier = self._load_verifier()
         self.stats = ServiceStats()
+        self._known_revoked: frozenset[str] = frozenset()
+        self._inflight = 0
+        self._inflight_lock = threading.Lock()
+        self._admission = ThreadPoolExecutor(max_workers=8, thread_name_prefix="admission")
+        self._completions: queue.Queue[tuple[_Admitted, GenerationResult, str] | None] = (
+            queue.Queue())
+        self._completer = threading.Thread(target=self._complete_loop, name="completions",
+                                           daemon=True)
+        self._completer.start()
         failed = self.ledger.fail_running(self.host)
         if failed:
             log.warning("marked %d requests left running by a previous process as failed", failed)
@@ -162,6 +260,11 @@ class LoraService:
         )
 
     def _verify(self, token: str) -> TicketClaims:
+        if not self.governed:
+            claims = self._verified.get(token)
+            if claims is None:
+                claims = self._verified[token] = self.verifier.verify(token)
+            return claims
         try:
             return self.verifier.verify(token)
         except TicketRejected as e:
@@ -172,77 +275,193 @@ class LoraService:
                 self.verifier = self._load_verifier()
             return self.verifier.verify(token)
 
+    # -- entry points -----------------------------------------------------------------------
+
+    def submit(self, req: IncomingRequest, sink: AnswerSink) -> None:
+        """Take one request; its answer (and streamed pieces) go to ``sink`` later.
+
+        Returns at once. Past the bound on requests in flight the sink gets a busy answer.
+        """
+        with self._inflight_lock:
+            busy = self._inflight >= self.limits.max_queued + self.limits.max_running
+            if not busy:
+                self._inflight += 1
+        if busy:
+            self.stats.refused["busy"] = self.stats.refused.get("busy", 0) + 1
+            sink.answer(Answer(ok=False, error=BUSY_MESSAGE, status="unavailable",
+                               outcome="rejected"))
+            return
+        self._admission.submit(self._admit, req, sink)
+
     def handle(self, batch: Sequence[IncomingRequest]) -> list[Answer]:
-        """Answer every request of a batch, in order."""
+        """Answer every request of a batch, in order (blocking; tests and simple callers)."""
+        sinks = [_Collector() for _ in batch]
+        for req, sink in zip(batch, sinks, strict=True):
+            self.submit(req, sink)
+        for sink in sinks:
+            sink.done.wait()
+        return [s.final for s in sinks if s.final is not None]
+
+    def close(self) -> None:
+        """Stop the scheduler and the worker threads."""
+        self.scheduler.stop()
+        self._admission.shutdown(wait=True)
+        self._completions.put(None)
+        self._completer.join(timeout=30)
+
+    # -- admission --------------------------------------------------------------------------
+
+    def _done(self) -> None:
+        with self._inflight_lock:
+            self._inflight -= 1
+
+    def _refuse(self, sink: AnswerSink, entry: LedgerEntry, error: str, status: str) -> None:
+        self.ledger.admit([entry])  # durable before the answer leaves
+        self._done()
+        sink.answer(Answer(ok=False, request_id=entry.request_id, error=error, status=status,
+                           outcome="rejected"))
+
+    def _admit(self, req: IncomingRequest, sink: AnswerSink) -> None:
+        try:
+            self._admit_checked(req, sink)
+        except Exception:
+            log.exception("admission failed")
+            self._done()
+            sink.answer(Answer(ok=False, error=INTERNAL_MESSAGE, status="internal",
+                               outcome="failed"))
+
+    def _admit_checked(self, req: IncomingRequest, sink: AnswerSink) -> None:
         now = time.time()
-        answers: list[Answer | None] = [None] * len(batch)
-        revoked = self.routing.revoked_digests()
-        self._purge(revoked)
-        refused: list[LedgerEntry] = []
-        admitted: list[_Admitted] = []
-        for i, req in enumerate(batch):
-            rid = str(uuid.uuid4())
-            claims: TicketClaims | None = None
-            try:
-                claims = self._verify(ticket_from_parameters(req.parameters))
+        rid = str(uuid.uuid4())
+        claims: TicketClaims | None = None
+        # 1. the ticket, 2. the revocation set; only then may any adapter bytes be read
+        try:
+            claims = self._verify(ticket_from_parameters(req.parameters))
+            if self.governed:
+                revoked = self.routing.revoked_digests()
+                self._purge(revoked)
                 if claims.adapter is not None and claims.adapter in revoked:
                     raise RequestRefused("revoked")
-                gen = self._generation_request(req, claims)
-            except (TicketRejected, RequestRefused) as e:
-                reason = e.reason
-                self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
-                refused.append(self._entry(rid, claims, now, outcome="rejected", reason=reason))
-                answers[i] = Answer(ok=False, request_id=rid, error=GENERIC_REFUSAL,
-                                    status="invalid_arg")
-                continue
-            admitted.append(_Admitted(i, rid, claims, gen))
+            gen = self._generation_request(req, claims)
+        except (TicketRejected, RequestRefused) as e:
+            self.stats.refused[e.reason] = self.stats.refused.get(e.reason, 0) + 1
+            self._refuse(sink, self._entry(rid, claims, now, outcome="rejected", reason=e.reason),
+                         GENERIC_REFUSAL, "invalid_arg")
+            return
 
-        # Load what the verified tickets name; a failed load fails only its own requests.
-        runnable: list[_Admitted] = []
-        for a in admitted:
-            if a.claims.adapter is None or self._ensure_resident(a.claims.adapter):
-                try:
-                    # One request over the engine's limits must not fail the whole batch.
-                    self.engine.validate(a.gen)
-                except InvalidRequestError:
-                    refused.append(self._entry(a.request_id, a.claims, now, outcome="rejected",
-                                               reason="request_limits"))
-                    answers[a.index] = Answer(ok=False, request_id=a.request_id,
-                                              error=LIMITS_MESSAGE, status="invalid_arg")
-                    continue
-                runnable.append(a)
-            else:
-                # Not served, so "rejected": the incident view lists only what a digest served.
-                refused.append(self._entry(a.request_id, a.claims, now, outcome="rejected",
-                                           reason="adapter_load"))
-                answers[a.index] = Answer(ok=False, request_id=a.request_id,
-                                          error=FAILURE_MESSAGE, status="unavailable")
-        self.ledger.admit(refused + [self._entry(a.request_id, a.claims, now) for a in runnable])
-
-        if runnable:
+        lease: Lease | None = None
+        if claims.adapter is not None:
             try:
-                results = self.engine.generate([a.gen for a in runnable])
+                lease = self.cache.acquire(claims.adapter, claims.tenant)
+            except CacheRefused as e:
+                # Not served, so "rejected": the incident view lists only what a digest served.
+                self.stats.load_failures += 1
+                reason = "revoked" if e.reason == "revoked" else f"adapter_{e.reason}"[:64]
+                error, status = ((GENERIC_REFUSAL, "invalid_arg") if e.reason == "revoked"
+                                 else (FAILURE_MESSAGE, "unavailable"))
+                self._refuse(sink, self._entry(rid, claims, now, outcome="rejected",
+                                               reason=reason), error, status)
+                return
+        try:
+            seq = self.engine.open_sequence(gen)
+        except (InvalidRequestError, EngineError) as e:
+            if lease is not None:
+                self.cache.release(lease)
+            limits = isinstance(e, InvalidRequestError)
+            self._refuse(sink, self._entry(rid, claims, now, outcome="rejected",
+                                           reason="request_limits" if limits else "adapter_load"),
+                         LIMITS_MESSAGE if limits else FAILURE_MESSAGE,
+                         "invalid_arg" if limits else "unavailable")
+            return
+        adm = _Admitted(rid, claims, sink, req.stream, lease, now)
+        if self.governed:
+            try:
+                self.ledger.admit([self._entry(rid, claims, now)])  # durable before any token
             except Exception:
-                log.exception("generation failed for a batch of %d", len(runnable))
-                self.ledger.complete(
-                    [Completion(a.request_id, "failed", reason="engine") for a in runnable]
-                )
-                for a in runnable:
-                    answers[a.index] = Answer(ok=False, request_id=a.request_id,
-                                              error="request failed", status="internal")
+                self.engine.close_sequence(seq)  # nothing may stay referenced by a lost row
+                if lease is not None:
+                    self.cache.release(lease)
+                raise
+        key = PrefixKey(self.base_digest, claims.adapter, self.tokenizer_digest,
+                        tuple(seq.prompt_ids)) if gen.temperature == 0.0 else None
+        try:
+            self.scheduler.submit(seq, _SequenceSink(self, adm), stream=req.stream, key=key)
+        except QueueFull:
+            self.engine.close_sequence(seq)
+            self._completions.put((adm, seq.result(""), "busy"))
+
+    # -- completion -------------------------------------------------------------------------
+
+    def _complete_loop(self) -> None:
+        while True:
+            item = self._completions.get()
+            if item is None:
+                return
+            batch = [item]
+            while True:  # everything that finished meanwhile shares one ledger transaction
+                try:
+                    more = self._completions.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._completions.put(None)
+                    break
+                batch.append(more)
+            try:
+                self._complete(batch)
+            except Exception:
+                log.exception("completing %d requests failed", len(batch))
+
+    def _complete(self, batch: list[tuple[_Admitted, GenerationResult, str]]) -> None:
+        rows = []
+        for adm, r, outcome in batch:
+            ledger_outcome = {"ok": "ok", "cancelled": "cancelled"}.get(outcome, "failed")
+            reason = None if outcome == "ok" else outcome if outcome != "failed" else "engine"
+            rows.append(Completion(adm.request_id, ledger_outcome, r.tokens_in, r.tokens_out,
+                                   reason=reason))
+        if self.governed:
+            try:
+                self._durably(lambda: self.ledger.complete(rows))
+            except Exception:
+                # The ledger cannot hold these rows: no answer may leave that it does not record.
+                # The rows stay "running" and are marked failed when the host restarts.
+                log.exception("ledger unavailable; failing %d requests", len(batch))
+                batch = [(adm, r, "failed") for adm, r, _ in batch]
+        for adm, r, outcome in batch:
+            if adm.lease is not None:
+                self.cache.release(adm.lease)
+            self._done()
+            digest = adm.claims.adapter or ""
+            if outcome == "ok":
+                self.stats.served += 1
+                text = "" if adm.stream else r.text
+                adm.sink.answer(Answer(ok=True, text=text, request_id=adm.request_id,
+                                       adapter_digest=digest, outcome="ok"))
+            elif outcome == "cancelled":
+                self.stats.cancelled += 1
+                adm.sink.answer(Answer(ok=False, request_id=adm.request_id, error="cancelled",
+                                       status="cancelled", outcome="cancelled"))
+            elif outcome == "busy":
+                adm.sink.answer(Answer(ok=False, request_id=adm.request_id, error=BUSY_MESSAGE,
+                                       status="unavailable", outcome="failed"))
             else:
-                # The rows are durable before any response leaves.
-                self.ledger.complete(
-                    [
-                        Completion(a.request_id, "ok", r.tokens_in, r.tokens_out)
-                        for a, r in zip(runnable, results, strict=True)
-                    ]
-                )
-                self.stats.served += len(runnable)
-                for a, r in zip(runnable, results, strict=True):
-                    answers[a.index] = Answer(ok=True, text=r.text, request_id=a.request_id,
-                                              adapter_digest=a.claims.adapter or "")
-        return [a for a in answers if a is not None]
+                adm.sink.answer(Answer(ok=False, request_id=adm.request_id,
+                                       error=INTERNAL_MESSAGE, status="internal",
+                                       outcome="failed"))
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _durably(write: Callable[[], None], attempts: int = 3) -> None:
+        """Run a ledger write, retrying a few times across a short database outage."""
+        for i in range(attempts):
+            try:
+                write()
+                return
+            except Exception:
+                if i == attempts - 1:
+                    raise
+                time.sleep(0.5 * (i + 1))
 
     def _generation_request(self, req: IncomingRequest, claims: TicketClaims) -> GenerationRequest:
         text = req.text
@@ -269,32 +488,19 @@ class LoraService:
             seed=req.seed,
         )
 
-    def _ensure_resident(self, digest: str) -> bool:
-        if digest in self.engine.resident_adapters():
-            return True
-        started = time.time()
-        t0 = time.perf_counter()
-        try:
-            path = self.store.verify(digest)  # re-hashes the stored bytes
-            nbytes = self.engine.load_adapter(digest, path)
-        except Exception as e:
-            # The store or the bytes are wrong: never serve it; the load record says why.
-            log.warning("adapter load failed: %s", type(e).__name__)
-            self.stats.load_failures += 1
-            self.ledger.record_load(AdapterLoad(self.host, digest, started,
-                                                time.perf_counter() - t0, "failed",
-                                                reason=type(e).__name__[:64]))
-            return False
-        self.ledger.record_load(AdapterLoad(self.host, digest, started,
-                                            time.perf_counter() - t0, "loaded", nbytes))
-        return True
+    def _record_load(self, digest: str, outcome: str, started: float, seconds: float,
+                     nbytes: int | None, reason: str | None) -> None:
+        self.ledger.record_load(AdapterLoad(self.host, digest, started, seconds, outcome,
+                                            nbytes, reason=reason))
 
     def _purge(self, revoked: frozenset[str]) -> None:
-        for digest in list(self.engine.resident_adapters()):
-            if digest in revoked:
-                self.engine.unload_adapter(digest)
-                self.ledger.record_load(AdapterLoad(self.host, digest, time.time(), 0.0,
-                                                    "unloaded", reason="revoked"))
+        """Revoke newly revoked digests in the cache: purge now, unload once drained."""
+        fresh = revoked - self._known_revoked
+        if not fresh:
+            return
+        self._known_revoked = revoked
+        for digest in fresh:
+            self.cache.revoke(digest)
 
     def _entry(
         self,

@@ -1,5 +1,9 @@
 """Converts between Triton's Python-backend objects and :mod:`backend.service`.
 
+The engine model (``lora_llm_stream``, decoupled) hands every request to the service and returns
+at once; answers and streamed tokens go back later through each request's response sender, from
+the service's threads. See ``model_repository/README.md`` for why there are two models.
+
 ``pb_utils`` is passed in rather than imported, so unit tests can hand in a stand-in; the evidence
 that serving works comes from the integration tests against the real ``tritonserver``.
 """
@@ -8,16 +12,21 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import numpy as np
 
-from backend.service import Answer, IncomingRequest, LoraService
+from backend.metrics import Telemetry
+from backend.service import PREFIX_CACHE_BYTES, Answer, IncomingRequest, LoraService
 from control.config import Settings
 
 log = logging.getLogger("loraplane.backend")
 
 BASE_DIGEST_ENV = "LORAPLANE_BASE_DIGEST"
+HOST_ID_ENV = "LORAPLANE_HOST_ID"  # the ledger's host column (default: the hostname)
+UNGOVERNED_ENV = "LORAPLANE_BENCH_UNGOVERNED"  # benchmark only: see LoraService(governed=...)
+PREFIX_CACHE_ENV = "LORAPLANE_PREFIX_CACHE_BYTES"  # 0 turns the prompt cache off
 
 
 def _scalar(pb_utils: Any, request: Any, name: str) -> Any:
@@ -30,8 +39,62 @@ def _scalar(pb_utils: Any, request: Any, name: str) -> Any:
     return arr[0].item() if hasattr(arr[0], "item") else arr[0]
 
 
+def outputs(pb: Any, text: str, request_id: str, adapter_digest: str) -> list[Any]:
+    """The three output tensors of every answer and streamed piece."""
+
+    def out(name: str, value: str) -> Any:
+        return pb.Tensor(name, np.array([[value.encode("utf-8")]], dtype=np.object_))
+
+    return [out("text_output", text), out("request_id", request_id),
+            out("adapter_digest", adapter_digest)]
+
+
+def error_response(pb: Any, message: str, status: str) -> Any:
+    code = {
+        "invalid_arg": pb.TritonError.INVALID_ARG,
+        "unavailable": pb.TritonError.UNAVAILABLE,
+        "cancelled": getattr(pb.TritonError, "CANCELLED", pb.TritonError.UNAVAILABLE),
+    }.get(status, pb.TritonError.INTERNAL)
+    return pb.InferenceResponse(error=pb.TritonError(message, code))
+
+
+class _ResponseSink:
+    """One request's response sender, as the service's ``AnswerSink``."""
+
+    def __init__(self, glue: TritonGlue, request: Any, incoming: IncomingRequest) -> None:
+        self.glue = glue
+        self.request = request
+        self.incoming = incoming
+        self.sender = request.get_response_sender()
+        self.started = time.time_ns()
+
+    def cancelled(self) -> bool:
+        return bool(self.request.is_cancelled())
+
+    def piece(self, text: str, request_id: str, adapter_digest: str) -> None:
+        pb = self.glue.pb
+        self.sender.send(pb.InferenceResponse(output_tensors=outputs(pb, text, request_id,
+                                                                     adapter_digest)))
+
+    def answer(self, a: Answer) -> None:
+        pb = self.glue.pb
+        final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            if a.ok and self.incoming.stream:
+                self.sender.send(flags=final)  # every piece went already
+            elif a.ok:
+                self.sender.send(pb.InferenceResponse(
+                    output_tensors=outputs(pb, a.text, a.request_id, a.adapter_digest)),
+                    flags=final)
+            else:
+                self.sender.send(error_response(pb, a.error, a.status), flags=final)
+        except Exception:
+            log.warning("could not send a response (client gone?)", exc_info=True)
+        self.glue.telemetry.batch_done([self.incoming], [a], self.started)
+
+
 class TritonGlue:
-    """Owns the service for one model instance."""
+    """Owns the service for one engine model instance (decoupled)."""
 
     def __init__(self, pb_utils: Any, args: dict[str, Any] | None = None) -> None:
         self.pb = pb_utils
@@ -39,7 +102,15 @@ class TritonGlue:
         base = os.environ.get(BASE_DIGEST_ENV)
         if not base:
             raise RuntimeError(f"{BASE_DIGEST_ENV} is not set: which base model should I serve?")
-        self.service = LoraService(Settings.from_env(), base)
+        governed = os.environ.get(UNGOVERNED_ENV) != "1"
+        if not governed:
+            log.warning("%s=1: tickets verified once, no revocation checks, no ledger. "
+                        "For the governed-vs-open benchmark only.", UNGOVERNED_ENV)
+        self.service = LoraService(
+            Settings.from_env(), base, host=os.environ.get(HOST_ID_ENV) or None,
+            governed=governed,
+            prefix_cache_bytes=int(os.environ.get(PREFIX_CACHE_ENV, PREFIX_CACHE_BYTES)))
+        self.telemetry = Telemetry.for_service(pb_utils, self.service)
 
     def _incoming(self, request: Any) -> IncomingRequest:
         pb = self.pb
@@ -52,34 +123,19 @@ class TritonGlue:
                 temperature=_scalar(pb, request, "temperature"),
                 top_p=_scalar(pb, request, "top_p"),
                 seed=_scalar(pb, request, "seed"),
+                stream=bool(_scalar(pb, request, "stream") or False),
             )
         except ValueError:
             # A malformed optional input: the service refuses an empty prompt type generically.
             return IncomingRequest(text=None, parameters=request.parameters())
 
-    def _response(self, a: Answer) -> Any:
-        pb = self.pb
-        if not a.ok:
-            code = {
-                "invalid_arg": pb.TritonError.INVALID_ARG,
-                "unavailable": pb.TritonError.UNAVAILABLE,
-            }.get(a.status, pb.TritonError.INTERNAL)
-            return pb.InferenceResponse(error=pb.TritonError(a.error, code))
-
-        def out(name: str, value: str) -> Any:
-            return pb.Tensor(name, np.array([[value.encode("utf-8")]], dtype=np.object_))
-
-        return pb.InferenceResponse(
-            output_tensors=[
-                out("text_output", a.text),
-                out("request_id", a.request_id),
-                out("adapter_digest", a.adapter_digest),
-            ]
-        )
-
-    def execute(self, requests: list[Any]) -> list[Any]:
-        incoming = [self._incoming(r) for r in requests]
-        return [self._response(a) for a in self.service.handle(incoming)]
+    def execute(self, requests: list[Any]) -> None:
+        """Hand every request to the service; answers leave later through response senders."""
+        for r in requests:
+            incoming = self._incoming(r)
+            self.service.submit(incoming, _ResponseSink(self, r, incoming))
 
     def close(self) -> None:
-        log.info("lora_llm instance finalised")
+        self.service.close()
+        self.telemetry.close()
+        log.info("lora_llm engine instance finalised")

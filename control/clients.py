@@ -126,3 +126,95 @@ def generate_endpoint(
             return dict(json.loads(r.read()))
     except urllib.error.HTTPError as e:
         raise TritonRefused(str(e.code), json.loads(e.read() or b"{}").get("error", "")) from None
+
+
+STREAM_MODEL = "lora_llm_stream"
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """A streamed generation: the pieces as they arrived, and the joined text."""
+
+    pieces: list[str]
+    request_id: str
+    adapter_digest: str
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def stream_generate(
+    grpc_url: str,
+    text: str,
+    ticket: str | None,
+    *,
+    max_tokens: int = 16,
+    cancel_after: int | None = None,
+    timeout_s: float = 120.0,
+) -> Streamed:
+    """Stream one generation over gRPC ``stream_infer`` from the decoupled engine model.
+
+    With ``cancel_after=n`` the stream is cancelled once ``n`` pieces have arrived. Raises
+    TritonRefused on an error answer.
+    """
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client = grpcclient.InferenceServerClient(grpc_url)
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    inputs = _inputs(grpcclient, text, max_tokens)
+    s = grpcclient.InferInput("stream", [1, 1], "BOOL")
+    s.set_data_from_numpy(np.array([[True]], dtype=bool))
+    inputs.append(s)
+    pieces: list[str] = []
+    rid = digest = ""
+    cancelled = False
+    try:
+        client.async_stream_infer(STREAM_MODEL, inputs,
+                                  parameters={"lora_ticket": ticket} if ticket else None,
+                                  enable_empty_final_response=True)
+        while True:
+            result, error = answers.get(timeout=timeout_s)
+            if error is not None:
+                raise TritonRefused(str(error.status()), error.message() or "")
+            response = result.get_response()
+            if result.as_numpy("text_output") is not None:
+                pieces.append(_first(result, "text_output"))
+                rid, digest = _first(result, "request_id"), _first(result, "adapter_digest")
+            final = response.parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                break
+            if cancel_after is not None and len(pieces) >= cancel_after:
+                cancelled = True
+                break
+    finally:
+        client.stop_stream(cancel_requests=cancelled)
+        client.close()
+    return Streamed(pieces, rid, digest)
+
+
+def generate_stream_endpoint(
+    http_url: str, text: str, ticket: str, max_tokens: int = 16
+) -> list[dict[str, Any]]:
+    """POST /v2/models/lora_llm_stream/generate_stream (server-sent events); the events' JSON."""
+    body = {"text_input": text, "max_tokens": max_tokens, "stream": True,
+            "parameters": {"lora_ticket": ticket}}
+    req = urllib.request.Request(
+        f"http://{http_url}/v2/models/{STREAM_MODEL}/generate_stream",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    events: list[dict[str, Any]] = []
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for line in r:
+                line = line.strip()
+                if line.startswith(b"data:"):
+                    events.append(dict(json.loads(line[5:])))
+    except urllib.error.HTTPError as e:
+        raise TritonRefused(str(e.code), json.loads(e.read() or b"{}").get("error", "")) from None
+    return events

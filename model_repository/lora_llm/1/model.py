@@ -1,16 +1,17 @@
-"""Triton entry point for lora_llm: a thin shell around backend.triton_glue."""
+"""Triton entry point for lora_llm (unary): forwards to lora_llm_stream, see backend.front."""
 
 import triton_python_backend_utils as pb_utils
 
-from backend.triton_glue import TritonGlue
+from backend.front import Front
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.glue = TritonGlue(pb_utils, args)
+        self.front = Front(pb_utils)
 
     def execute(self, requests):
-        return self.glue.execute(requests)
+        self.front.execute(requests)
+        return None  # answered through each request's response sender
 
     def finalize(self):
-        self.glue.close()
+        self.front.pool.shutdown(wait=False)

@@ -1,0 +1,121 @@
+"""Resident adapters as stacked slots: one A and one B tensor per target module for all of them.
+
+Slot 0 is all zero and never handed out: base rows use it, so no index value a batch can hold
+selects a real adapter unless the engine put that adapter's slot there from a verified ticket.
+Ranks are padded with zeros to ``max_rank``; zero rows of A and zero columns of B add exactly
+nothing. The adapter's scaling is folded into B at placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from backend.lora_ops import SlotBatch, apply_gather, apply_segment
+
+
+class SlotsFull(RuntimeError):
+    """Every slot holds an adapter; one must be unloaded first."""
+
+
+@dataclass
+class SlotContext:
+    """Shared by every ``SlottedLinear``: the rows of the forward pass in progress."""
+
+    batch: SlotBatch | None = None
+
+
+class SlottedLinear(nn.Module):
+    """A base ``nn.Linear`` plus per-row deltas read from stacked slot tensors."""
+
+    def __init__(self, base: nn.Linear, context: SlotContext, num_slots: int, max_rank: int,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.base = base
+        self.context = context
+        dev = base.weight.device
+        # Stored transposed, [slots, in, rank] and [slots, rank, out], so gathered rows feed
+        # batched matmuls contiguously. Slot 0 stays zero.
+        self.a = torch.zeros((num_slots, base.in_features, max_rank), dtype=dtype, device=dev)
+        self.b = torch.zeros((num_slots, max_rank, base.out_features), dtype=dtype, device=dev)
+        self.occupied: set[int] = set()
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def slot_nbytes(self) -> int:
+        """Bytes one slot of this module occupies (A and B, padded rank)."""
+        return (self.a[0].numel() + self.b[0].numel()) * self.a.element_size()
+
+    def place(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        """Write one adapter's pair into ``slot``; a [rank, in], b [out, rank]."""
+        rank = a.shape[0]
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        self.a[slot, :, :rank].copy_(a.t())
+        self.b[slot, :rank].copy_((b * scaling).t())
+        self.occupied.add(slot)
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        self.occupied.discard(slot)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        batch = self.context.batch
+        if batch is None or batch.path == "none" or not self.occupied:
+            return out
+        if batch.path == "segment":
+            segs = tuple(s for s in batch.segments if s[0] in self.occupied)
+            if segs:
+                apply_segment(out, x, self.a, self.b, segs)
+            return out
+        key = id(self)
+        pair = batch.gathered.get(key)
+        if pair is None:
+            # once per batch composition, reused by every decode step until rows change
+            pair = (self.a.index_select(0, batch.slots), self.b.index_select(0, batch.slots))
+            batch.gathered[key] = pair
+        apply_gather(out, x, *pair)
+        return out
+
+
+class SlotTable:
+    """Which slot each resident adapter digest holds; slot 0 is reserved for the base."""
+
+    def __init__(self, max_adapters: int) -> None:
+        if max_adapters < 1:
+            raise ValueError("max_adapters must be >= 1")
+        self.capacity = max_adapters
+        self._free = list(range(max_adapters, 0, -1))  # pop() hands out 1 first
+        self._by_digest: dict[str, int] = {}
+
+    @property
+    def num_slots(self) -> int:
+        return self.capacity + 1
+
+    def slot_of(self, digest: str) -> int | None:
+        return self._by_digest.get(digest)
+
+    def allocate(self, digest: str) -> int:
+        if not self._free:
+            raise SlotsFull(f"all {self.capacity} adapter slots are in use")
+        slot = self._free.pop()
+        self._by_digest[digest] = slot
+        return slot
+
+    def release(self, digest: str) -> int:
+        slot = self._by_digest.pop(digest)
+        self._free.append(slot)
+        return slot
+
+    def digests(self) -> list[str]:
+        return list(self._by_digest)

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test lint clean docker-build docker-config
 
 venv: $(STAMP)
 
@@ -30,3 +30,12 @@ lint: $(STAMP)
 
 clean:
 	rm -rf .loraplane .pytest_cache .mypy_cache .ruff_cache
+
+# Container images (needs a Docker engine; see README "Run it for real").
+TRITON_TAG ?= 24.10-py3
+docker-build:
+	docker build -f docker/triton.Dockerfile --build-arg TRITON_TAG=$(TRITON_TAG) -t loraplane/triton:0.1.0 .
+	docker build -f docker/control.Dockerfile -t loraplane/control:0.1.0 .
+
+docker-config:
+	docker-compose -f docker/compose.yaml config -q

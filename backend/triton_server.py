@@ -121,7 +121,20 @@ class TritonProcess:
             "--grpc-header-forward-pattern=x-lora-.*",
             "--exit-timeout-secs=5",
             "--log-verbose=0",
+            *self.trace_flags(),
         ]
+
+    def trace_flags(self) -> list[str]:
+        """Triton's own OpenTelemetry spans when ``LORAPLANE_TRACES=otlp``: they join the
+        gateway's trace through the ``traceparent`` header the gateway sends."""
+        env = {**os.environ, **self.env}
+        if env.get("LORAPLANE_TRACES", "off").strip() != "otlp":
+            return []
+        endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318").rstrip("/")
+        return ["--trace-config=mode=opentelemetry", "--trace-config=rate=1",
+                "--trace-config=level=TIMESTAMPS",
+                f"--trace-config=opentelemetry,url={endpoint}/v1/traces",
+                "--trace-config=opentelemetry,resource=service.name=triton"]
 
     def start(self) -> None:
         install = find_triton(self.work_dir)
@@ -151,13 +164,17 @@ class TritonProcess:
         log.close()
 
     def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(
-                f"http://{self.http_url}/v2/models/lora_llm/ready", timeout=1
-            ) as r:
-                return bool(r.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
+        """Both models answer ready: the engine (lora_llm_stream) and its front (lora_llm)."""
+        for model in ("lora_llm_stream", "lora_llm"):
+            try:
+                with urllib.request.urlopen(
+                    f"http://{self.http_url}/v2/models/{model}/ready", timeout=1
+                ) as r:
+                    if r.status != 200:
+                        return False
+            except (urllib.error.URLError, OSError):
+                return False
+        return True
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s

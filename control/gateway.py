@@ -15,11 +15,14 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
+from control import observability, openai_api
+from control.observability import GatewayMetrics
 from control.ticket_office import NotGranted, TicketOffice
 
 log = logging.getLogger("loraplane.gateway")
 
 ALIAS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+SESSION_RE = re.compile(r"^[\x21-\x7e]{1,128}$")  # optional canary-split session id
 MAX_BODY = 4096
 UNAUTHORISED = {"error": "unauthorised: missing or unknown API key"}
 FORBIDDEN = {"error": "forbidden: this alias is not available to your tenant"}
@@ -48,8 +51,11 @@ async def issue_ticket(request: web.Request) -> web.Response:
     alias = body.get("alias") if isinstance(body, dict) else None
     if not isinstance(alias, str) or not ALIAS_RE.match(alias):
         return _json(400, {"error": "field 'alias' must be an alias name"})
+    session = body.get("session") if isinstance(body, dict) else None
+    if session is not None and not (isinstance(session, str) and SESSION_RE.match(session)):
+        return _json(400, {"error": "field 'session' must be 1-128 printable ASCII characters"})
     try:
-        issued = office.issue(tenant, alias)
+        issued = office.issue(tenant, alias, session)
     except NotGranted:
         log.info("ticket refused", extra={"tenant": tenant})
         return _json(403, FORBIDDEN)
@@ -63,6 +69,7 @@ async def issue_ticket(request: web.Request) -> web.Response:
             "model": c.model,
             "alias": alias,
             "adapter_digest": c.adapter,
+            "release": issued.release,
         },
     )
 
@@ -71,9 +78,22 @@ async def healthz(_request: web.Request) -> web.Response:
     return _json(200, {"status": "ok"})
 
 
-def make_app(office: TicketOffice) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY)
+def make_app(
+    office: TicketOffice,
+    *,
+    triton_urls: list[str] | None = None,
+    metrics: GatewayMetrics | None = None,
+) -> web.Application:
+    """The gateway: tickets, health, ``/metrics``, ``/v1/stats`` and, given Triton URLs
+    (host:port), the OpenAI-compatible routes of :mod:`control.openai_api`."""
+    metrics = metrics or GatewayMetrics()
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[metrics.middleware()])
     app[OFFICE_KEY] = office
     app.router.add_post("/v1/tickets", issue_ticket)
     app.router.add_get("/healthz", healthz)
+    observability.add_routes(app, office, metrics)
+    if triton_urls:
+        openai_api.add_routes(app, office, triton_urls, metrics=metrics,
+                              tracer=observability.tracer("loraplane-gateway"),
+                              model=office.settings.model_name)
     return app

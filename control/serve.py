@@ -2,19 +2,32 @@
 
 ``loraplane serve`` runs this in the foreground; the demo and the integration tests run the same
 class, so what they prove is what an operator starts.
+
+Roles, for scale-out on one PostgreSQL URL (every process reads ``LORAPLANE_DB_URL``):
+
+- ``all``: everything in one process group (the default; a laptop, the demo).
+- ``control``: the gateway and the projection follower, no Triton. Several may run; the follower's
+  compare-and-set keeps them consistent. Its OpenAI-compatible routes forward to the Triton hosts
+  in ``triton_urls`` (``LORAPLANE_TRITON_URLS``).
+- ``triton``: one Triton host, no gateway. It reads the projection tables the control planes keep
+  current, copies every recorded ticket-signing public key into its keys folder (and keeps doing
+  so, so a gateway added later is trusted), and labels its ledger rows with ``host_id``
+  (``LORAPLANE_HOST_ID``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from backend.triton_glue import BASE_DIGEST_ENV
+from backend.triton_glue import BASE_DIGEST_ENV, HOST_ID_ENV
 from backend.triton_server import TritonProcess
 from control.config import Settings
 from control.db import make_engine
@@ -26,6 +39,9 @@ from projections.follower import ProjectionFollower
 from projections.routing import RoutingView
 
 log = logging.getLogger("loraplane.serve")
+
+ROLES = ("all", "control", "triton")
+TRITON_URLS_ENV = "LORAPLANE_TRITON_URLS"
 
 
 @dataclass(frozen=True)
@@ -42,6 +58,27 @@ def open_signer(settings: Settings, registry: Registry, actor: str) -> TicketSig
     if signer.kid not in RoutingView(make_engine(settings.db_url)).signing_keys():
         registry.record_signing_key(signer.kid, signer.public_b64, actor=actor)
     return signer
+
+
+def sync_public_keys(settings: Settings, routing: RoutingView) -> int:
+    """Write every recorded signing public key to ``keys/public``; returns how many were new.
+
+    A Triton host trusts exactly the keys the control plane recorded as events, wherever the
+    gateway that signs with them runs.
+    """
+    public_dir = settings.keys_dir / "public"
+    public_dir.mkdir(parents=True, exist_ok=True)
+    new = 0
+    for kid, b64 in routing.signing_keys().items():
+        path = public_dir / f"{kid}.pub"
+        if path.exists():
+            continue
+        base64.b64decode(b64, validate=True)  # never write a file the verifier cannot read
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(b64 + "\n")
+        tmp.replace(path)  # atomic: the verifier never reads half a key
+        new += 1
+    return new
 
 
 def pick_base(routing: RoutingView, base: str | None) -> str:
@@ -66,6 +103,10 @@ class Deployment:
     base: str | None = None
     actor: str = "operator"
     progress: Callable[[str], None] = lambda _msg: None
+    role: str = "all"
+    host_id: str | None = None  # the ledger's host column for this Triton host
+    triton_urls: list[str] = field(default_factory=list)  # extra Triton hosts (host:port)
+    bind: str = "127.0.0.1"  # gateway listen address; 0.0.0.0 in a container
     triton: TritonProcess | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -73,40 +114,66 @@ class Deployment:
     _runner: web.AppRunner | None = None
 
     def start(self, ready_timeout_s: float = 240.0) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role is one of {', '.join(ROLES)}, not {self.role!r}")
         s = self.settings
         s.ensure_dirs()
-        registry = Registry(s)
         routing = RoutingView(make_engine(s.db_url))
-        follower = ProjectionFollower.from_settings(s)
-        follower.catch_up()
-        t = threading.Thread(target=follower.run, args=(self._stop,), name="follower",
-                             daemon=True)
+        office: TicketOffice | None = None
+        if self.role != "triton":
+            registry = Registry(s)
+            follower = ProjectionFollower.from_settings(s)
+            follower.catch_up()
+            self._thread("follower", follower.run)
+            office = TicketOffice(s, routing, open_signer(s, registry, self.actor))
+        if self.role != "control":
+            self._start_triton(routing)
+        if office is not None:
+            urls = ([self.triton.http_url] if self.triton else []) + list(self.triton_urls)
+            self._start_gateway(office, urls)
+            self.progress(f"gateway on {self.gateway_url}")
+        if self.triton is not None:
+            try:
+                self.triton.wait_ready(ready_timeout_s)
+            except Exception:
+                self.stop()
+                raise
+            self.progress(
+                f"triton ready: http {self.triton.http_url}, grpc {self.triton.grpc_url}"
+            )
+
+    def _thread(self, name: str, target: Callable[[threading.Event], None]) -> None:
+        t = threading.Thread(target=target, args=(self._stop,), name=name, daemon=True)
         t.start()
         self._threads.append(t)
-        signer = open_signer(s, registry, self.actor)
+
+    def _start_triton(self, routing: RoutingView) -> None:
+        s = self.settings
         base = pick_base(routing, self.base)
+        sync_public_keys(s, routing)
+
+        def keep_keys(stop: threading.Event) -> None:
+            while not stop.wait(1.0):
+                try:
+                    sync_public_keys(s, routing)
+                except Exception:  # the database may be briefly away; try again next second
+                    log.warning("public key sync failed", exc_info=True)
+
+        self._thread("key-sync", keep_keys)
+        env = {"LORAPLANE_HOME": str(s.home), "LORAPLANE_DB_URL": s.db_url, BASE_DIGEST_ENV: base}
+        if self.host_id:
+            env[HOST_ID_ENV] = self.host_id
         self.progress("starting tritonserver (model lora_llm)")
         self.triton = TritonProcess(
             work_dir=s.run_dir,
             http_port=self.ports.http,
             grpc_port=self.ports.grpc,
             metrics_port=self.ports.metrics,
-            env={"LORAPLANE_HOME": str(s.home), "LORAPLANE_DB_URL": s.db_url,
-                 BASE_DIGEST_ENV: base},
+            env=env,
         )
         self.triton.start()
-        self._start_gateway(TicketOffice(s, routing, signer))
-        self.progress(f"gateway on http://127.0.0.1:{self.ports.gateway}")
-        try:
-            self.triton.wait_ready(ready_timeout_s)
-        except Exception:
-            self.stop()
-            raise
-        self.progress(
-            f"triton ready: http {self.triton.http_url}, grpc {self.triton.grpc_url}"
-        )
 
-    def _start_gateway(self, office: TicketOffice) -> None:
+    def _start_gateway(self, office: TicketOffice, triton_urls: list[str]) -> None:
         started = threading.Event()
         errors: list[BaseException] = []
 
@@ -114,10 +181,10 @@ class Deployment:
             loop = asyncio.new_event_loop()
             self._loop = loop
             asyncio.set_event_loop(loop)
-            runner = web.AppRunner(make_app(office), access_log=None)
+            runner = web.AppRunner(make_app(office, triton_urls=triton_urls), access_log=None)
             try:
                 loop.run_until_complete(runner.setup())
-                site = web.TCPSite(runner, "127.0.0.1", self.ports.gateway)
+                site = web.TCPSite(runner, self.bind, self.ports.gateway)
                 loop.run_until_complete(site.start())
             except BaseException as e:  # reported to the starting thread
                 errors.append(e)
@@ -138,7 +205,8 @@ class Deployment:
 
     @property
     def gateway_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports.gateway}"
+        host = "127.0.0.1" if self.bind in ("0.0.0.0", "::") else self.bind
+        return f"http://{host}:{self.ports.gateway}"
 
     def stop(self) -> None:
         """Stop everything this deployment started."""
@@ -149,6 +217,14 @@ class Deployment:
             self.triton.stop()
         for t in self._threads:
             t.join(timeout=10)
+
+    @classmethod
+    def from_env(cls, settings: Settings, ports: Ports, **kw: object) -> Deployment:
+        """A deployment whose host id and Triton URLs come from the environment
+        (``LORAPLANE_HOST_ID``, ``LORAPLANE_TRITON_URLS``, comma-separated host:port)."""
+        urls = [u.strip() for u in os.environ.get(TRITON_URLS_ENV, "").split(",") if u.strip()]
+        return cls(settings, ports, host_id=os.environ.get(HOST_ID_ENV) or None,
+                   triton_urls=urls, **kw)  # type: ignore[arg-type]
 
     def __enter__(self) -> Deployment:
         self.start()

@@ -1,0 +1,29 @@
+# loraplane control plane: gateway (tickets, OpenAI-compatible routes, /metrics, /v1/stats) and
+# the projection follower. No GPU. Build from the repository root:
+#   docker build -f docker/control.Dockerfile -t loraplane/control:0.1.0 .
+ARG PYTHON_TAG=3.11-slim
+FROM python:${PYTHON_TAG}
+
+# Registration validates adapters with torch/safetensors: the CPU build is enough here.
+ARG TORCH_SPEC="torch==2.5.1"
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+RUN python -m pip install --no-cache-dir --upgrade pip \
+ && python -m pip install --no-cache-dir "${TORCH_SPEC}" --index-url "${TORCH_INDEX}"
+
+WORKDIR /opt/loraplane
+COPY pyproject.toml README.md ./
+COPY control ./control
+COPY projections ./projections
+COPY backend ./backend
+COPY model_repository ./model_repository
+RUN python -m pip install --no-cache-dir -e ".[postgres]"
+
+ENV LORAPLANE_HOME=/var/lib/loraplane \
+    LORAPLANE_LOG_FORMAT=json \
+    PYTHONUNBUFFERED=1
+RUN mkdir -p /var/lib/loraplane/store
+VOLUME ["/var/lib/loraplane"]
+EXPOSE 8080
+HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
+  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=2)"]
+CMD ["loraplane", "control-plane", "--bind", "0.0.0.0", "--gateway-port", "8080"]

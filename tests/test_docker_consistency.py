@@ -1,0 +1,180 @@
+"""The images and the compose file rely only on things that exist in this project.
+
+No Docker engine runs here: the compose file is validated with Debian's ``docker-compose``
+(skipped with a reason where it is not installed), and the Dockerfiles and compose file are read
+to check every copied path, variable, command, option, port and health-check URL they use.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from control.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKER = ROOT / "docker"
+DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
+SOURCES = [p for d in ("control", "projections", "backend") for p in (ROOT / d).rglob("*.py")]
+# Variables read by libraries or by other images, not by this project's code.
+FOREIGN_VARS = {"PYTHONUNBUFFERED", "OTEL_EXPORTER_OTLP_ENDPOINT", "POSTGRES_USER",
+                "POSTGRES_PASSWORD", "POSTGRES_DB"}
+
+
+def _compose() -> dict[str, Any]:
+    return dict(yaml.safe_load((DOCKER / "compose.yaml").read_text()))
+
+
+def _instructions(path: Path) -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            op, _, rest = line.partition(" ")
+            out.append((op.upper(), rest.strip()))
+    return out
+
+
+def _read_in_code(var: str) -> bool:
+    return any(var in p.read_text() for p in SOURCES)
+
+
+def _cli_help(*verb: str) -> str:
+    result = CliRunner().invoke(app, [*verb, "--help"], terminal_width=200)
+    assert result.exit_code == 0, f"loraplane {' '.join(verb)} --help failed: {result.output}"
+    return str(result.output)
+
+
+def _check_loraplane_command(argv: list[str]) -> None:
+    """``loraplane VERB [--option value]...``: the verb and every option exist."""
+    assert argv[0] == "loraplane", argv
+    verb = [a for a in argv[1:] if not a.startswith("-")][:1]
+    assert verb, argv
+    text = _cli_help(*verb)
+    for opt in (a for a in argv[1:] if a.startswith("--")):
+        assert opt in text, f"option {opt} is not an option of loraplane {verb[0]}"
+
+
+def test_compose_validates_with_docker_compose() -> None:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose is not installed (Debian package docker-compose)")
+    for profile in ([], ["--profile", "scale-out"]):
+        r = subprocess.run([binary, "-f", str(DOCKER / "compose.yaml"), *profile, "config"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+
+
+def test_dockerfiles_copy_only_existing_paths_and_use_the_triton_base() -> None:
+    assert {p.name for p in DOCKERFILES} == {"triton.Dockerfile", "control.Dockerfile"}
+    for path in DOCKERFILES:
+        steps = _instructions(path)
+        for op, rest in steps:
+            if op == "COPY":
+                *sources, _dest = shlex.split(rest)
+                for src in sources:
+                    assert (ROOT / src).exists(), f"{path.name}: COPY source {src} is missing"
+        if path.name == "triton.Dockerfile":
+            args = dict(a.split("=", 1) for op, a in steps if op == "ARG" and "=" in a)
+            frm = next(rest for op, rest in steps if op == "FROM")
+            assert frm == "nvcr.io/nvidia/tritonserver:${TRITON_TAG}"
+            assert re.fullmatch(r"\d\d\.\d\d-py3", args["TRITON_TAG"])
+        # the packages installed are the ones pyproject declares
+        pyproject = (ROOT / "pyproject.toml").read_text()
+        for op, rest in steps:
+            for extra in re.findall(r'\.\[(\w+)\]', rest) if op == "RUN" else []:
+                assert f"\n{extra} = [" in pyproject, f"{path.name}: unknown extra {extra}"
+
+
+def test_commands_and_options_exist_in_the_cli() -> None:
+    for path in DOCKERFILES:
+        for op, rest in _instructions(path):
+            if op == "CMD" and "loraplane" in rest:
+                _check_loraplane_command(list(yaml.safe_load(rest)))
+    compose = _compose()
+    commands = [svc["command"] for svc in compose["services"].values() if "command" in svc]
+    commands.append(compose["x-triton-host"]["command"])
+    for cmd in commands:
+        if cmd[0] == "loraplane":
+            _check_loraplane_command(cmd)
+    # commands the compose header tells operators to run
+    for line in (DOCKER / "compose.yaml").read_text().splitlines():
+        m = re.search(r"exec control (loraplane .*)$", line)
+        if m:
+            argv = shlex.split(m.group(1))
+            _cli_help(*[a for a in argv[1:] if not a.startswith(("-", "/"))])
+
+
+def test_environment_variables_are_read_by_the_project() -> None:
+    compose = _compose()
+    envs: dict[str, Any] = dict(compose["x-loraplane-env"])
+    for svc in compose["services"].values():
+        envs.update(svc.get("environment") or {})
+    for path in DOCKERFILES:
+        for op, rest in _instructions(path):
+            if op == "ENV":
+                envs.update(dict(kv.split("=", 1) for kv in shlex.split(rest)))
+    for var in envs:
+        if var in FOREIGN_VARS:
+            continue
+        assert var.startswith("LORAPLANE_"), var
+        assert _read_in_code(var), f"{var} is set by docker/ but read nowhere in the code"
+    assert envs["LORAPLANE_DB_URL"].startswith("postgresql+psycopg://")
+    assert envs["LORAPLANE_LOG_FORMAT"] in ("json", "text")
+
+
+def test_ports_volumes_and_health_checks_agree() -> None:
+    compose = _compose()
+    services = compose["services"]
+    home = compose["x-loraplane-env"]["LORAPLANE_HOME"]
+    model_repo = ROOT / "model_repository"
+    for name, svc in services.items():
+        if name == "postgres":
+            continue
+        merged = {**compose["x-triton-host"], **svc} if name.startswith("triton") else svc
+        argv = [str(a) for a in merged["command"]]
+        listened = {argv[i + 1] for i, a in enumerate(argv[:-1]) if a.endswith("-port")}
+        for mapping in merged.get("ports", []):
+            target = str(mapping).split(":")[-1]
+            assert target in listened, f"{name} publishes {target} but listens on {listened}"
+        health = " ".join(merged["healthcheck"]["test"])
+        url = re.search(r"http://127\.0\.0\.1:(\d+)(/\S*?)'", health)
+        assert url is not None, health
+        assert url.group(1) in listened, f"{name}: health check on a port it does not serve"
+        path = url.group(2)
+        if path.startswith("/v2/models/"):
+            model = path.split("/")[3]
+            assert (model_repo / model / "config.pbtxt").exists(), path
+        else:
+            assert path == "/healthz"
+            assert '"/healthz"' in (ROOT / "control" / "gateway.py").read_text()
+        mounts = {str(v).split(":")[1]: str(v) for v in merged["volumes"]}
+        assert home in mounts and f"{home}/store" in mounts, f"{name}: home and store mounts"
+        if name.startswith("triton"):
+            assert mounts[f"{home}/store"].endswith(":ro"), "Triton hosts mount the store ro"
+            assert merged["shm_size"]
+            devices = merged["deploy"]["resources"]["reservations"]["devices"]
+            assert devices and "gpu" in devices[0]["capabilities"]
+            assert merged["environment"]["LORAPLANE_HOST_ID"] == name
+    # every Triton host the control plane forwards to is a service listening on that port
+    for url in services["control"]["environment"]["LORAPLANE_TRITON_URLS"].split(","):
+        host, port = url.strip().split(":")
+        assert host in services, url
+        assert port == "8000"
+    # Dockerfile defaults agree with the compose file
+    for path in DOCKERFILES:
+        steps = _instructions(path)
+        env = dict(kv.split("=", 1) for op, r in steps if op == "ENV" for kv in shlex.split(r))
+        assert env["LORAPLANE_HOME"] == home
+        exposed = {p for op, r in steps if op == "EXPOSE" for p in r.split()}
+        cmd = [str(a) for op, r in steps if op == "CMD" for a in yaml.safe_load(r)]
+        assert exposed == {cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a.endswith("-port")}

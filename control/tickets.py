@@ -16,6 +16,7 @@ import binascii
 import hashlib
 import json
 import os
+import re
 import secrets
 import time
 import uuid
@@ -34,6 +35,7 @@ MAX_TOKEN_BYTES = 4096
 IMPLICIT_ASSERTION = b"loraplane-routing-ticket-v1"
 CLOCK_SKEW_S = 30
 GENERIC_REFUSAL = "request refused: invalid or unauthorised routing ticket"
+_B64URL_RE = re.compile(r"^[A-Za-z0-9_-]*$")
 _CLAIMS = ("tenant", "model", "base", "adapter", "tokenizer", "iat", "exp", "jti", "kid")
 
 
@@ -196,7 +198,7 @@ class TicketVerifier:
         if not token.startswith(TOKEN_PREFIX):
             raise TicketRejected("format")
         parts = token.split(".")
-        if len(parts) != 4:
+        if len(parts) != 4 or not all(_canonical_b64url(p) for p in parts[2:]):
             raise TicketRejected("format")
         try:
             footer = json.loads(_b64url_decode(parts[3]))
@@ -235,6 +237,21 @@ def _raw_public_to_pem(raw: bytes) -> bytes:
 
 def _b64url_decode(s: str) -> bytes:
     return base64.urlsafe_b64decode(s + "=" * (-len(s) % 4))
+
+
+def _canonical_b64url(s: str) -> bool:
+    """Unpadded base64url whose unused trailing bits are zero: one string per ticket.
+
+    Decoders tolerate padding and stray low bits, so without this one signed ticket would have
+    many spellings (fuzzing found a padded footer accepted).
+    """
+    if not _B64URL_RE.match(s):
+        return False
+    try:
+        raw = _b64url_decode(s)
+    except (ValueError, binascii.Error):
+        return False
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii") == s
 
 
 def _parse_claims(payload: object, kid: str) -> TicketClaims:

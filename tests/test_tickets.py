@@ -15,6 +15,7 @@ from control.tickets import (
     TicketVerifier,
     load_public_keys,
 )
+from tests.fuzzing import CASES, FUZZ_EXAMPLES, fuzz
 
 BASE = "sha256:" + "a" * 64
 TOK = "sha256:" + "b" * 64
@@ -104,3 +105,166 @@ def _setup() -> tuple[TicketSigner, TicketVerifier, str]:
 
 
 _SIGNER, _VERIFIER, _TOKEN = _setup()
+
+
+# -- fuzzing (tests/fuzzing.py sets the case count: 10,000 by default) -------------------------
+
+def _b64e(b: bytes) -> str:
+    import base64
+
+    return base64.urlsafe_b64encode(b).rstrip(b"=").decode()
+
+
+def _hs256_with_public_key(claims: dict[str, object]) -> str:
+    """Algorithm confusion: a JWS 'signed' with HMAC, using the public key as the secret."""
+    import hashlib
+    import hmac
+    import json
+
+    head = _b64e(json.dumps({"alg": "HS256", "typ": "JWT", "kid": _SIGNER.kid}).encode())
+    body = _b64e(json.dumps(claims).encode())
+    sig = hmac.new(_SIGNER.public_raw, f"{head}.{body}".encode(), hashlib.sha256).digest()
+    return f"{head}.{body}.{_b64e(sig)}"
+
+
+def _local_with_public_key() -> str:
+    """Algorithm confusion: v4.local (symmetric) keyed with the public key's bytes."""
+    import json
+
+    import pyseto
+
+    key = pyseto.Key.new(version=4, purpose="local", key=_SIGNER.public_raw)
+    return pyseto.encode(key, json.dumps(_VALID_CLAIMS).encode(),
+                         footer=json.dumps({"kid": _SIGNER.kid}).encode()).decode()
+
+
+_VALID_CLAIMS = _VERIFIER.verify(_TOKEN).to_json()
+_PARTS = _TOKEN.split(".")
+_KIDS = st.sampled_from([_SIGNER.kid, "0" * 16, "", "../../keys/private/active.pem"])
+
+
+@st.composite
+def _forged(draw: st.DrawFn) -> str | bytes:
+    kind = draw(st.integers(0, 7))
+    if kind == 0:
+        return draw(st.binary(max_size=5000))
+    if kind == 1:
+        return draw(st.text(max_size=5000))
+    if kind == 2:  # well-formed envelope, random body and footer
+        prefix = draw(st.sampled_from(["v4.public.", "v4.local.", "v2.public.", "v3.public.",
+                                       "V4.PUBLIC.", "v4.public"]))
+        footer = json_dumps({"kid": draw(_KIDS)}) if draw(st.booleans()) else draw(st.text())
+        return prefix + _b64e(draw(st.binary(max_size=400))) + "." + _b64e(footer.encode())
+    if kind == 3:  # one edit of the genuine token
+        i = draw(st.integers(0, len(_TOKEN) - 1))
+        op = draw(st.sampled_from(["replace", "delete", "insert"]))
+        c = draw(st.characters())
+        if op == "replace":
+            return _TOKEN[:i] + c + _TOKEN[i + 1:]
+        if op == "delete":
+            return _TOKEN[:i] + _TOKEN[i + 1:]
+        return _TOKEN[:i] + c + _TOKEN[i:]
+    if kind == 4:  # truncated or extended
+        n = draw(st.integers(0, len(_TOKEN) - 1))
+        return _TOKEN[:n] if draw(st.booleans()) else _TOKEN + draw(st.text(min_size=1))
+    if kind == 5:  # genuine parts recombined with a forged footer (kid is not signed alone)
+        return ".".join([*_PARTS[:3], _b64e(json_dumps({"kid": draw(_KIDS)}).encode())])
+    if kind == 6:
+        claims = dict(_VALID_CLAIMS)
+        claims[draw(st.sampled_from(sorted(claims)))] = draw(_json_values)
+        return _hs256_with_public_key(claims)
+    return _local_with_public_key()
+
+
+def json_dumps(obj: object) -> str:
+    import json
+
+    return json.dumps(obj, separators=(",", ":"))
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=80),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=3),
+    max_leaves=6,
+)
+
+
+@fuzz
+@given(_forged())
+def _fuzz_forged(token: str | bytes) -> None:
+    CASES["ticket-forged"] += 1
+    if token == _TOKEN:
+        return
+    with pytest.raises(TicketRejected):
+        _VERIFIER.verify(token)
+
+
+def test_fuzz_forged_tickets_never_accepted() -> None:
+    before = CASES["ticket-forged"]
+    _fuzz_forged()
+    assert CASES["ticket-forged"] - before >= FUZZ_EXAMPLES
+
+
+def _oracle_accepts(claims: dict[str, object], now: float) -> bool:
+    """What a valid ticket for this host is, written independently of the decoder."""
+    from control.digests import DIGEST_RE
+
+    if set(claims) != set(_VALID_CLAIMS):
+        return False
+    if not all(type(claims[k]) is str and claims[k] for k in
+               ("tenant", "model", "base", "tokenizer", "jti", "kid")):
+        return False
+    if not all(type(claims[k]) is int for k in ("iat", "exp")):
+        return False
+    adapter = claims["adapter"]
+    if adapter is not None and not (type(adapter) is str and DIGEST_RE.match(adapter)):
+        return False
+    return (claims["kid"] == _SIGNER.kid and claims["model"] == "lora_llm"
+            and claims["base"] == BASE and claims["tokenizer"] == TOK
+            and claims["exp"] > now and claims["iat"] <= now + 30)  # type: ignore[operator]
+
+
+@st.composite
+def _signed_claims(draw: st.DrawFn) -> dict[str, object]:
+    claims: dict[str, object] = dict(_VALID_CLAIMS)
+    for _ in range(draw(st.integers(0, 3))):
+        op = draw(st.integers(0, 3))
+        key = draw(st.sampled_from(sorted(_VALID_CLAIMS)))
+        if op == 0:
+            claims.pop(key, None)
+        elif op == 1:
+            claims[key] = draw(_json_values)
+        elif op == 2:
+            claims[draw(st.text(max_size=10))] = draw(_json_values)
+        else:
+            claims[key] = draw(st.sampled_from([
+                True, 1.5, "", "lora_llm", BASE, TOK, ADAPTER, "sha256:" + "A" * 64,
+                int(time.time()) - 10, int(time.time()) + 3600, 2**70, -1, _SIGNER.kid]))
+    return claims
+
+
+@fuzz
+@given(_signed_claims())
+def _fuzz_signed(claims: dict[str, object]) -> None:
+    """Tickets really signed by the host's key, with arbitrary claims: the schema must hold."""
+    import pyseto
+
+    from control.tickets import IMPLICIT_ASSERTION
+
+    CASES["ticket-signed"] += 1
+    token = pyseto.encode(_SIGNER._key, json_dumps(claims).encode(),
+                          footer=json_dumps({"kid": _SIGNER.kid}).encode(),
+                          implicit_assertion=IMPLICIT_ASSERTION).decode()
+    now = time.time()
+    if _oracle_accepts(claims, now):
+        assert _VERIFIER.verify(token, now=now).to_json() == claims
+    else:
+        with pytest.raises(TicketRejected):
+            _VERIFIER.verify(token, now=now)
+
+
+def test_fuzz_signed_tickets_with_arbitrary_claims() -> None:
+    before = CASES["ticket-signed"]
+    _fuzz_signed()
+    assert CASES["ticket-signed"] - before >= FUZZ_EXAMPLES

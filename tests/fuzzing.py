@@ -1,0 +1,24 @@
+"""How hard the fuzzers push: ``LORAPLANE_FUZZ_EXAMPLES`` cases per fuzzer (default 10,000).
+
+10,000 cases for each of the three fuzzers (ticket decoder, request parameter parser, adapter
+validator) run in the default test command; set a smaller number for a quick local loop.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+from hypothesis import HealthCheck, settings
+
+FUZZ_EXAMPLES = int(os.environ.get("LORAPLANE_FUZZ_EXAMPLES", "10000"))
+# Cases actually run per fuzzer in this process (the tests assert the count, and print it).
+CASES: Counter[str] = Counter()
+
+fuzz = settings(
+    max_examples=FUZZ_EXAMPLES,
+    deadline=None,
+    database=None,  # every run explores afresh; no example database left in the tree
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                           HealthCheck.data_too_large],
+)

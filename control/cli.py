@@ -175,11 +175,22 @@ def adapter_register(
     alias: Annotated[str, typer.Option(help="Alias to point at this adapter.")],
     base: Annotated[str | None, typer.Option(
         help="Base digest or name (default: from adapter_config.json).")] = None,
+    signature: Annotated[Path | None, typer.Option(
+        help="model_signing signature bundle over the folder.")] = None,
+    owner: Annotated[str, typer.Option(help="Owner (team or person).")] = "",
+    training_data_version: Annotated[str, typer.Option(help="Training data version.")] = "",
+    task: Annotated[list[str] | None, typer.Option(help="An allowed task (repeatable).")] = None,
+    licence: Annotated[str, typer.Option(help="Licence.")] = "",
 ) -> None:
     """Validate and register a PEFT LoRA adapter (safetensors only); state: draft."""
+    from control.domain import AdapterMetadata
+
     with errors():
+        meta = AdapterMetadata(owner=owner, training_data_version=training_data_version,
+                               allowed_tasks=list(task or []), licence=licence)
         digest = _registry().register_adapter(adapter_dir, tenant=tenant, alias=alias,
-                                              actor=state.actor, base=base)
+                                              actor=state.actor, base=base,
+                                              signature=signature, metadata=meta)
     emit({"digest": digest, "tenant": tenant, "alias": alias, "state": "draft"},
          lambda: console.print(
              f"registered adapter {digest} for {tenant} as [bold]{alias}[/bold] (draft)"))
@@ -188,12 +199,15 @@ def adapter_register(
 @adapter_app.command("promote")
 def adapter_promote(
     digest: str,
-    to: Annotated[str, typer.Option("--to", help="Target state.")] = "stable",
+    to: Annotated[str | None, typer.Option(
+        "--to", help="Target state (default: the next one).")] = None,
+    canary_percent: Annotated[int, typer.Option(
+        help="Share of sessions a new canary gets.")] = 10,
 ) -> None:
-    """Promote an adapter (issue 2: draft -> stable)."""
+    """One lifecycle step: draft -> candidate -> canary -> stable -> deprecated."""
     d = _digest(digest)
     with errors():
-        _registry().promote(d, to=to, actor=state.actor)
+        to = _registry().promote(d, to=to, actor=state.actor, canary_percent=canary_percent)
     emit({"digest": d, "state": to}, lambda: console.print(f"{short(d)} -> {to}"))
 
 
@@ -279,19 +293,25 @@ def _time(value: str | None) -> float | None:
 
 @incident_app.command("requests")
 def incident_requests(
-    adapter: Annotated[str, typer.Option(help="Adapter digest.")],
+    adapter: Annotated[str | None, typer.Option(help="Adapter digest.")] = None,
+    training_data_version: Annotated[str | None, typer.Option(
+        help="Every adapter trained on this data version.")] = None,
+    base: Annotated[str | None, typer.Option(help="Base model digest.")] = None,
     since: Annotated[str | None, typer.Option(help="ISO time, inclusive.")] = None,
     until: Annotated[str | None, typer.Option(help="ISO time, exclusive.")] = None,
     include_refused: Annotated[bool, typer.Option(
         "--include-refused", help="Also list requests refused for this digest.")] = False,
 ) -> None:
-    """Every request the adapter DIGEST served (for whom, when, outcome)."""
-    from backend.ledger import Ledger
-    from control.db import make_engine
+    """Every request an adapter, a training data version or a base served (who, when, outcome)."""
+    from control.incidents import requests_for
 
-    d = _digest(adapter)
-    rows = Ledger(make_engine(settings().db_url)).query(
-        adapter=d, since=_time(since), until=_time(until))
+    if sum(x is not None for x in (adapter, training_data_version, base)) != 1:
+        raise typer.BadParameter("give one of --adapter, --training-data-version, --base")
+    with errors():
+        rows = requests_for(settings(), adapter=adapter and _digest(adapter),
+                            training_data_version=training_data_version,
+                            base=base and _digest(base), since=_time(since), until=_time(until))
+    d = adapter or base or f"training data {training_data_version}"
     if not include_refused:
         rows = [r for r in rows if r.outcome != "rejected"]
     data = [_as_dict(r) for r in rows]
@@ -302,10 +322,19 @@ def incident_requests(
 
 
 @audit_app.command("log")
-def audit_log() -> None:
-    """The event history, in order, with time and actor."""
+def audit_log(
+    as_of: Annotated[str | None, typer.Option(
+        "--as-of", help="Show the registry and routing state at this ISO time, by replay.")
+    ] = None,
+) -> None:
+    """The event history, in order, with time and actor (or the state --as-of a time)."""
     from control.audit import audit_log as read_log
 
+    if as_of is not None:
+        from control.cli_registry import show_state_as_of
+
+        show_state_as_of(_registry(), as_of)
+        return
     entries = read_log(_registry())
     emit([_as_dict(e) for e in entries], lambda: console.print(audit_table(entries)))
 
@@ -325,6 +354,11 @@ def serve(
 
     dep = Deployment(settings(), Ports(http_port, grpc_port, metrics_port, gateway_port),
                      base=base, actor=state.actor, progress=lambda m: err_console.print(m))
+    run_until_stopped(dep)
+
+
+def run_until_stopped(dep: Any) -> None:
+    """Start a deployment and keep it up until SIGTERM or Ctrl-C; always stop it."""
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     with errors():

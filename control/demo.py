@@ -88,8 +88,9 @@ def run_demo(work_dir: Path, *, fresh: bool = True, json_out: bool = False) -> i
         digest = reg.register_adapter(kit_dir / a.path, tenant=p.tenant, alias=p.alias,
                                       actor=actor)
         digests[p.adapter] = digest
-        reg.promote(digest, to="stable", actor=actor)
-        step(f"registered + promoted {p.adapter} for {p.tenant} as {p.alias} ({short(digest)})")
+        # The lifecycle has guards: an evaluation report, then candidate -> canary -> stable.
+        reg.release(digest, evaluation={"suite": "demo-smoke", "passed": True}, actor=actor)
+        step(f"registered + released {p.adapter} for {p.tenant} as {p.alias} ({short(digest)})")
     try:
         reg.register_adapter(kit_dir / kit.adapters["other-base"].path, tenant="globex",
                              alias="globex-other", actor=actor)

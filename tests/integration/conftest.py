@@ -56,15 +56,25 @@ class Stack:
         return str(body["ticket"])
 
 
-@pytest.fixture(scope="session")
-def stack(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    home = tmp_path_factory.mktemp("home")
+def sqlite_home(tmp_path_factory: pytest.TempPathFactory, name: str) -> Settings:
+    """A fresh home with a SQLite database; skips where tritonserver is not installed."""
+    home = tmp_path_factory.mktemp(name)
     try:
         find_triton(home)
     except TritonUnavailable as e:
         pytest.skip(f"real Triton not available: {e}")
     settings = Settings(home=home, db_url=f"sqlite:///{home / 'loraplane.db'}")
     settings.ensure_dirs()
+    return settings
+
+
+def provision(
+    settings: Settings, kit_dir: Path
+) -> tuple[Registry, KitManifest, dict[str, str], dict[str, str]]:
+    """Register the kit's base, tenants acme and globex, and release and grant ``ROUTES``.
+
+    Returns (registry, kit, API keys by tenant, digests by kit adapter name).
+    """
     kit = KitManifest.load(kit_dir)
     reg = Registry(settings)
     reg.register_base(kit_dir / kit.base_path, kit_dir / kit.tokenizer_path, name="tiny-llama",
@@ -75,9 +85,16 @@ def stack(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
         if name is not None:
             digest = reg.register_adapter(kit_dir / kit.adapters[name].path, tenant=tenant,
                                           alias=alias, actor=ACTOR)
-            reg.promote(digest, to="stable", actor=ACTOR)
+            reg.release(digest, evaluation={"suite": "smoke", "passed": True}, actor=ACTOR)
             digests[name] = digest
         reg.grant(tenant, alias, actor=ACTOR)
+    return reg, kit, keys, digests
+
+
+@pytest.fixture(scope="session")
+def stack(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    settings = sqlite_home(tmp_path_factory, "home")
+    reg, kit, keys, digests = provision(settings, kit_dir)
     dep = Deployment(settings, Ports(free_port(), free_port(), free_port(), free_port()),
                      actor=ACTOR)
     dep.start()

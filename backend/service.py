@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from backend.cache import AdapterCache, CacheBudgets, CacheRefused, Lease, TenantPolicy
 from backend.engine import (
@@ -238,7 +238,11 @@ class LoraService:
         self._verifier_lock = threading.Lock()
         self.verifier = self._load_verifier()
         self.stats = ServiceStats()
-        self._known_revoked: frozenset[str] = frozenset()
+        # Revoked before this process started: never resident here, nothing to drain or report.
+        self._known_revoked: frozenset[str] = self.routing.revoked_digests()
+        self._reported_revocations: set[str] = set()
+        self._registry: Any = None
+        self._steps = ThreadPoolExecutor(max_workers=1, thread_name_prefix="revocation-steps")
         self._inflight = 0
         self._inflight_lock = threading.Lock()
         self._admission = ThreadPoolExecutor(max_workers=8, thread_name_prefix="admission")
@@ -306,6 +310,7 @@ class LoraService:
         """Stop the scheduler and the worker threads."""
         self.scheduler.stop()
         self._admission.shutdown(wait=True)
+        self._steps.shutdown(wait=True)
         self._completions.put(None)
         self._completer.join(timeout=30)
 
@@ -492,6 +497,8 @@ class LoraService:
                      nbytes: int | None, reason: str | None) -> None:
         self.ledger.record_load(AdapterLoad(self.host, digest, started, seconds, outcome,
                                             nbytes, reason=reason))
+        if outcome == "unloaded" and reason == "revoked":
+            self._report_revocation(digest)
 
     def _purge(self, revoked: frozenset[str]) -> None:
         """Revoke newly revoked digests in the cache: purge now, unload once drained."""
@@ -501,6 +508,30 @@ class LoraService:
         self._known_revoked = revoked
         for digest in fresh:
             self.cache.revoke(digest)
+            if digest not in self.engine.resident_adapters():
+                # Never resident here, or unloaded at once: nothing left to drain on this host.
+                self._report_revocation(digest)
+
+    def _report_revocation(self, digest: str) -> None:
+        """Record drained, purged, unloaded for ``digest`` on this host, once, off the hot path."""
+        with self._inflight_lock:
+            if digest in self._reported_revocations:
+                return
+            self._reported_revocations.add(digest)
+        self._steps.submit(self._record_serving_steps, digest)
+
+    def _record_serving_steps(self, digest: str) -> None:
+        from control.registry import Registry  # the event store, only when there is news
+
+        try:
+            if self._registry is None:
+                self._registry = Registry(self.settings, follow=False)
+            done = self._registry.adapter(digest).serving_steps.get(self.host, [])
+            for step in ("drained", "purged", "unloaded")[len(done):]:
+                self._registry.record_serving_step(digest, self.host, step,
+                                                   actor=f"host:{self.host}")
+        except Exception:
+            log.exception("could not record the revocation steps of this host")
 
     def _entry(
         self,

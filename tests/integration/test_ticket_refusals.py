@@ -11,6 +11,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from backend.ledger import Ledger
+from control.audit import audit_log
 from control.clients import TritonRefused, generate
 from control.db import make_engine
 from control.tickets import GENERIC_REFUSAL, TicketSigner
@@ -136,3 +137,14 @@ def test_revoked_digest_refused_within_a_second(stack: Stack, tmp_path: Path) ->
     assert "unloaded" in [load.outcome for load in ledger.loads(digest)]
     status_refused = [r for r in ledger.query(adapter=digest) if r.reason == "revoked"]
     assert status_refused, "refusals for a revoked digest are on the ledger"
+    # The serving side's revocation work is on the record: drained, purged, unloaded, in order.
+    deadline = time.monotonic() + 20
+    steps: list[str] = []
+    while time.monotonic() < deadline:
+        entries = [e for e in audit_log(stack.registry)
+                   if e.summary.get("digest") == digest and e.actor.startswith("host:")]
+        steps = [e.event_type for e in entries]
+        if len(steps) >= 3:
+            break
+        time.sleep(0.2)
+    assert steps == ["AdapterDrained", "AdapterPurged", "AdapterUnloaded"]

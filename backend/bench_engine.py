@@ -302,7 +302,7 @@ def _run(root: Path, reps: int, triton: bool,
         t0 = time.perf_counter()
         _read_and_hash(store.path(d))
         reads.append(time.perf_counter() - t0)
-    cache = AdapterCache(engine, store.verify, budgets=CacheBudgets(),
+    cache = AdapterCache(engine, store.read_verified, budgets=CacheBudgets(),
                          policy=TenantPolicy(resident_share=1.0, loads_per_minute=1e6,
                                              load_burst=10**6))
     loads: list[float] = []

@@ -21,13 +21,13 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from backend.engine import HostAdapter
+from backend.engine import AdapterSource, HostAdapter
 
 log = logging.getLogger("loraplane.cache")
 
@@ -42,7 +42,7 @@ class CacheRefused(Exception):
 class AdapterPlacement(Protocol):
     """What the cache needs of the engine."""
 
-    def read_adapter(self, adapter_dir: Path) -> HostAdapter: ...
+    def read_adapter(self, source: AdapterSource) -> HostAdapter: ...
     def place(self, digest: str, adapter: HostAdapter) -> int: ...
     def unload_adapter(self, digest: str) -> None: ...
     def slot_bytes_for(self, adapter: HostAdapter) -> int: ...
@@ -93,7 +93,7 @@ class DigestReport:
 class _Entry:
     digest: str
     tenant: str | None = None
-    path: Path | None = None  # store tier: verified files
+    path: AdapterSource | None = None  # store tier: verified files
     store_bytes: int = 0
     host: HostAdapter | None = None
     host_bytes: int = 0
@@ -133,7 +133,7 @@ class AdapterCache:
     def __init__(
         self,
         engine: AdapterPlacement,
-        fetch: Callable[[str], Path],
+        fetch: Callable[[str], AdapterSource],
         *,
         budgets: CacheBudgets | None = None,
         policy: TenantPolicy | None = None,
@@ -142,7 +142,9 @@ class AdapterCache:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
-        self.fetch = fetch  # digest -> verified adapter directory (re-hashes the bytes)
+        # digest -> the adapter's verified files; the store hands over the very bytes it
+        # hashed, so nothing can change between the check and the parse
+        self.fetch = fetch
         self.budgets = budgets or CacheBudgets()
         self.policy = policy or TenantPolicy()
         self.on_event = on_event if on_event is not None else (lambda *_: None)
@@ -384,6 +386,8 @@ def _drop_tier(x: _Entry, tier: str) -> None:
         x.path, x.store_bytes = None, 0
 
 
-def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+def _dir_bytes(source: AdapterSource) -> int:
+    if isinstance(source, Mapping):
+        return sum(len(b) for b in source.values())
+    return sum(p.stat().st_size for p in Path(source).rglob("*") if p.is_file())
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+from collections.abc import Mapping
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
+from safetensors.torch import load as safetensors_load
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM, PreTrainedConfig
@@ -41,6 +43,8 @@ from backend.slots import SlotContext, SlotsFull, SlotTable, SlottedLinear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# An adapter directory, or its files in memory (relative path -> bytes).
+AdapterSource = Path | Mapping[str, bytes]
 _KEY_PREFIX = "base_model.model."
 
 # adapter_config.json fields that change what the weights mean; a non-default value is refused
@@ -258,10 +262,14 @@ class Engine:
 
     # -- adapters ---------------------------------------------------------------------------
 
-    def read_adapter(self, adapter_dir: Path) -> HostAdapter:
-        """Parse and validate an adapter directory on the host; nothing becomes resident."""
-        spec = _LoraSpec.from_config(_read_config(Path(adapter_dir)), self._max_rank)
-        pairs = self._validated_pairs(_read_tensors(Path(adapter_dir)), spec)
+    def read_adapter(self, source: AdapterSource) -> HostAdapter:
+        """Parse and validate an adapter on the host; nothing becomes resident.
+
+        ``source`` is a directory, or its files already in memory (relative path -> bytes), as
+        the store hands them over after checking those bytes against the digest.
+        """
+        spec = _LoraSpec.from_config(_read_config(source), self._max_rank)
+        pairs = self._validated_pairs(_read_tensors(source), spec)
         return HostAdapter(rank=spec.rank, scaling=spec.scaling, pairs=pairs)
 
     def place(self, digest: str, adapter: HostAdapter) -> int:
@@ -686,10 +694,14 @@ def _sample(
     return torch.multinomial(probs, 1, generator=generator)[0]
 
 
-def _read_config(adapter_dir: Path) -> dict[str, Any]:
-    path = adapter_dir / ADAPTER_CONFIG
+def _read_config(source: AdapterSource) -> dict[str, Any]:
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(source, Mapping):
+            if ADAPTER_CONFIG not in source:
+                raise FileNotFoundError(ADAPTER_CONFIG)
+            raw = json.loads(source[ADAPTER_CONFIG].decode("utf-8"))
+        else:
+            raw = json.loads((Path(source) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise AdapterLoadError(f"adapter has no {ADAPTER_CONFIG}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -699,10 +711,20 @@ def _read_config(adapter_dir: Path) -> dict[str, Any]:
     return raw
 
 
-def _read_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
-    path = adapter_dir / ADAPTER_WEIGHTS
+def _read_tensors(source: AdapterSource) -> dict[str, torch.Tensor]:
+    missing = AdapterLoadError(f"adapter has no {ADAPTER_WEIGHTS} (only safetensors is served)")
+    if isinstance(source, Mapping):
+        if ADAPTER_WEIGHTS not in source:
+            raise missing
+        try:
+            return safetensors_load(source[ADAPTER_WEIGHTS])
+        except (SafetensorError, ValueError) as exc:
+            raise AdapterLoadError(
+                f"{ADAPTER_WEIGHTS} is not a readable safetensors file: {exc}"
+            ) from None
+    path = Path(source) / ADAPTER_WEIGHTS
     if not path.is_file():
-        raise AdapterLoadError(f"adapter has no {ADAPTER_WEIGHTS} (only safetensors is served)")
+        raise missing
     try:
         return load_file(path, device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:

@@ -231,7 +231,7 @@ class LoraService:
         self.engine = engine
         self.limits = limits or SchedulerLimits.from_env()
         self.prefix_cache: PrefixCache[DecodeBatch] = PrefixCache(prefix_cache_bytes)
-        self.cache = AdapterCache(engine, self.store.verify, budgets=budgets, policy=policy,
+        self.cache = AdapterCache(engine, self.store.read_verified, budgets=budgets, policy=policy,
                                   on_event=self._record_load,
                                   on_purge=self.prefix_cache.purge_adapter)
         self.scheduler = Scheduler(engine, self.limits, self.prefix_cache)

@@ -14,7 +14,7 @@ import stat
 import uuid
 from pathlib import Path
 
-from control.digests import check_digest, directory_digest, list_files
+from control.digests import check_digest, directory_digest, files_digest, list_files
 
 
 class ArtifactMissing(KeyError):
@@ -70,6 +70,15 @@ class ArtifactStore:
         if directory_digest(d) != digest:
             raise ArtifactCorrupt("stored artifact does not match its digest")
         return d
+
+    def read_verified(self, digest: str) -> dict[str, bytes]:
+        """Every stored file of ``digest`` in memory, after checking those very bytes against
+        the digest; raise ArtifactCorrupt if they changed. For adapters (small), not bases."""
+        d = self.path(digest)
+        files = {rel: (d / rel).read_bytes() for rel in list_files(d)}
+        if files_digest(files) != digest:
+            raise ArtifactCorrupt("stored artifact does not match its digest")
+        return files
 
     def digests(self) -> list[str]:
         """Every stored digest, sorted."""

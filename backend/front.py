@@ -4,8 +4,8 @@ Triton 2.51 answers HTTP ``/infer`` and unary gRPC ``infer`` only for models tha
 decoupled, while continuous batching and streaming need a decoupled model. So ``lora_llm`` (not
 decoupled) forwards every request, parameters and forwarded headers included, to
 ``lora_llm_stream`` (decoupled), the one model that holds the weights, verifies tickets and writes
-the ledger. ``execute`` returns at once and answers through each request's response sender from a
-worker thread, so one front instance keeps any number of requests in flight.
+the ledger. ``execute`` forwards a whole dynamic batch concurrently on the stub's event loop;
+several front instances keep several batches in flight.
 
 This module imports no torch: the front's stub stays small. It trusts nothing it forwards; the
 engine checks everything.
@@ -13,10 +13,10 @@ engine checks everything.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from backend.messages import INTERNAL_MESSAGE, status_of
@@ -31,31 +31,30 @@ _NOT_READY = ("is not ready", "unknown model", "not found")
 
 
 class Front:
-    """Forwards requests; one per front model instance."""
+    """Forwards requests; one per front model instance.
 
-    def __init__(self, pb_utils: Any, workers: int = 64) -> None:
+    Everything runs on the stub's own event loop (``async def execute`` with ``async_exec``, the
+    pattern of Triton's BLS examples). An earlier version forwarded from a pool of worker threads
+    and answered through response senders; under a few thousand concurrent requests that crashed
+    the Python backend (a shared-memory lock exception in tritonserver), so no thread here ever
+    touches a Triton object.
+    """
+
+    def __init__(self, pb_utils: Any) -> None:
         self.pb = pb_utils
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="forward")
 
-    def execute(self, requests: list[Any]) -> None:
-        for r in requests:
-            self.pool.submit(self._forward, r)
+    async def execute(self, requests: list[Any]) -> list[Any]:
+        """Forward a batch concurrently; one response per request, in order."""
+        return list(await asyncio.gather(*(self._forward(r) for r in requests)))
 
-    def _forward(self, request: Any) -> None:
-        pb = self.pb
-        sender = request.get_response_sender()
-        final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    async def _forward(self, request: Any) -> Any:
         try:
-            response = self._call_engine(request)
+            return await self._call_engine(request)
         except Exception:
             log.exception("forwarding to the engine model failed")
-            response = _error(pb, INTERNAL_MESSAGE)
-        try:
-            sender.send(response, flags=final)
-        except Exception:
-            log.warning("could not send a response (client gone?)", exc_info=True)
+            return _error(self.pb, INTERNAL_MESSAGE)
 
-    def _call_engine(self, request: Any) -> Any:
+    async def _call_engine(self, request: Any) -> Any:
         pb = self.pb
         raw = request.parameters() or "{}"
         params = json.loads(raw) if isinstance(raw, str) else dict(raw)
@@ -66,11 +65,11 @@ class Front:
                                       requested_output_names=OUTPUTS, parameters=params)
             last = None
             try:
-                responses = list(bls.exec(decoupled=True))
+                responses = await bls.async_exec(decoupled=True)
             except Exception as e:  # the engine model is still loading
                 if (any(s in str(e).lower() for s in _NOT_READY)
                         and time.monotonic() < deadline):
-                    time.sleep(0.5)
+                    await asyncio.sleep(0.5)
                     continue
                 raise
             for r in responses:
@@ -85,7 +84,7 @@ class Front:
                 if r.output_tensors():
                     last = r
             if last == "retry":
-                time.sleep(0.5)
+                await asyncio.sleep(0.5)
                 continue
             if last is None:
                 return _error(pb, INTERNAL_MESSAGE)

@@ -9,9 +9,8 @@ class TritonPythonModel:
     def initialize(self, args):
         self.front = Front(pb_utils)
 
-    def execute(self, requests):
-        self.front.execute(requests)
-        return None  # answered through each request's response sender
+    async def execute(self, requests):
+        return await self.front.execute(requests)
 
     def finalize(self):
-        self.front.pool.shutdown(wait=False)
+        pass

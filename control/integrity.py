@@ -40,6 +40,7 @@ from sqlalchemy.engine import Engine
 
 from control.config import Settings
 from control.db import make_engine
+from control.keys import load_or_create_ed25519
 from control.tickets import key_id
 
 SEAL_EVERY = 100
@@ -111,27 +112,12 @@ class AuditKey:
         d = keys_dir / "audit"
         d.mkdir(parents=True, exist_ok=True)
         os.chmod(d, 0o700)
-        private_path = d / "private.pem"
-        if private_path.exists():
-            key = serialization.load_pem_private_key(private_path.read_bytes(), password=None)
-            if not isinstance(key, Ed25519PrivateKey):
-                raise ValueError("the audit key is not an Ed25519 key")
-            return cls(key)
-        key = Ed25519PrivateKey.generate()
-        pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
-        tmp = d / f".private.{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(pem)
-        (d / "public.pem").write_bytes(key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-        try:
-            os.link(tmp, private_path)  # first writer wins; a racing process loads its key
-        except FileExistsError:
-            os.unlink(tmp)
-            return cls.load_or_create(keys_dir)
-        os.unlink(tmp)
+        key, _created = load_or_create_ed25519(
+            d / "private.pem",
+            "audit key",
+            before_publish=lambda k: (d / "public.pem").write_bytes(k.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)),
+        )
         return cls(key)
 
 

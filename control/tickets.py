@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -29,6 +28,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from control.digests import DIGEST_RE
+from control.keys import load_or_create_ed25519
 
 TOKEN_PREFIX = "v4.public."
 MAX_TOKEN_BYTES = 4096
@@ -100,26 +100,14 @@ class TicketSigner:
         private_dir.mkdir(parents=True, exist_ok=True)
         public_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(private_dir, 0o700)
-        active = private_dir / "active.pem"
-        if active.exists():
-            key = serialization.load_pem_private_key(active.read_bytes(), password=None)
-            if not isinstance(key, Ed25519PrivateKey):
-                raise ValueError("the active ticket signing key is not an Ed25519 key")
-            return cls(key), False
-        signer = cls(Ed25519PrivateKey.generate())
-        pem = signer._private.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
+        key, created = load_or_create_ed25519(
+            private_dir / "active.pem",
+            "active ticket signing key",
+            # Hosts must know the public half before anything can be signed with the key.
+            before_publish=lambda k: (public_dir / f"{key_id(_public_raw(k))}.pub").write_text(
+                base64.b64encode(_public_raw(k)).decode("ascii") + "\n"),
         )
-        # Create with 0600 from the start: the key must never exist world-readable.
-        tmp = private_dir / f".active.{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(pem)
-        (public_dir / f"{signer.kid}.pub").write_text(signer.public_b64 + "\n")
-        os.replace(tmp, active)
-        return signer, True
+        return cls(key), created
 
     def issue(
         self,

@@ -1,0 +1,49 @@
+"""Ed25519 private key files: the one way loraplane creates and loads them.
+
+Used for the ticket signing key and the audit checkpoint key. A new key is written to a temporary
+file created with mode 0600 (it never exists world-readable) and hard-linked into place, so when
+two processes start at once the first writer wins and the other loads its key.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+
+def load_or_create_ed25519(
+    path: Path,
+    what: str,
+    before_publish: Callable[[Ed25519PrivateKey], object] | None = None,
+) -> tuple[Ed25519PrivateKey, bool]:
+    """The key at ``path`` (created if absent); returns (key, created).
+
+    ``before_publish`` runs for a new key before it becomes visible at ``path``, e.g. to write
+    its public half first, so nothing can sign with a key that verifiers cannot find.
+    """
+    if path.exists():
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        if not isinstance(key, Ed25519PrivateKey):
+            raise ValueError(f"the {what} is not an Ed25519 key")
+        return key, False
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+    if before_publish is not None:
+        before_publish(key)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:  # another process created it meanwhile: use that one
+        os.unlink(tmp)
+        return load_or_create_ed25519(path, what)
+    os.unlink(tmp)
+    return key, True

@@ -8,6 +8,7 @@ child of the gateway's, both carrying the request id and the adapter digest.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,8 +68,17 @@ def test_gateway_and_backend_spans_share_one_trace(
     client = openai.OpenAI(base_url=dep.gateway_url + "/v1", api_key=key, max_retries=0)
     out = client.completions.create(model="acme-alpha", prompt="trace me", max_tokens=4)
     request_id = out.id.removeprefix("cmpl-")
-    spans = _spans(path)
-    by_rid = [s for s in spans if s["attributes"].get("loraplane.request_id") == request_id]
+    # The backend's span ends (and is exported) in the engine process, possibly just after the
+    # answer left: wait for both spans rather than racing the exporter.
+    deadline = time.monotonic() + 15
+    while True:
+        by_rid = [s for s in _spans(path)
+                  if s["attributes"].get("loraplane.request_id") == request_id]
+        names = {s["name"] for s in by_rid}
+        if "backend.lora_llm" in names and any(n.startswith("gateway.") for n in names):
+            break
+        assert time.monotonic() < deadline, f"spans for the request: {sorted(names)}"
+        time.sleep(0.1)
     gateway = next(s for s in by_rid if s["name"].startswith("gateway."))
     backend = next(s for s in by_rid if s["name"] == "backend.lora_llm")
     assert gateway["context"]["trace_id"] == backend["context"]["trace_id"]

@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import statistics
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -81,25 +82,24 @@ def _projection_rate(settings: Settings) -> dict[str, float]:
 
 
 def _ticket_latency(settings: Settings, work: Path, n: int) -> dict[str, float]:
-    import aiohttp
     from aiohttp import web
 
     from control.clients import free_port
-    from control.gateway import make_app
+    from control.gateway import make_app, new_event_loop
     from control.registry import Registry
     from control.serve import open_signer
     from control.ticket_office import TicketOffice
-    from projections.routing import RoutingView
+    from projections.route_cache import CachedRoutingView
 
     reg = Registry(settings)
     base, tok = _tiny_base(work / "artifacts")
     reg.register_base(base, tok, name="bench-base", actor="bench", alias="bench-alias")
     key = reg.create_tenant("bench-tenant", actor="bench")
     reg.grant("bench-tenant", "bench-alias", actor="bench")
-    office = TicketOffice(settings, RoutingView(make_engine(settings.db_url)),
+    office = TicketOffice(settings, CachedRoutingView(make_engine(settings.db_url)),
                           open_signer(settings, reg, "bench"))
     port = free_port()
-    loop = asyncio.new_event_loop()
+    loop = new_event_loop()
     ready = threading.Event()
     runner = web.AppRunner(make_app(office), access_log=None)
 
@@ -113,38 +113,24 @@ def _ticket_latency(settings: Settings, work: Path, n: int) -> dict[str, float]:
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     ready.wait(30)
-    latencies: list[float] = []
-
-    async def client() -> None:
-        url = f"http://127.0.0.1:{port}/v1/tickets"
-        headers = {"Authorization": f"Bearer {key}"}
-        queue = list(range(n + 100))  # the first 100 warm up
-
-        async with aiohttp.ClientSession() as session:
-            async def worker() -> None:
-                while queue:
-                    i = queue.pop()
-                    t0 = time.perf_counter()
-                    async with session.post(url, headers=headers,
-                                            json={"alias": "bench-alias",
-                                                  "session": str(i)}) as r:
-                        await r.read()
-                        if r.status != 200:
-                            raise RuntimeError(f"ticket request failed: HTTP {r.status}")
-                    if i < n:
-                        latencies.append(time.perf_counter() - t0)
-
-            await asyncio.gather(*[worker() for _ in range(CONCURRENCY)])
-
-    t0 = time.perf_counter()
-    asyncio.run(client())
-    wall = time.perf_counter() - t0
+    # The load generator runs in its own process: in this one it would share the interpreter
+    # lock with the server it measures.
+    proc = subprocess.run(
+        [sys.executable, "-m", "control.loadgen", "--url", f"http://127.0.0.1:{port}/v1/tickets",
+         "--bearer", key, "--alias", "bench-alias", "--requests", str(n),
+         "--concurrency", str(CONCURRENCY)],
+        capture_output=True, text=True, timeout=600, check=False)
     asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
-    qs = statistics.quantiles(latencies, n=100)
-    return {"ticket_p50_ms": statistics.median(latencies) * 1000, "ticket_p99_ms": qs[98] * 1000,
-            "tickets_per_s": len(latencies) / wall, "ticket_concurrency": CONCURRENCY}
+    try:
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise RuntimeError(f"load generator failed: {proc.stderr[-2000:]}") from None
+    if "error" in out:
+        raise RuntimeError(f"load generator failed: {out['error']}")
+    return {"ticket_p50_ms": out["p50_ms"], "ticket_p99_ms": out["p99_ms"],
+            "tickets_per_s": out["per_s"], "ticket_concurrency": CONCURRENCY}
 
 
 def measure(settings: Settings, work: Path, *, commands: int, tickets: int) -> dict[str, Any]:

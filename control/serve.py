@@ -31,11 +31,12 @@ from backend.triton_glue import BASE_DIGEST_ENV, HOST_ID_ENV
 from backend.triton_server import TritonProcess
 from control.config import Settings
 from control.db import make_engine
-from control.gateway import make_app
+from control.gateway import make_app, new_event_loop
 from control.registry import Registry
 from control.ticket_office import TicketOffice
 from control.tickets import TicketSigner
 from projections.follower import ProjectionFollower
+from projections.route_cache import CachedRoutingView
 from projections.routing import RoutingView
 
 log = logging.getLogger("loraplane.serve")
@@ -125,7 +126,9 @@ class Deployment:
             follower = ProjectionFollower.from_settings(s)
             follower.catch_up()
             self._thread("follower", follower.run)
-            office = TicketOffice(s, routing, open_signer(s, registry, self.actor))
+            # The ticket path answers from memory, refreshed as the projection moves.
+            office = TicketOffice(s, CachedRoutingView(make_engine(s.db_url)),
+                                  open_signer(s, registry, self.actor))
         if self.role != "control":
             self._start_triton(routing)
         if office is not None:
@@ -178,7 +181,7 @@ class Deployment:
         errors: list[BaseException] = []
 
         def serve() -> None:
-            loop = asyncio.new_event_loop()
+            loop = new_event_loop()
             self._loop = loop
             asyncio.set_event_loop(loop)
             runner = web.AppRunner(make_app(office, triton_urls=triton_urls), access_log=None)

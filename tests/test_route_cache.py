@@ -1,0 +1,180 @@
+"""The gateway's in-memory routing (projections.route_cache) answers exactly as the SQL view does,
+notices every projection change within its refresh interval, and fails closed when the tables
+cannot be read. One contract suite on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from aiohttp.test_utils import TestClient, TestServer
+
+from control.config import Settings
+from control.gateway import make_app
+from control.registry import Registry
+from control.ticket_office import TicketOffice
+from control.tickets import TicketSigner
+from projections import route_cache
+from projections.route_cache import CachedRoutingView, RoutingUnavailable
+from projections.routing import RoutingView
+from tests.fixtures_control import (  # noqa: F401  (pytest fixture)
+    Artifacts,
+    artifacts,
+    close_registry,
+    postgres_settings,
+    sqlite_settings,
+)
+
+EVAL = {"suite": "smoke", "accuracy": 0.9, "passed": True}
+SESSIONS = [f"s{i}" for i in range(60)]
+
+
+def _answers(view: RoutingView, keys: dict[str, str]) -> dict[tuple[str, str, str], object]:
+    """Every (tenant, alias, session) resolution and every key lookup, as plain values."""
+    out: dict[tuple[str, str, str], object] = {}
+    for tenant in ("acme", "globex", "nobody"):
+        for alias in ("chat", "tiny-base", "g-chat", "missing"):
+            for s in SESSIONS:
+                out[(tenant, alias, s)] = view.resolve(tenant, alias, s)
+    for tenant, key in keys.items():
+        out[("key", tenant, "")] = view.tenant_for_api_key(key)
+    out[("key", "bogus", "")] = view.tenant_for_api_key("lp_not-a-key")
+    return out
+
+
+class RouteCacheContract:
+    @pytest.fixture
+    def settings(self, tmp_path: Path) -> Iterator[Settings]:
+        raise NotImplementedError
+
+    @pytest.fixture
+    def registry(self, settings: Settings) -> Iterator[Registry]:
+        reg = Registry(settings)
+        yield reg
+        close_registry(reg)
+
+    @pytest.fixture
+    def world(self, registry: Registry, artifacts: Artifacts) -> dict[str, str]:  # noqa: F811
+        """Two tenants, a granted base alias, a stable + 40% canary alias, another tenant's
+        alias; returns {tenant: api key}."""
+        registry.register_base(artifacts.base, artifacts.tokenizer, name="tiny", actor="op",
+                               alias="tiny-base")
+        keys = {t: registry.create_tenant(t, actor="op") for t in ("acme", "globex")}
+        v1 = registry.register_adapter(artifacts.adapters["alpha"], tenant="acme", alias="chat",
+                                       actor="op")
+        registry.release(v1, evaluation=EVAL, actor="op")
+        v2 = registry.register_adapter(artifacts.adapters["beta"], tenant="acme", alias="chat",
+                                       actor="op")
+        registry.release(v2, evaluation=EVAL, to="canary", canary_percent=40, actor="op")
+        g = registry.register_adapter(artifacts.adapters["gamma"], tenant="globex",
+                                      alias="g-chat", actor="op")
+        registry.release(g, evaluation=EVAL, actor="op")
+        registry.grant("acme", "chat", actor="op")
+        registry.grant("acme", "tiny-base", actor="op")
+        registry.grant("globex", "g-chat", actor="op")
+        return keys | {"v1": v1, "v2": v2, "g": g}
+
+    def test_answers_equal_the_sql_view_through_every_change(
+            self, registry: Registry, world: dict[str, str]) -> None:
+        sql = RoutingView(registry.follower.engine)
+        cached = CachedRoutingView(registry.follower.engine, refresh_s=0)
+        keys = {t: world[t] for t in ("acme", "globex")}
+        steps = [
+            lambda: None,
+            lambda: registry.promote(world["v2"], actor="op"),  # canary graduates
+            lambda: registry.rollback("chat", actor="op"),
+            lambda: registry.revoke(world["v1"], "leak", actor="sec"),  # nothing servable
+            lambda: registry.promote(world["g"], to="deprecated", actor="op"),
+            lambda: registry.grant("globex", "tiny-base", actor="op"),
+        ]
+        seen = set()
+        for step in steps:
+            step()
+            expected = _answers(sql, keys)
+            assert _answers(cached, keys) == expected
+            seen.add(tuple(sorted((k, repr(v)) for k, v in expected.items())))
+        assert len(seen) == len(steps)  # every step changed some answer
+        # Cross-tenant: globex never resolves acme's alias, whatever the session.
+        assert all(cached.resolve("globex", "chat", s) is None for s in SESSIONS)
+
+    def test_reloads_only_when_the_projection_moves(
+            self, registry: Registry, world: dict[str, str]) -> None:
+        cached = CachedRoutingView(registry.follower.engine, refresh_s=0)
+        for s in SESSIONS:
+            cached.resolve("acme", "chat", s)
+        assert cached.reloads == 1
+        registry.grant("globex", "tiny-base", actor="op")
+        assert cached.resolve("globex", "tiny-base", "x") is not None
+        assert cached.reloads == 2
+
+    def test_revocation_stops_tickets_within_the_refresh_interval(
+            self, registry: Registry, world: dict[str, str]) -> None:
+        cached = CachedRoutingView(registry.follower.engine, refresh_s=0.2)
+        route = cached.resolve("globex", "g-chat", "s")
+        assert route is not None and route.adapter_digest == world["g"]
+        registry.revoke(world["g"], "leak", actor="sec")
+        revoked_at = time.monotonic()
+        while cached.resolve("globex", "g-chat", "s") is not None:
+            assert time.monotonic() - revoked_at < 0.2 + 0.3, "revocation not seen in time"
+            time.sleep(0.005)
+
+    def test_unreadable_tables_serve_the_last_snapshot_then_fail_closed(
+            self, registry: Registry, world: dict[str, str], settings: Settings,
+            monkeypatch: pytest.MonkeyPatch) -> None:
+        cached = CachedRoutingView(registry.follower.engine, refresh_s=0, max_stale_s=0.3)
+        assert cached.resolve("acme", "tiny-base", "s") is not None
+
+        def outage(_conn: object) -> int:
+            raise sa.exc.OperationalError("SELECT position", {}, Exception("connection refused"))
+
+        monkeypatch.setattr(route_cache, "_position", outage)
+        assert cached.resolve("acme", "tiny-base", "s") is not None  # within max_stale_s
+        time.sleep(0.35)
+        with pytest.raises(RoutingUnavailable):
+            cached.resolve("acme", "tiny-base", "s")
+        with pytest.raises(RoutingUnavailable):
+            cached.tenant_for_api_key(world["acme"])
+        # The gateway answers 503 with a fixed body and issues nothing.
+        signer, _ = TicketSigner.load_or_create(settings.keys_dir)
+        office = TicketOffice(settings, cached, signer)
+
+        async def ask() -> tuple[int, dict[str, str]]:
+            async with TestClient(TestServer(make_app(office))) as client:
+                r = await client.post("/v1/tickets", json={"alias": "tiny-base"},
+                                      headers={"Authorization": f"Bearer {world['acme']}"})
+                return r.status, await r.json()
+
+        status, body = asyncio.run(ask())
+        assert status == 503 and "ticket" not in body
+        # Back once the tables answer again.
+        monkeypatch.undo()
+        assert cached.resolve("acme", "tiny-base", "s") is not None
+
+
+class TestRouteCacheSQLite(RouteCacheContract):
+    @pytest.fixture
+    def settings(self, tmp_path: Path) -> Iterator[Settings]:
+        yield sqlite_settings(tmp_path / "home")
+
+
+@pytest.mark.postgres
+class TestRouteCachePostgres(RouteCacheContract):
+    @pytest.fixture
+    def settings(self, tmp_path: Path) -> Iterator[Settings]:
+        with postgres_settings(tmp_path / "home") as s:
+            yield s
+
+
+def test_refresh_interval_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(route_cache.REFRESH_ENV, "50")
+    assert route_cache.refresh_s_from_env() == 0.05
+    monkeypatch.setenv(route_cache.REFRESH_ENV, "soon")
+    with pytest.raises(ValueError, match="milliseconds"):
+        route_cache.refresh_s_from_env()
+    monkeypatch.setenv(route_cache.REFRESH_ENV, "-1")
+    with pytest.raises(ValueError, match="between"):
+        route_cache.refresh_s_from_env()

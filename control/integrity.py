@@ -181,6 +181,7 @@ class AuditSeal:
         self.app = app
         self.engine = engine
         self.settings = settings
+        self._sealed_upto: int | None = None  # last sealed position seen here (only grows)
         metadata.create_all(engine, checkfirst=True)
 
     @classmethod
@@ -207,10 +208,20 @@ class AuditSeal:
         """How many recorded positions lie after the last checkpoint (an upper bound)."""
         last = self._last()
         top = int(self.app.recorder.max_notification_id() or 0)
-        return top - (int(last["last_position"]) if last else 0)
+        self._sealed_upto = int(last["last_position"]) if last else 0
+        return top - self._sealed_upto
 
-    def seal_if_due(self, every: int = SEAL_EVERY) -> dict[str, Any] | None:
-        """Seal when at least ``every`` events are unsealed."""
+    def seal_if_due(self, every: int = SEAL_EVERY, *, upto: int | None = None
+                    ) -> dict[str, Any] | None:
+        """Seal when at least ``every`` events are unsealed.
+
+        ``upto``: the newest position the caller knows of (its own last event). The last sealed
+        position seen by this object only grows, so while ``upto`` is within ``every`` of it no
+        query is needed: after each command the check costs nothing until a seal may be due.
+        """
+        if upto is not None and self._sealed_upto is not None \
+                and upto - self._sealed_upto < every:
+            return None
         return self.seal() if self.pending() >= every else None
 
     def seal(self) -> dict[str, Any] | None:
@@ -239,6 +250,7 @@ class AuditSeal:
                 conn.execute(audit_checkpoints.insert().values(**row))
         except sa.exc.IntegrityError:
             return None  # a concurrent sealer wrote this seq first
+        self._sealed_upto = int(row["last_position"])
         self._write_anchor(row)
         return row
 

@@ -34,6 +34,7 @@ import sqlalchemy as sa
 from eventsourcing.application import AggregateNotFoundError, Application
 from eventsourcing.domain import Aggregate
 from eventsourcing.persistence import IntegrityError as EventStoreIntegrityError
+from eventsourcing.persistence import Recording
 
 from control import limits
 from control.config import Settings
@@ -94,6 +95,7 @@ from control.validation import (
 )
 
 if TYPE_CHECKING:
+    from control.integrity import AuditSeal
     from projections.follower import ProjectionFollower
 
 log = logging.getLogger("loraplane.registry")
@@ -119,6 +121,7 @@ class Registry(Application[UUID]):
         self.store = ArtifactStore(self.settings.store_dir)
         self._follow = follow
         self._follower: ProjectionFollower | None = None
+        self._seal: AuditSeal | None = None
 
     # -- projections ------------------------------------------------------------------------
 
@@ -131,37 +134,48 @@ class Registry(Application[UUID]):
             self._follower = ProjectionFollower(self, make_engine(self.settings.db_url))
         return self._follower
 
-    def _after_command(self) -> None:
+    @property
+    def seal(self) -> AuditSeal:
+        """This process's writer of signed audit checkpoints (created on first use)."""
+        if self._seal is None:
+            from control.integrity import AuditSeal
+
+            self._seal = AuditSeal.for_registry(self)
+        return self._seal
+
+    def _after_command(self, recordings: list[Recording[UUID]]) -> None:
+        """Catch the projections up and seal the audit trail when due, after ``recordings``
+        (what the command's save recorded) were committed."""
         if not self._follow:
             return
         try:
-            self.follower.catch_up()
+            self.follower.catch_up(recordings)
         except Exception:
             # The command is recorded; a running follower (or the next command) catches up.
             log.warning("projection catch-up after command failed", exc_info=True)
         try:
-            from control.integrity import AuditSeal
-
-            AuditSeal.for_registry(self).seal_if_due()
+            self.seal.seal_if_due(upto=max((r.notification.id for r in recordings), default=0))
         except Exception:
             log.warning("audit checkpoint after command failed", exc_info=True)
 
-    def _save(self, *aggregates: Aggregate | None, what: str) -> None:
+    def _save(self, *aggregates: Aggregate | None, what: str,
+              already: str | None = None) -> None:
         """Save all pending events of ``aggregates`` atomically.
 
-        A lost race on a new aggregate is AlreadyExists; on an existing one, Conflict.
+        A lost race on a new aggregate is AlreadyExists (``already``: its message); on an
+        existing one, Conflict.
         """
         creating = any(e.originator_version == 1 for a in aggregates if a is not None
                        for e in a.pending_events)
         try:
-            self.save(*aggregates)
+            recordings = self.save(*aggregates)
         except (EventStoreIntegrityError, sa.exc.IntegrityError):
             if creating:
-                raise AlreadyExists(f"{what} already exists (or was created concurrently)") \
-                    from None
+                raise AlreadyExists(already or f"{what} already exists (or was created "
+                                    "concurrently)") from None
             raise Conflict(f"{what} was changed concurrently by another command; nothing was "
                            "recorded, retry") from None
-        self._after_command()
+        self._after_command(recordings)
 
     # -- reading aggregates -----------------------------------------------------------------
 
@@ -224,13 +238,13 @@ class Registry(Application[UUID]):
         only the key's SHA-256 is recorded. The key is shown once."""
         check_name("tenant", name)
         check_actor(actor)
-        if self.tenant_exists(name):
-            raise AlreadyExists(f"tenant {name!r} already exists")
+        # No existence read first: the event store's unique (id, version 1) index refuses a
+        # second tenant of the same name in the same transaction that would record it.
         api_key = API_KEY_PREFIX + secrets.token_urlsafe(32)
         tenant = Tenant.create(name, api_key, actor)
         if policy is not None:
             tenant.set_policy(policy, actor)
-        self._save(tenant, what="tenant")
+        self._save(tenant, what="tenant", already=f"tenant {name!r} already exists")
         return api_key
 
     def set_policy(self, tenant: str, policy: TenantPolicy, *, actor: str) -> None:
@@ -389,8 +403,8 @@ class Registry(Application[UUID]):
     def _reject(self, failure: ValidationFailed, *, tenant: str, actor: str) -> None:
         rejection = RegistrationRejection(check=failure.check, message=failure.message,
                                           tenant=tenant, actor=actor)
-        self.save(rejection)
-        self._after_command()
+        recordings = self.save(rejection)
+        self._after_command(recordings)
 
     def record_evaluation(self, digest: str, report: dict[str, Any], *, actor: str) -> str:
         """Store an evaluation report (content-addressed JSON) for an adapter; return its digest.

@@ -43,6 +43,7 @@ log = logging.getLogger("loraplane.serve")
 
 ROLES = ("all", "control", "triton")
 TRITON_URLS_ENV = "LORAPLANE_TRITON_URLS"
+SEAL_INTERVAL_ENV = "LORAPLANE_SEAL_INTERVAL_S"
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,32 @@ def sync_public_keys(settings: Settings, routing: RoutingView) -> int:
         tmp.replace(path)  # atomic: the verifier never reads half a key
         new += 1
     return new
+
+
+def seal_interval_s() -> float:
+    """``LORAPLANE_SEAL_INTERVAL_S`` (default 60): how often ``serve`` seals what is unsealed."""
+    raw = os.environ.get(SEAL_INTERVAL_ENV, "").strip() or "60"
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{SEAL_INTERVAL_ENV} must be a number of seconds, not {raw!r}") \
+            from None
+    if value <= 0:
+        raise ValueError(f"{SEAL_INTERVAL_ENV} must be positive, not {raw}")
+    return value
+
+
+def keep_sealed(registry: Registry, stop: threading.Event, interval: float) -> None:
+    """Seal every unsealed event once per ``interval`` seconds, so a quiet deployment's last
+    events are covered by a signed checkpoint within that interval, not after 100 more."""
+    while not stop.wait(interval):
+        try:
+            row = registry.seal.seal_if_due(every=1)
+            if row is not None:
+                log.info("audit checkpoint %s sealed up to position %s", row["seq"],
+                         row["last_position"])
+        except Exception:  # the database may be briefly away; the next interval retries
+            log.warning("audit checkpoint failed", exc_info=True)
 
 
 def pick_base(routing: RoutingView, base: str | None) -> str:
@@ -126,6 +153,8 @@ class Deployment:
             follower = ProjectionFollower.from_settings(s)
             follower.catch_up()
             self._thread("follower", follower.run)
+            interval = seal_interval_s()  # a bad value fails the start, not a thread later
+            self._thread("audit-seal", lambda stop: keep_sealed(registry, stop, interval))
             # The ticket path answers from memory, refreshed as the projection moves.
             office = TicketOffice(s, CachedRoutingView(make_engine(s.db_url)),
                                   open_signer(s, registry, self.actor))

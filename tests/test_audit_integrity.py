@@ -128,3 +128,61 @@ class TestIntegrityPostgres(IntegrityContract):
     def settings(self, tmp_path: Path) -> Iterator[Settings]:
         with postgres_settings(tmp_path / "home") as s:
             yield s
+
+
+def test_commands_seal_every_hundred_events_without_asking_each_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registry that follows seals a checkpoint once 100 events are unsealed; between seals
+    it does not query the checkpoint table after every command."""
+    settings = sqlite_settings(tmp_path / "home")
+    reg = Registry(settings)
+    asked: list[int] = []
+    real = AuditSeal.pending
+
+    def pending(self: AuditSeal) -> int:
+        asked.append(1)
+        return real(self)
+
+    monkeypatch.setattr(AuditSeal, "pending", pending)
+    try:
+        for i in range(250):
+            reg.create_tenant(f"t{i}", actor="op")
+        report = reg.seal.verify()
+        assert report.ok and report.checkpoints == 2
+        assert report.sealed_events == 200 and report.unsealed_events == 50
+        assert len(asked) <= 6, f"asked {len(asked)} times in 250 commands"
+    finally:
+        close_registry(reg)
+
+
+def test_serve_seals_quiet_history_on_a_timer(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import time
+
+    from control.serve import SEAL_INTERVAL_ENV, keep_sealed, seal_interval_s
+
+    reg = Registry(sqlite_settings(tmp_path / "home"))
+    stop = threading.Event()
+    t = threading.Thread(target=keep_sealed, args=(reg, stop, 0.05))
+    try:
+        for i in range(3):
+            reg.create_tenant(f"t{i}", actor="op")
+        assert reg.seal.verify().unsealed_events == 3  # fewer than 100: no seal yet
+        t.start()
+        deadline = time.monotonic() + 10
+        while reg.seal.verify().unsealed_events and time.monotonic() < deadline:
+            time.sleep(0.05)
+        report = reg.seal.verify()
+        assert report.ok and report.unsealed_events == 0 and report.checkpoints == 1
+    finally:
+        stop.set()
+        if t.is_alive():
+            t.join(10)
+        close_registry(reg)
+    monkeypatch.setenv(SEAL_INTERVAL_ENV, "0")
+    with pytest.raises(ValueError, match="positive"):
+        seal_interval_s()
+    monkeypatch.setenv(SEAL_INTERVAL_ENV, "often")
+    with pytest.raises(ValueError, match="seconds"):
+        seal_interval_s()

@@ -226,6 +226,34 @@ class ProjectionContract:
         finally:
             close_registry(reg)
 
+    def test_commands_apply_their_own_events_or_read_the_log(
+            self, settings: Settings, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A command whose events are next in the log applies them without reading the log
+        back; one that finds other processes' events before its own reads the log, and every
+        event is applied exactly once either way."""
+        a, b = Registry(settings), Registry(settings, follow=False)
+        monkeypatch.setattr(routing, "apply", counting_apply(engine))
+        reads: list[int] = []
+        real = a.recorder.select_notifications
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            reads.append(1)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(a.recorder, "select_notifications", counted)
+        try:
+            a.create_tenant("acme", actor="op")
+            assert reads == []  # applied as recorded
+            b.create_tenant("globex", actor="op")  # another process, not caught up
+            key = a.create_tenant("initech", actor="op")
+            assert reads  # globex's event came first: read from the log
+            assert sorted(counts(engine)) == [1, 1, 1]
+            assert sorted(RoutingView(engine).tenants()) == ["acme", "globex", "initech"]
+            assert RoutingView(engine).tenant_for_api_key(key) == "initech"
+        finally:
+            close_registry(a)
+            close_registry(b)
+
     def test_follower_process_stops_on_sigterm(self, settings: Settings, registry: Registry,
                                                engine: Engine) -> None:
         registry.create_tenant("acme", actor="op")

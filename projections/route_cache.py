@@ -9,9 +9,11 @@ that routing reads: api keys, grants, routes, releases joined with their adapter
 Freshness: every projection write moves the follower's tracking position in the same transaction
 as the view rows, so the position is a change stamp. A request finds out whether the snapshot is
 stale by reading that one row, at most once every ``refresh_s`` (default 20 ms,
-``LORAPLANE_ROUTE_REFRESH_MS``); when it moved, the snapshot is reloaded. A revocation therefore
-stops new tickets within ``refresh_s`` of the projection recording it, and the Triton hosts,
-which check the revocation set on every request, refuse tickets already issued.
+``LORAPLANE_ROUTE_REFRESH_MS``); when it moved, the snapshot is reloaded. A refusal (unknown
+key, alias not resolvable) re-reads the position first, so a tenant, grant or release just
+recorded is served at once. A revocation stops new tickets within ``refresh_s`` of the
+projection recording it, and the Triton hosts, which check the revocation set on every
+request, refuse tickets already issued.
 
 If the database cannot be read, the last snapshot keeps serving for ``max_stale_s`` (default
 5 s); after that, resolution fails closed with :class:`RoutingUnavailable` (the gateway answers
@@ -40,6 +42,7 @@ log = logging.getLogger("loraplane.route_cache")
 REFRESH_ENV = "LORAPLANE_ROUTE_REFRESH_MS"
 DEFAULT_REFRESH_S = 0.02
 DEFAULT_MAX_STALE_S = 5.0
+MISS_RECHECK_S = 0.001
 
 
 class RoutingUnavailable(Exception):
@@ -167,10 +170,28 @@ class CachedRoutingView(RoutingView):
     # -- the ticket path ----------------------------------------------------------------------
 
     def tenant_for_api_key(self, api_key: str) -> str | None:
-        return self._current().tenant_by_key_hash.get(hash_api_key(api_key))
+        key_hash = hash_api_key(api_key)
+        tenant = self._current().tenant_by_key_hash.get(key_hash)
+        if tenant is None and self._confirm_miss():
+            tenant = self._current().tenant_by_key_hash.get(key_hash)
+        return tenant
 
     def resolve(self, tenant: str, alias: str, session: str | None = None) -> Route | None:
-        snap = self._current()
+        route = self._resolve(self._current(), tenant, alias, session)
+        if route is None and self._confirm_miss():
+            route = self._resolve(self._current(), tenant, alias, session)
+        return route
+
+    def _confirm_miss(self) -> bool:
+        """Before a refusal, make sure the snapshot is current: a tenant just created or
+        granted is served at once; only a revocation can take up to ``refresh_s`` to show."""
+        if time.monotonic() - self._checked_at < MISS_RECHECK_S:
+            return False  # checked a moment ago (a flood of bad keys costs one read per ms)
+        self.invalidate()
+        return True
+
+    @staticmethod
+    def _resolve(snap: _Snapshot, tenant: str, alias: str, session: str | None) -> Route | None:
         row = snap.routes.get(alias)
         if row is None or (tenant, alias) not in snap.granted:
             return None
@@ -184,4 +205,3 @@ class CachedRoutingView(RoutingView):
                          tokenizer_digest=r.tokenizer_digest, release=digest,
                          canary=digest == canary)
         return None
-

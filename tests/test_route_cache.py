@@ -111,6 +111,18 @@ class RouteCacheContract:
         assert cached.resolve("globex", "tiny-base", "x") is not None
         assert cached.reloads == 2
 
+    def test_new_tenants_and_grants_are_served_at_once(
+            self, registry: Registry, world: dict[str, str]) -> None:
+        """A refusal re-reads the projection first, whatever the refresh interval."""
+        cached = CachedRoutingView(registry.follower.engine, refresh_s=60)
+        assert cached.resolve("globex", "tiny-base", "s") is None
+        key = registry.create_tenant("initech", actor="op")
+        registry.grant("globex", "tiny-base", actor="op")
+        time.sleep(2 * route_cache.MISS_RECHECK_S)
+        assert cached.tenant_for_api_key(key) == "initech"
+        assert cached.resolve("globex", "tiny-base", "s") is not None
+        assert cached.resolve("globex", "chat", "s") is None  # still not acme's alias
+
     def test_revocation_stops_tickets_within_the_refresh_interval(
             self, registry: Registry, world: dict[str, str]) -> None:
         cached = CachedRoutingView(registry.follower.engine, refresh_s=0.2)

@@ -12,7 +12,9 @@
   concurrency 16, from a lean load generator in its own process (:mod:`control.loadgen`) on the
   same machine; ``ticket_p50_ms_c1`` the same one request at a time (the service time, without
   queueing). At concurrency 16 a closed loop's latency is 16 / throughput, so the p50 there says
-  as much about the cores available as about the gateway.
+  as much about the cores available as about the gateway: ``http_floor_p50_ms`` is the same
+  server, loop and client answering ``GET /healthz`` (no ticket work at all), and
+  ``ticket_vs_http_floor_p50`` the ratio of the two.
 
 Runs on a fresh SQLite file and, given a URL, on a fresh PostgreSQL schema (dropped afterwards).
 """
@@ -128,24 +130,27 @@ def _ticket_latency(settings: Settings, work: Path, n: int) -> dict[str, float]:
     thread.start()
     ready.wait(30)
     try:
-        c16 = _load(port, key, n, CONCURRENCY)
-        c1 = _load(port, key, max(200, n // 4), 1)
+        c16 = _load(port, ["--bearer", key, "--alias", "bench-alias"], n, CONCURRENCY)
+        c1 = _load(port, ["--bearer", key, "--alias", "bench-alias"], max(200, n // 4), 1)
+        floor = _load(port, ["--method", "GET"], n, CONCURRENCY, path="/healthz")
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
     return {"ticket_p50_ms": c16["p50_ms"], "ticket_p99_ms": c16["p99_ms"],
             "tickets_per_s": c16["per_s"], "ticket_concurrency": CONCURRENCY,
-            "ticket_p50_ms_c1": c1["p50_ms"], "tickets_per_s_c1": c1["per_s"]}
+            "ticket_p50_ms_c1": c1["p50_ms"], "tickets_per_s_c1": c1["per_s"],
+            "http_floor_p50_ms": floor["p50_ms"], "http_floor_per_s": floor["per_s"],
+            "ticket_vs_http_floor_p50": c16["p50_ms"] / floor["p50_ms"]}
 
 
-def _load(port: int, key: str, n: int, concurrency: int) -> dict[str, float]:
+def _load(port: int, args: list[str], n: int, concurrency: int,
+          path: str = "/v1/tickets") -> dict[str, float]:
     """Run :mod:`control.loadgen` in its own process: in this one it would share the
     interpreter lock with the server it measures."""
     proc = subprocess.run(
-        [sys.executable, "-m", "control.loadgen", "--url", f"http://127.0.0.1:{port}/v1/tickets",
-         "--bearer", key, "--alias", "bench-alias", "--requests", str(n),
-         "--concurrency", str(concurrency)],
+        [sys.executable, "-m", "control.loadgen", "--url", f"http://127.0.0.1:{port}{path}",
+         *args, "--requests", str(n), "--concurrency", str(concurrency)],
         capture_output=True, text=True, timeout=600, check=False)
     try:
         out: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -25,8 +25,9 @@ class LoadError(RuntimeError):
     """A response other than the expected status, or a broken connection."""
 
 
-def _request(host: str, port: int, path: str, headers: dict[str, str], body: bytes) -> bytes:
-    lines = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", "Connection: keep-alive",
+def _request(host: str, port: int, path: str, headers: dict[str, str], body: bytes,
+             method: str = "POST") -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}", "Connection: keep-alive",
              "Content-Type: application/json", f"Content-Length: {len(body)}"]
     lines += [f"{k}: {v}" for k, v in headers.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
@@ -54,6 +55,7 @@ async def run(
     requests: int,
     concurrency: int,
     warmup: int = 100,
+    method: str = "POST",
 ) -> dict[str, float]:
     """Send ``warmup + requests`` POSTs over ``concurrency`` connections; latency percentiles
     (ms) of the last ``requests`` and the throughput over the whole measured span."""
@@ -69,7 +71,7 @@ async def run(
                 if i == warmup:
                     started.append(time.perf_counter())
                 t0 = time.perf_counter()
-                writer.write(_request(host, port, path, headers, body_for(i)))
+                writer.write(_request(host, port, path, headers, body_for(i), method))
                 status, payload = await _read_response(reader)
                 if status != 200:
                     raise LoadError(f"HTTP {status}: {payload[:200]!r}")
@@ -99,8 +101,10 @@ def _run_fast(coro: Coroutine[Any, Any, dict[str, float]]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", required=True, help="http://host:port/path")
-    p.add_argument("--bearer", required=True)
-    p.add_argument("--alias", required=True)
+    p.add_argument("--bearer", default="")
+    p.add_argument("--alias", default="")
+    p.add_argument("--method", default="POST", choices=("POST", "GET"),
+                   help="GET sends no body (the gateway's /healthz: the HTTP floor)")
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=16)
     a = p.parse_args(argv)
@@ -108,11 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     host, _, port = hostport.partition(":")
 
     def body(i: int) -> bytes:  # a fresh session per request: exercises the canary hash
+        if a.method == "GET":
+            return b""
         return json.dumps({"alias": a.alias, "session": f"s{i}"}).encode()
 
     try:
         out = _run_fast(run(host, int(port), "/" + path, {"Authorization": f"Bearer {a.bearer}"},
-                              body, requests=a.requests, concurrency=a.concurrency))
+                              body, requests=a.requests, concurrency=a.concurrency,
+                              method=a.method))
     except (LoadError, OSError, asyncio.IncompleteReadError) as e:
         print(json.dumps({"error": str(e)}))
         return 1

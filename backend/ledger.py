@@ -1,9 +1,10 @@
 """The request ledger: one durable row per request, written before its response leaves.
 
-Rows are keyed by request id and indexed by adapter digest and time, so an incident responder can
-ask which requests a digest served, for whom, and when. The ledger lives in the same database as
-the event store (one URL); it is append-mostly: a row is inserted at admission (or refusal) and
-updated once when the request finishes.
+Rows are keyed by request id and indexed by adapter digest and time, and by release manifest
+digest and time, so an incident responder can ask which requests a digest or a release served,
+for whom, and when. The ledger lives in the same database as the event store (one URL); it is
+append-mostly: a row is inserted at admission (or refusal) and updated once when the request
+finishes.
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ request_ledger = sa.Table(
     # running | ok | rejected | failed | cancelled
     sa.Column("outcome", sa.String(16), nullable=False),
     sa.Column("reason", sa.String(64), nullable=True),
+    # Schema version 2: the release manifest the verified ticket named (None for rows whose ticket
+    # did not verify, for a base without a release, and for rows written before version 2).
+    sa.Column("release_digest", sa.String(71), nullable=True),
     sa.Index("ix_ledger_adapter_time", "adapter_digest", "admitted_at"),
     sa.Index("ix_ledger_time", "admitted_at"),
+    sa.Index("ix_ledger_release_time", "release_digest", "admitted_at"),
 )
 
 OUTCOMES = ("running", "ok", "rejected", "failed", "cancelled")
@@ -84,6 +89,7 @@ class LedgerEntry:
     tokens_out: int | None = None
     outcome: str = "running"
     reason: str | None = None
+    release_digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,7 @@ class Ledger:
         self,
         *,
         adapter: str | None = None,
+        release: str | None = None,
         tenant: str | None = None,
         since: float | None = None,
         until: float | None = None,
@@ -158,6 +165,8 @@ class Ledger:
         q = sa.select(request_ledger)
         if adapter is not None:
             q = q.where(request_ledger.c.adapter_digest == adapter)
+        if release is not None:
+            q = q.where(request_ledger.c.release_digest == release)
         if tenant is not None:
             q = q.where(request_ledger.c.tenant == tenant)
         if since is not None:

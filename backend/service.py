@@ -555,4 +555,5 @@ class LoraService:
             admitted_at=now,
             outcome=outcome,
             reason=reason,
+            release_digest=claims.release if claims else None,
         )

@@ -297,21 +297,26 @@ def incident_requests(
     training_data_version: Annotated[str | None, typer.Option(
         help="Every adapter trained on this data version.")] = None,
     base: Annotated[str | None, typer.Option(help="Base model digest.")] = None,
+    release: Annotated[str | None, typer.Option(
+        help="Release manifest digest (the release the ticket named).")] = None,
     since: Annotated[str | None, typer.Option(help="ISO time, inclusive.")] = None,
     until: Annotated[str | None, typer.Option(help="ISO time, exclusive.")] = None,
     include_refused: Annotated[bool, typer.Option(
         "--include-refused", help="Also list requests refused for this digest.")] = False,
 ) -> None:
-    """Every request an adapter, a training data version or a base served (who, when, outcome)."""
+    """Every request an adapter, a training data version, a base or a release served (who,
+    when, outcome)."""
     from control.incidents import requests_for
 
-    if sum(x is not None for x in (adapter, training_data_version, base)) != 1:
-        raise typer.BadParameter("give one of --adapter, --training-data-version, --base")
+    if sum(x is not None for x in (adapter, training_data_version, base, release)) != 1:
+        raise typer.BadParameter(
+            "give one of --adapter, --training-data-version, --base, --release")
     with errors():
         rows = requests_for(settings(), adapter=adapter and _digest(adapter),
                             training_data_version=training_data_version,
-                            base=base and _digest(base), since=_time(since), until=_time(until))
-    d = adapter or base or f"training data {training_data_version}"
+                            base=base and _digest(base), release=release and _digest(release),
+                            since=_time(since), until=_time(until))
+    d = adapter or base or release or f"training data {training_data_version}"
     if not include_refused:
         rows = [r for r in rows if r.outcome != "rejected"]
     data = [_as_dict(r) for r in rows]

@@ -1,4 +1,5 @@
-"""Incident queries on the request ledger: by adapter digest, training data version or base.
+"""Incident queries on the request ledger: by adapter digest, training data version, base or
+release manifest digest.
 
 The ledger (``backend.ledger``) is read, never written, here. A training data version is
 resolved to the adapters registered with it (the registry metadata in the adapter catalogue),
@@ -21,17 +22,22 @@ def requests_for(
     adapter: str | None = None,
     training_data_version: str | None = None,
     base: str | None = None,
+    release: str | None = None,
     since: float | None = None,
     until: float | None = None,
 ) -> list[LedgerEntry]:
-    """Ledger rows for exactly one of ``adapter``, ``training_data_version`` or ``base``,
-    oldest first, within [``since``, ``until``)."""
-    if sum(x is not None for x in (adapter, training_data_version, base)) != 1:
-        raise ValueError("give exactly one of adapter, training data version, base")
+    """Ledger rows for exactly one of ``adapter``, ``training_data_version``, ``base`` or
+    ``release``, oldest first, within [``since``, ``until``).
+
+    ``release`` finds the rows whose verified ticket named that release manifest; rows written
+    before the ledger recorded releases (schema version 1) have none and are not found by it.
+    """
+    if sum(x is not None for x in (adapter, training_data_version, base, release)) != 1:
+        raise ValueError("give exactly one of adapter, training data version, base, release")
     engine = make_engine(settings.db_url)
     ledger = Ledger(engine)
-    if adapter is not None:
-        return ledger.query(adapter=adapter, since=since, until=until)
+    if adapter is not None or release is not None:
+        return ledger.query(adapter=adapter, release=release, since=since, until=until)
     if base is not None:
         q = sa.select(request_ledger).where(request_ledger.c.base_digest == base)
     else:

@@ -220,9 +220,15 @@ class HostileSuite:
 
     def claims(self, adapter: str | None, **over: Any) -> dict[str, Any]:
         c: dict[str, Any] = dict(tenant=self.a, model=self.t.settings.model_name, base=self.base,
-                                 adapter=adapter, tokenizer=self._tokenizer(), ttl_s=300)
+                                 adapter=adapter, tokenizer=self._tokenizer(),
+                                 release=self._release(adapter), ttl_s=300)
         c.update(over)
         return c
+
+    def _release(self, adapter: str | None) -> str | None:
+        """The release manifest the control plane would sign beside ``adapter``."""
+        row = self.routing.adapter(adapter) if adapter is not None else None
+        return row.release_digest if row is not None else None
 
     def _tokenizer(self) -> str:
         return next(b.tokenizer_digest for b in self.routing.bases() if b.digest == self.base)
@@ -423,6 +429,7 @@ class HostileSuite:
         }
         for claim, value in (("tenant", self.b), ("model", "x"), ("base", "sha256:" + "d" * 64),
                              ("adapter", unseen.digest), ("tokenizer", "sha256:" + "d" * 64),
+                             ("release", self._release(self.routes["b1"].digest)),
                              ("iat", 1), ("exp", 2**40), ("jti", "x"), ("kid", "0" * 16)):
             cases[f"altered-{claim}"] = _alter_claim(real, claim, value)
         for case, ticket in cases.items():

@@ -22,7 +22,7 @@ class IssuedTicket:
     token: str
     claims: TicketClaims
     alias: str
-    release: str | None = None  # the release manifest resolved at issue time
+    release: str | None = None  # the release manifest resolved at issue time (also signed)
 
 
 class TicketOffice:
@@ -35,9 +35,9 @@ class TicketOffice:
         """A fresh ticket for ``tenant`` to use ``alias``, else NotGranted.
 
         ``session``: the client's session id; the alias's canary split hashes (tenant, session)
-        so a session keeps landing on one release. The ticket binds the adapter, base and
-        tokenizer of the release resolved now, so a request in flight keeps it when the alias
-        moves.
+        so a session keeps landing on one release. The ticket binds the adapter, base,
+        tokenizer and manifest digest of the release resolved now, so a request in flight keeps
+        it when the alias moves, and the host's ledger names the release it served.
         """
         route = self.routing.resolve(tenant, alias, session)
         if route is None:
@@ -48,6 +48,7 @@ class TicketOffice:
             base=route.base_digest,
             adapter=route.adapter_digest,
             tokenizer=route.tokenizer_digest,
+            release=route.release,
             ttl_s=self.settings.ticket_ttl_s,
         )
         return IssuedTicket(token, claims, alias, route.release)

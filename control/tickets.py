@@ -36,7 +36,11 @@ IMPLICIT_ASSERTION = b"loraplane-routing-ticket-v1"
 CLOCK_SKEW_S = 30
 GENERIC_REFUSAL = "request refused: invalid or unauthorised routing ticket"
 _B64URL_RE = re.compile(r"^[A-Za-z0-9_-]*$")
-_CLAIMS = ("tenant", "model", "base", "adapter", "tokenizer", "iat", "exp", "jti", "kid")
+# Exactly these claims, no more, no fewer. ``release`` joined in the second claim set: tickets
+# signed before it (nine claims) are refused, which is fine because a ticket lives minutes.
+_CLAIMS = ("tenant", "model", "base", "adapter", "tokenizer", "release", "iat", "exp", "jti",
+           "kid")
+_DIGEST_OR_NULL_CLAIMS = ("adapter", "release")
 
 
 class TicketRejected(Exception):
@@ -54,6 +58,10 @@ class TicketClaims:
     base: str
     adapter: str | None  # None: the bare base model (still a ticket: default deny)
     tokenizer: str
+    # The release manifest resolved at issue time, signed so the host can record which release
+    # it served (the adapter digest alone does not say which manifest named it). None: a base
+    # registered without a release.
+    release: str | None
     iat: int
     exp: int
     jti: str
@@ -117,10 +125,15 @@ class TicketSigner:
         base: str,
         adapter: str | None,
         tokenizer: str,
+        release: str | None,
         ttl_s: int,
         now: float | None = None,
     ) -> tuple[str, TicketClaims]:
-        """Sign a ticket; returns (token, claims)."""
+        """Sign a ticket; returns (token, claims).
+
+        ``release`` has no default on purpose: every issuer must say which release it resolved
+        (or None for a base without one), never leave it out by accident.
+        """
         iat = int(now if now is not None else time.time())
         claims = TicketClaims(
             tenant=tenant,
@@ -128,6 +141,7 @@ class TicketSigner:
             base=base,
             adapter=adapter,
             tokenizer=tokenizer,
+            release=release,
             iat=iat,
             exp=iat + ttl_s,
             jti=str(uuid.uuid4()),
@@ -242,6 +256,11 @@ def _canonical_b64url(s: str) -> bool:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii") == s
 
 
+def _digest_or_null(value: object) -> bool:
+    # fullmatch: DIGEST_RE ends in ``$``, which ``match`` also lets match before a final "\n".
+    return value is None or (isinstance(value, str) and DIGEST_RE.fullmatch(value) is not None)
+
+
 def _parse_claims(payload: object, kid: str) -> TicketClaims:
     try:
         data = json.loads(payload) if isinstance(payload, (bytes, str)) else None
@@ -254,10 +273,9 @@ def _parse_claims(payload: object, kid: str) -> TicketClaims:
         raise TicketRejected("claims")
     if not all(type(data[k]) is int for k in ("iat", "exp")):
         raise TicketRejected("claims")
-    adapter = data["adapter"]
-    if adapter is not None and not (isinstance(adapter, str) and DIGEST_RE.match(adapter)):
+    if not all(_digest_or_null(data[k]) for k in _DIGEST_OR_NULL_CLAIMS):
         raise TicketRejected("claims")
-    if not (DIGEST_RE.match(data["base"]) and DIGEST_RE.match(data["tokenizer"])):
+    if not (DIGEST_RE.fullmatch(data["base"]) and DIGEST_RE.fullmatch(data["tokenizer"])):
         raise TicketRejected("claims")
     if data["kid"] != kid:  # the signed kid must match the footer's
         raise TicketRejected("claims")

@@ -47,10 +47,11 @@ def audit_table(entries: Sequence[AuditEntry]) -> Table:
 
 def incident_table(rows: Sequence[LedgerEntry], digest: str) -> Table:
     t = Table(title=f"requests served by {short(digest)}: {len(rows)}")
-    for c in ("request id", "tenant", "admitted (UTC)", "outcome", "tokens in/out", "host"):
+    for c in ("request id", "tenant", "release", "admitted (UTC)", "outcome", "tokens in/out",
+              "host"):
         t.add_column(c)
     for r in rows:
-        t.add_row(r.request_id, r.tenant or "", iso(r.admitted_at)[11:23],
-                  r.outcome + (f" ({r.reason})" if r.reason else ""),
+        t.add_row(r.request_id, r.tenant or "", cell(r.release_digest),
+                  iso(r.admitted_at)[11:23], r.outcome + (f" ({r.reason})" if r.reason else ""),
                   f"{r.tokens_in or 0}/{r.tokens_out or 0}", r.host)
     return t

@@ -20,6 +20,10 @@ from tests.fuzzing import CASES, FUZZ_EXAMPLES, fuzz
 BASE = "sha256:" + "a" * 64
 TOK = "sha256:" + "b" * 64
 ADAPTER = "sha256:" + "c" * 64
+RELEASE = "sha256:" + "e" * 64
+# The claim set, written out here rather than read from the code under test.
+CLAIMS = {"tenant", "model", "base", "adapter", "tokenizer", "release", "iat", "exp", "jti",
+          "kid"}
 
 
 @pytest.fixture()
@@ -35,7 +39,7 @@ def keys(tmp_path: Path) -> tuple[TicketSigner, TicketVerifier]:
 
 def _issue(signer: TicketSigner, **over: object) -> str:
     kw: dict[str, object] = dict(tenant="acme", model="lora_llm", base=BASE, adapter=ADAPTER,
-                                 tokenizer=TOK, ttl_s=60)
+                                 tokenizer=TOK, release=RELEASE, ttl_s=60)
     kw.update(over)
     return signer.issue(**kw)[0]  # type: ignore[arg-type]
 
@@ -45,7 +49,10 @@ def test_round_trip_and_private_key_mode(keys: tuple[TicketSigner, TicketVerifie
     signer, verifier = keys
     claims = verifier.verify(_issue(signer))
     assert (claims.tenant, claims.adapter, claims.kid) == ("acme", ADAPTER, signer.kid)
+    assert claims.release == RELEASE
+    assert set(claims.to_json()) == CLAIMS
     assert verifier.verify(_issue(signer, adapter=None)).adapter is None
+    assert verifier.verify(_issue(signer, release=None)).release is None  # base without one
     assert (tmp_path / "private" / "active.pem").stat().st_mode & 0o777 == 0o600
     assert not list((tmp_path / "public").glob("*.pem"))  # hosts get raw public keys only
 
@@ -66,6 +73,71 @@ def test_bindings(keys: tuple[TicketSigner, TicketVerifier], over: dict[str, obj
     with pytest.raises(TicketRejected) as e:
         verifier.verify(_issue(signer, **over))
     assert e.value.reason == reason
+
+
+def _sign_payload(signer: TicketSigner, payload: dict[str, object]) -> str:
+    """Any payload, genuinely signed by ``signer`` (what only a buggy or old issuer would sign)."""
+    import json
+
+    import pyseto
+
+    from control.tickets import IMPLICIT_ASSERTION
+
+    return pyseto.encode(signer._key, json.dumps(payload).encode(),
+                         footer=json.dumps({"kid": signer.kid}).encode(),
+                         implicit_assertion=IMPLICIT_ASSERTION).decode()
+
+
+def _genuine_payload(signer: TicketSigner) -> dict[str, object]:
+    now = int(time.time())
+    return dict(tenant="acme", model="lora_llm", base=BASE, adapter=ADAPTER, tokenizer=TOK,
+                release=RELEASE, iat=now, exp=now + 60, jti="j", kid=signer.kid)
+
+
+@pytest.mark.parametrize("release", [
+    "sha256:" + "E" * 64, "sha256:" + "e" * 63, "sha256:" + "e" * 64 + "\n", "e" * 64, "",
+    "acme-alpha", 1, True, ["sha256:" + "e" * 64], {"digest": RELEASE},
+])
+def test_release_claim_must_be_a_digest_or_null(keys: tuple[TicketSigner, TicketVerifier],
+                                                release: object) -> None:
+    signer, verifier = keys
+    assert verifier.verify(_sign_payload(signer, _genuine_payload(signer))).release == RELEASE
+    with pytest.raises(TicketRejected) as e:
+        verifier.verify(_sign_payload(signer, {**_genuine_payload(signer), "release": release}))
+    assert e.value.reason == "claims"
+
+
+def test_old_nine_claim_tickets_and_extra_claims_refused(
+        keys: tuple[TicketSigner, TicketVerifier]) -> None:
+    """Tickets signed before ``release`` was a claim are refused, even by the right key."""
+    signer, verifier = keys
+    nine = {k: v for k, v in _genuine_payload(signer).items() if k != "release"}
+    for payload in (nine, {**_genuine_payload(signer), "release_name": "x"}):
+        with pytest.raises(TicketRejected) as e:
+            verifier.verify(_sign_payload(signer, payload))
+        assert e.value.reason == "claims"
+
+
+def test_altered_release_refused(keys: tuple[TicketSigner, TicketVerifier],
+                                 tmp_path: Path) -> None:
+    """Another release named in a genuine ticket (tampered), or signed by an unknown key."""
+    import base64
+    import json
+
+    signer, verifier = keys
+    head, purpose, body, footer = _issue(signer).split(".")
+    raw = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+    claims = json.loads(raw[:-64])
+    claims["release"] = "sha256:" + "f" * 64
+    forged_body = base64.urlsafe_b64encode(json.dumps(claims, separators=(",", ":")).encode()
+                                           + raw[-64:]).rstrip(b"=").decode()
+    with pytest.raises(TicketRejected) as e:
+        verifier.verify(".".join((head, purpose, forged_body, footer)))
+    assert e.value.reason == "signature"
+    other, _ = TicketSigner.load_or_create(tmp_path / "other")
+    with pytest.raises(TicketRejected) as e:
+        verifier.verify(_issue(other, release="sha256:" + "f" * 64))
+    assert e.value.reason == "unknown_key"
 
 
 def test_other_key_refused(keys: tuple[TicketSigner, TicketVerifier], tmp_path: Path) -> None:
@@ -210,16 +282,17 @@ def _oracle_accepts(claims: dict[str, object], now: float) -> bool:
     """What a valid ticket for this host is, written independently of the decoder."""
     from control.digests import DIGEST_RE
 
-    if set(claims) != set(_VALID_CLAIMS):
+    if set(claims) != CLAIMS:
         return False
     if not all(type(claims[k]) is str and claims[k] for k in
                ("tenant", "model", "base", "tokenizer", "jti", "kid")):
         return False
     if not all(type(claims[k]) is int for k in ("iat", "exp")):
         return False
-    adapter = claims["adapter"]
-    if adapter is not None and not (type(adapter) is str and DIGEST_RE.match(adapter)):
-        return False
+    for k in ("adapter", "release"):  # a digest (the whole string) or null
+        value = claims[k]
+        if value is not None and not (isinstance(value, str) and DIGEST_RE.fullmatch(value)):
+            return False
     return (claims["kid"] == _SIGNER.kid and claims["model"] == "lora_llm"
             and claims["base"] == BASE and claims["tokenizer"] == TOK
             and claims["exp"] > now and claims["iat"] <= now + 30)  # type: ignore[operator]
@@ -239,7 +312,8 @@ def _signed_claims(draw: st.DrawFn) -> dict[str, object]:
             claims[draw(st.text(max_size=10))] = draw(_json_values)
         else:
             claims[key] = draw(st.sampled_from([
-                True, 1.5, "", "lora_llm", BASE, TOK, ADAPTER, "sha256:" + "A" * 64,
+                True, 1.5, "", "lora_llm", BASE, TOK, ADAPTER, RELEASE, None,
+                "sha256:" + "A" * 64, "sha256:" + "e" * 64 + "\n",
                 int(time.time()) - 10, int(time.time()) + 3600, 2**70, -1, _SIGNER.kid]))
     return claims
 

@@ -13,6 +13,7 @@ from backend.ledger import Ledger
 from control.cli import app
 from control.clients import Generation, generate, generate_endpoint, request_ticket
 from control.db import make_engine
+from projections.routing import RoutingView
 from tests.integration.conftest import ROUTES, Stack
 from tests.integration.reference import Reference
 
@@ -28,6 +29,13 @@ def reference(stack: Stack) -> Reference:
 
 def _adapter_dir(stack: Stack, name: str | None) -> Path | None:
     return None if name is None else stack.kit_dir / stack.kit.adapters[name].path
+
+
+def _release(stack: Stack, tenant: str, alias: str) -> str:
+    """The release manifest an alias resolves to (no canary split in this stack)."""
+    route = RoutingView(make_engine(stack.settings.db_url)).resolve(tenant, alias)
+    assert route is not None and route.release is not None
+    return route.release
 
 
 @pytest.mark.parametrize("route", ROUTES[:4], ids=lambda r: r[1])
@@ -64,7 +72,8 @@ def test_concurrent_mixed_burst_each_answer_its_own(stack: Stack, reference: Ref
         results = list(pool.map(call, jobs))
     ledger = Ledger(make_engine(stack.settings.db_url))
     assert len({g.request_id for g in results}) == len(jobs)
-    for ((tenant, _alias, name), prompt, _), g in zip(jobs, results, strict=True):
+    releases = {(t, a): _release(stack, t, a) for t, a, _ in ROUTES}
+    for ((tenant, alias, name), prompt, _), g in zip(jobs, results, strict=True):
         want = stack.digests[name] if name else None
         assert g.text == reference.generate(prompt, _adapter_dir(stack, name), MAX_TOKENS)
         assert (g.adapter_digest or None) == want
@@ -73,6 +82,7 @@ def test_concurrent_mixed_burst_each_answer_its_own(stack: Stack, reference: Ref
         assert row.adapter_digest == want and row.tenant == tenant
         assert row.base_digest == stack.kit.base_digest
         assert row.tokenizer_digest == stack.kit.tokenizer_digest
+        assert row.release_digest == releases[(tenant, alias)]  # signed in the ticket
         assert row.finished_at is not None and row.tokens_out is not None
 
 
@@ -104,6 +114,18 @@ def test_incident_query_lists_exactly_what_a_digest_served(stack: Stack) -> None
                      if r.adapter_digest == digest}
     assert ids == ok_for_digest  # no more, no fewer
     assert all(r["adapter_digest"] == digest and r["tenant"] == "acme" for r in rows)
+    # The same requests by the release the tickets named.
+    release = _release(stack, "acme", "acme-alpha")
+    by_release = CliRunner().invoke(
+        app, ["--json", "--home", str(stack.settings.home), "incident", "requests",
+              "--release", release], env={"LORAPLANE_DB_URL": stack.settings.db_url})
+    assert by_release.exit_code == 0, by_release.output
+    release_rows = json.loads(by_release.stdout)
+    assert served <= {r["request_id"] for r in release_rows}
+    assert {r["request_id"] for r in release_rows} == {
+        r.request_id for r in ledger.query(release=release, outcome="ok")}
+    assert all(r["release_digest"] == release and r["adapter_digest"] == digest
+               for r in release_rows)
 
 
 def test_tenant_cannot_get_a_ticket_for_another_tenants_alias(stack: Stack) -> None:

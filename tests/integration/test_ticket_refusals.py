@@ -5,8 +5,10 @@ from __future__ import annotations
 import base64
 import json
 import time
+import uuid
 from pathlib import Path
 
+import pyseto
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -14,7 +16,8 @@ from backend.ledger import Ledger
 from control.audit import audit_log
 from control.clients import TritonRefused, generate
 from control.db import make_engine
-from control.tickets import GENERIC_REFUSAL, TicketSigner
+from control.tickets import GENERIC_REFUSAL, IMPLICIT_ASSERTION, TicketSigner
+from projections.routing import RoutingView
 from tests.artifacts import perturbed_copy
 from tests.integration.conftest import ACTOR, Stack
 
@@ -34,12 +37,29 @@ def _signer(stack: Stack) -> TicketSigner:
     return TicketSigner.load_or_create(stack.settings.keys_dir)[0]
 
 
+def _release(stack: Stack, adapter: str) -> str:
+    row = RoutingView(make_engine(stack.settings.db_url)).adapter(adapter)
+    assert row is not None and row.release_digest is not None
+    return row.release_digest
+
+
 def _claims(stack: Stack, adapter: str, **over: object) -> dict[str, object]:
     c: dict[str, object] = dict(tenant="acme", model="lora_llm", base=stack.kit.base_digest,
                                 adapter=adapter, tokenizer=stack.kit.tokenizer_digest,
-                                ttl_s=300)
+                                release=_release(stack, adapter), ttl_s=300)
     c.update(over)
     return c
+
+
+def _signed_without(signer: TicketSigner, claims: dict[str, object], claim: str) -> str:
+    """A ticket genuinely signed by ``signer`` whose payload lacks ``claim`` (for ``release``:
+    a ticket in the nine-claim format of earlier releases)."""
+    now = int(time.time())
+    payload = {k: v for k, v in claims.items() if k not in ("ttl_s", claim)}
+    payload.update(iat=now, exp=now + 300, jti=str(uuid.uuid4()), kid=signer.kid)
+    return pyseto.encode(signer._key, json.dumps(payload, separators=(",", ":")).encode(),
+                         footer=json.dumps({"kid": signer.kid}).encode(),
+                         implicit_assertion=IMPLICIT_ASSERTION).decode()
 
 
 def _b64d(s: str) -> bytes:
@@ -94,13 +114,18 @@ def test_every_bad_ticket_is_refused_and_loads_nothing(stack: Stack, tmp_path: P
         "other_tokenizer": signer.issue(**_claims(stack, unseen, tokenizer=other_base))[0],  # type: ignore[arg-type]
         "unknown_key": _foreign_signer().issue(**_claims(stack, unseen))[0],  # type: ignore[arg-type]
         "impersonated_kid": _foreign_signer(signer.kid).issue(**_claims(stack, unseen))[0],  # type: ignore[arg-type]
+        # Another release named, re-signed by a key the hosts do not hold.
+        "release_by_unknown_key": _foreign_signer().issue(**_claims(  # type: ignore[arg-type]
+            stack, unseen, release=_release(stack, stack.digests["gamma"])))[0],
+        "release_missing": _signed_without(signer, _claims(stack, unseen), "release"),
     }
     # Every claim altered in a genuinely signed ticket (for an adapter the caller may not use).
     alpha = stack.digests["alpha"]
     real, _ = signer.issue(**_claims(stack, alpha))  # type: ignore[arg-type]
     for claim, value in (("tenant", "globex"), ("model", "x"), ("base", other_base),
-                         ("adapter", unseen), ("tokenizer", other_base), ("iat", 1),
-                         ("exp", 2**40), ("jti", "x"), ("kid", "0" * 16)):
+                         ("adapter", unseen), ("tokenizer", other_base),
+                         ("release", _release(stack, unseen)), ("iat", 1), ("exp", 2**40),
+                         ("jti", "x"), ("kid", "0" * 16)):
         bad[f"altered_{claim}"] = _alter_claim(real, claim, value)
     for case, ticket in bad.items():
         try:
@@ -113,9 +138,15 @@ def test_every_bad_ticket_is_refused_and_loads_nothing(stack: Stack, tmp_path: P
     ledger = Ledger(make_engine(stack.settings.db_url))
     assert ledger.loads(unseen) == []  # no refused ticket made the adapter resident
     assert [r for r in ledger.query(adapter=unseen) if r.outcome != "rejected"] == []
+    # Refusals before verification record no claim of the ticket, its release neither.
+    assert all(r.release_digest is None for r in ledger.query(adapter=None)
+               if r.outcome == "rejected" and r.ticket_id is None)
     # The genuine ticket still works, and only then is the adapter loaded.
-    assert generate(stack.http, "Hello", good, max_tokens=4).adapter_digest == unseen
+    served = generate(stack.http, "Hello", good, max_tokens=4)
+    assert served.adapter_digest == unseen
     assert [load.outcome for load in ledger.loads(unseen)] == ["loaded"]
+    row = ledger.get(served.request_id)
+    assert row is not None and row.release_digest == _release(stack, unseen)
 
 
 def test_revoked_digest_refused_within_a_second(stack: Stack, tmp_path: Path) -> None:

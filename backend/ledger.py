@@ -4,7 +4,8 @@ Rows are keyed by request id and indexed by adapter digest and time, and by rele
 digest and time, so an incident responder can ask which requests a digest or a release served,
 for whom, and when. The ledger lives in the same database as the event store (one URL); it is
 append-mostly: a row is inserted at admission (or refusal) and updated once when the request
-finishes.
+finishes. Its schema is versioned (``control.schema``, component ``ledger``): opening a ledger
+creates a fresh one at the latest version and refuses an older one.
 """
 
 from __future__ import annotations
@@ -105,8 +106,13 @@ class Ledger:
     """Writes and queries the request ledger."""
 
     def __init__(self, engine: Engine) -> None:
+        # Imported here: control.schema imports this module's tables to know the ledger's schema.
+        from control.schema import LEDGER, open_component
+
         self.engine = engine
-        metadata.create_all(engine, checkfirst=True)
+        # Creates a fresh ledger at the latest version; refuses an older or newer one with a
+        # message naming `loraplane db upgrade` (no silent ALTER on the evidence table).
+        open_component(engine, LEDGER)
 
     def admit(self, entries: Sequence[LedgerEntry]) -> None:
         """Insert rows (admitted or refused) in one transaction."""

@@ -355,8 +355,11 @@ def serve(
     gateway_port: Annotated[int, typer.Option()] = 8080,
 ) -> None:
     """Run the gateway, the projection follower and tritonserver until interrupted."""
+    from control.cli_db import require_schema
     from control.serve import Deployment, Ports
 
+    with errors():
+        require_schema(settings())  # before anything starts: "run `loraplane db upgrade`"
     dep = Deployment(settings(), Ports(http_port, grpc_port, metrics_port, gateway_port),
                      base=base, actor=state.actor, progress=lambda m: err_console.print(m))
     run_until_stopped(dep)
@@ -421,7 +424,7 @@ def _table(cols: list[str], rows: list[dict[str, Any]], title: str | None = None
 
 
 # Verbs that live beside their area register themselves on the apps above.
-from control import cli_engine, cli_ops, cli_registry, cli_selftest  # noqa: E402, F401
+from control import cli_db, cli_engine, cli_ops, cli_registry, cli_selftest  # noqa: E402, F401
 
 if __name__ == "__main__":
     sys.exit(app())

@@ -25,6 +25,7 @@ from control.cli import (
     settings,
     state,
 )
+from control.cli_db import require_schema
 from control.observability import configure_logging, digest_stats
 from control.serve import Deployment, Ports, pick_base
 from control.views import cell
@@ -41,6 +42,8 @@ def control_plane(
 ) -> None:
     """Run the gateway and the projection follower (no Triton) until interrupted."""
     configure_logging()
+    with errors():
+        require_schema(settings())
     dep = Deployment.from_env(settings(), Ports(gateway=gateway_port), role="control",
                               bind=bind, actor=state.actor,
                               progress=lambda m: err_console.print(m))
@@ -63,6 +66,8 @@ def triton_host(
     """Run one Triton host (no gateway) until interrupted; labels its ledger rows."""
     configure_logging()
     s = settings()
+    with errors():
+        require_schema(s)  # fail now, not when the backend opens the ledger inside Triton
     deadline = time.monotonic() + wait
     while True:
         try:

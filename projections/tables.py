@@ -11,6 +11,11 @@ from sqlalchemy.engine import Engine
 
 metadata = sa.MetaData()
 
+# The projections' schema version (control.schema, component ``projections``). Raise it whenever
+# a table or column below changes: a database at an older version is then dropped and rebuilt
+# from the event store by ``loraplane db upgrade`` (the rows are derived, so nothing is lost).
+SCHEMA_VERSION = 1
+
 _digest = sa.String(71)  # "sha256:" + 64 hex
 _name = sa.String(64)
 _ts = sa.DateTime(timezone=True)
@@ -121,9 +126,12 @@ VIEW_TABLES: tuple[sa.Table, ...] = (
 
 
 def create_tables(engine: Engine) -> None:
-    """Create the projection tables on ``engine`` where missing."""
-    try:
-        metadata.create_all(engine, checkfirst=True)
-    except (sa.exc.IntegrityError, sa.exc.ProgrammingError):
-        # Another process created one between the check and the CREATE: check again.
-        metadata.create_all(engine, checkfirst=True)
+    """Create the projection tables on ``engine`` where missing, at ``SCHEMA_VERSION``.
+
+    Raises ``control.schema.SchemaError`` when the database holds them at another version.
+    """
+    # Imported here: control.schema imports this module to know the projection tables. Creation
+    # runs under its schema lock, so concurrent first starts no longer race on CREATE TABLE.
+    from control.schema import PROJECTIONS, open_component
+
+    open_component(engine, PROJECTIONS)

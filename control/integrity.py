@@ -182,7 +182,9 @@ class AuditSeal:
         self.engine = engine
         self.settings = settings
         self._sealed_upto: int | None = None  # last sealed position seen here (only grows)
-        metadata.create_all(engine, checkfirst=True)
+        from control.schema import AUDIT, open_component  # schema imports this module
+
+        open_component(engine, AUDIT)  # created at, or refused unless at, the current version
 
     @classmethod
     def for_registry(cls, registry: Any) -> AuditSeal:

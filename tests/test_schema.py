@@ -165,6 +165,20 @@ class SchemaContract:
         assert {s.component: s.state for s in status(engine)} == {
             "ledger": "current", "audit": "absent", "projections": "current"}
 
+    def test_audit_seal_creates_its_table_stamped(self, engine: Engine,
+                                                  settings: Settings) -> None:
+        from control.integrity import AuditSeal
+        from control.registry import Registry
+        from tests.fixtures_control import close_registry
+
+        reg = Registry(settings, follow=False)
+        try:
+            AuditSeal.for_registry(reg)
+        finally:
+            close_registry(reg)
+        audit = _by_component(engine)["audit"]
+        assert (audit.found, audit.stamped) == (AUDIT.latest, True)
+
     # -- the ledger, version 1 -> 2 -------------------------------------------------------------
 
     @pytest.mark.parametrize("stamped", [False, True], ids=["previous-release", "stamped-v1"])

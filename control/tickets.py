@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import json
 import os
 import re
+import struct
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ MAX_TOKEN_BYTES = 4096
 IMPLICIT_ASSERTION = b"loraplane-routing-ticket-v1"
 CLOCK_SKEW_S = 30
 GENERIC_REFUSAL = "request refused: invalid or unauthorised routing ticket"
+_LE64_MASK = (1 << 63) - 1
 _B64URL_RE = re.compile(r"^[A-Za-z0-9_-]*$")
 # Exactly these claims, no more, no fewer. ``release`` joined in the second claim set: tickets
 # signed before it (nine claims) are refused, which is fine because a ticket lives minutes.
@@ -68,7 +71,7 @@ class TicketClaims:
     kid: str
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return dict(vars(self))  # fields in declaration order; asdict's deep copy costs more
 
 
 def key_id(public_raw: bytes) -> str:
@@ -89,12 +92,17 @@ class TicketSigner:
         self._private = private
         self.public_raw = _public_raw(private)
         self.kid = key_id(self.public_raw)
-        pem = private.private_bytes(
+        self._footer = json.dumps({"kid": self.kid}, separators=(",", ":")).encode()
+
+    @functools.cached_property
+    def _key(self) -> Any:
+        """The same key as a pyseto key, for tests that forge payloads with pyseto itself."""
+        pem = self._private.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
         )
-        self._key = pyseto.Key.new(version=4, purpose="public", key=pem)
+        return pyseto.Key.new(version=4, purpose="public", key=pem)
 
     @property
     def public_b64(self) -> str:
@@ -147,13 +155,41 @@ class TicketSigner:
             jti=str(uuid.uuid4()),
             kid=self.kid,
         )
-        token = pyseto.encode(
-            self._key,
+        token = encode_v4_public(
+            self._private,
             json.dumps(claims.to_json(), separators=(",", ":")).encode(),
-            footer=json.dumps({"kid": self.kid}, separators=(",", ":")).encode(),
-            implicit_assertion=IMPLICIT_ASSERTION,
+            self._footer,
         )
-        return token.decode("ascii"), claims
+        return token, claims
+
+
+def _pae(*pieces: bytes) -> bytes:
+    """PASETO's pre-authentication encoding: the count, then each piece's length and bytes,
+    lengths as little-endian 64-bit integers with the top bit clear."""
+    out = [struct.pack("<Q", len(pieces) & _LE64_MASK)]
+    for piece in pieces:
+        out += [struct.pack("<Q", len(piece) & _LE64_MASK), piece]
+    return b"".join(out)
+
+
+def _b64url(raw: bytes) -> bytes:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=")
+
+
+def encode_v4_public(private: Ed25519PrivateKey, payload: bytes, footer: bytes) -> str:
+    """A PASETO v4.public token of ``payload`` with ``footer`` and our implicit assertion.
+
+    The signing half of the spec, written out: pyseto's ``encode`` costs about 160 us per
+    ticket against 45 us for the Ed25519 signature itself, and it is the gateway's hottest
+    path. Ed25519 is deterministic, so the result is byte-for-byte pyseto's (a test checks);
+    verification stays with pyseto.
+    """
+    header = TOKEN_PREFIX.encode()
+    signature = private.sign(_pae(header, payload, footer, IMPLICIT_ASSERTION))
+    token = header + _b64url(payload + signature)
+    if footer:
+        token += b"." + _b64url(footer)
+    return token.decode("ascii")
 
 
 def load_public_keys(public_dir: Path) -> dict[str, bytes]:

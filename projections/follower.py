@@ -148,8 +148,7 @@ class ProjectionFollower:
                 if not events:
                     conn.rollback()
                     return 0
-                for event in events:
-                    routing.apply(conn, event)
+                routing.apply_all(conn, events)
                 self._write_position(conn, old, last)
                 conn.commit()
             except BaseException:

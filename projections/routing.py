@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -100,26 +100,77 @@ class AliasRow:
 # Event -> rows
 
 
-def _tenant_created(conn: Connection, e: Tenant.TenantCreated) -> None:
-    conn.execute(tenants.insert().values(name=e.name, created_at=e.timestamp))
-    conn.execute(api_keys.insert().values(key_hash=e.api_key_hash, tenant=e.name))
+# Events whose whole effect is new rows: ``event -> [(table, row), ...]``. ``apply`` inserts
+# them one event at a time; ``apply_all`` gathers a run of them into one executemany per table
+# (statement building, not the database, is what a replay spends its time on).
+Rows = list[tuple[sa.Table, dict[str, Any]]]
 
 
-def _base_registered(conn: Connection, e: BaseModel.BaseRegistered) -> None:
-    conn.execute(bases.insert().values(digest=e.digest, name=e.name,
-                                       tokenizer_digest=e.tokenizer_digest))
+def _tenant_created(e: Tenant.TenantCreated) -> Rows:
+    return [(tenants, {"name": e.name, "created_at": e.timestamp}),
+            (api_keys, {"key_hash": e.api_key_hash, "tenant": e.name})]
 
 
-def _adapter_registered(conn: Connection, e: Adapter.AdapterRegistered) -> None:
+def _base_registered(e: BaseModel.BaseRegistered) -> Rows:
+    return [(bases, {"digest": e.digest, "name": e.name,
+                     "tokenizer_digest": e.tokenizer_digest})]
+
+
+def _adapter_registered(e: Adapter.AdapterRegistered) -> Rows:
     meta = e.metadata or {}
-    conn.execute(adapters.insert().values(
-        digest=e.digest, tenant=e.tenant, alias=e.alias, base_digest=e.base_digest,
-        tokenizer_digest=e.tokenizer_digest, state=DRAFT, rank=e.rank,
-        registered_at=e.timestamp, owner=str(meta.get("owner", "")),
-        training_data_version=str(meta.get("training_data_version", "")),
-        licence=str(meta.get("licence", "")),
-        allowed_tasks=",".join(meta.get("allowed_tasks", [])),
-        signature=(e.signature or {}).get("method")))
+    return [(adapters, {
+        "digest": e.digest, "tenant": e.tenant, "alias": e.alias, "base_digest": e.base_digest,
+        "tokenizer_digest": e.tokenizer_digest, "state": DRAFT, "rank": e.rank,
+        "registered_at": e.timestamp, "owner": str(meta.get("owner", "")),
+        "training_data_version": str(meta.get("training_data_version", "")),
+        "licence": str(meta.get("licence", "")),
+        "allowed_tasks": ",".join(meta.get("allowed_tasks", [])),
+        "signature": (e.signature or {}).get("method"),
+        "evaluation_report_digest": None, "release_digest": None})]
+
+
+def _serving_step(step: str) -> Callable[[Any], Rows]:
+    def rows(e: Any) -> Rows:
+        return [(serving_steps, {"digest": e.digest, "host": e.host, "step": step,
+                                 "at": e.timestamp})]
+    return rows
+
+
+def _release_created(e: Release.ReleaseCreated) -> Rows:
+    return [(releases, {
+        "digest": e.digest, "tenant": e.tenant, "adapter_digest": e.adapter_digest,
+        "base_digest": e.base_digest, "tokenizer_digest": e.tokenizer_digest,
+        "chat_template_digest": e.chat_template_digest,
+        "inference_defaults": json.dumps(e.inference_defaults, sort_keys=True),
+        "evaluation_report_digest": e.evaluation_report_digest, "created_at": e.timestamp})]
+
+
+def _alias_created(e: Alias.AliasCreated) -> Rows:
+    return [(routes, {"alias": e.name, "owner": e.owner, "stable_release": e.release,
+                      "canary_release": None, "canary_percent": 0})]
+
+
+def _alias_granted(e: Alias.AliasGranted) -> Rows:
+    return [(grants, {"tenant": e.tenant, "alias": e.alias})]
+
+
+def _signing_key_recorded(e: SigningKey.SigningKeyRecorded) -> Rows:
+    return [(signing_keys, {"kid": e.kid, "public_key": e.public_key_b64,
+                            "created_at": e.timestamp})]
+
+
+INSERTS: dict[type, Callable[[Any], Rows]] = {
+    Tenant.TenantCreated: _tenant_created,
+    BaseModel.BaseRegistered: _base_registered,
+    Adapter.AdapterRegistered: _adapter_registered,
+    Adapter.AdapterDrained: _serving_step("drained"),
+    Adapter.AdapterPurged: _serving_step("purged"),
+    Adapter.AdapterUnloaded: _serving_step("unloaded"),
+    Release.ReleaseCreated: _release_created,
+    Alias.AliasCreated: _alias_created,
+    Alias.AliasGranted: _alias_granted,
+    SigningKey.SigningKeyRecorded: _signing_key_recorded,
+}
 
 
 def _evaluation_recorded(conn: Connection, e: Adapter.EvaluationRecorded) -> None:
@@ -138,27 +189,6 @@ def _adapter_revoked(conn: Connection, e: Adapter.AdapterRevoked) -> None:
     conn.execute(adapters.update().where(adapters.c.digest == e.digest).values(state=REVOKED))
     conn.execute(revocations.insert().values(digest=e.digest, reason=e.reason,
                                              revoked_at=e.timestamp))
-
-
-def _serving_step(step: str) -> Callable[[Connection, Any], None]:
-    def handler(conn: Connection, e: Any) -> None:
-        conn.execute(serving_steps.insert().values(digest=e.digest, host=e.host, step=step,
-                                                   at=e.timestamp))
-    return handler
-
-
-def _release_created(conn: Connection, e: Release.ReleaseCreated) -> None:
-    conn.execute(releases.insert().values(
-        digest=e.digest, tenant=e.tenant, adapter_digest=e.adapter_digest,
-        base_digest=e.base_digest, tokenizer_digest=e.tokenizer_digest,
-        chat_template_digest=e.chat_template_digest,
-        inference_defaults=json.dumps(e.inference_defaults, sort_keys=True),
-        evaluation_report_digest=e.evaluation_report_digest, created_at=e.timestamp))
-
-
-def _alias_created(conn: Connection, e: Alias.AliasCreated) -> None:
-    conn.execute(routes.insert().values(alias=e.name, owner=e.owner, stable_release=e.release,
-                                        canary_release=None, canary_percent=0))
 
 
 def _alias_pointed(conn: Connection, e: Alias.AliasPointed) -> None:
@@ -185,41 +215,49 @@ def _alias_rolled_back(conn: Connection, e: Alias.AliasRolledBack) -> None:
                  .values(stable_release=e.to_release))
 
 
-def _alias_granted(conn: Connection, e: Alias.AliasGranted) -> None:
-    conn.execute(grants.insert().values(tenant=e.tenant, alias=e.alias))
-
-
-def _signing_key_recorded(conn: Connection, e: SigningKey.SigningKeyRecorded) -> None:
-    conn.execute(signing_keys.insert().values(kid=e.kid, public_key=e.public_key_b64,
-                                              created_at=e.timestamp))
-
-
+# Events that change rows already there.
 HANDLERS: dict[type, Callable[[Connection, Any], None]] = {
-    Tenant.TenantCreated: _tenant_created,
-    BaseModel.BaseRegistered: _base_registered,
-    Adapter.AdapterRegistered: _adapter_registered,
     Adapter.EvaluationRecorded: _evaluation_recorded,
     Adapter.AdapterPromoted: _adapter_promoted,
     Adapter.AdapterRevoked: _adapter_revoked,
-    Adapter.AdapterDrained: _serving_step("drained"),
-    Adapter.AdapterPurged: _serving_step("purged"),
-    Adapter.AdapterUnloaded: _serving_step("unloaded"),
-    Release.ReleaseCreated: _release_created,
-    Alias.AliasCreated: _alias_created,
     Alias.AliasPointed: _alias_pointed,
     Alias.AliasCanarySet: _alias_canary_set,
     Alias.AliasCanaryCleared: _alias_canary_cleared,
     Alias.AliasRolledBack: _alias_rolled_back,
-    Alias.AliasGranted: _alias_granted,
-    SigningKey.SigningKeyRecorded: _signing_key_recorded,
 }
 
 
 def apply(conn: Connection, domain_event: Any) -> None:
     """Fold one domain event into the view tables; events the views ignore are skipped."""
+    rows = INSERTS.get(type(domain_event))
+    if rows is not None:
+        for table, row in rows(domain_event):
+            conn.execute(table.insert(), row)
+        return
     handler = HANDLERS.get(type(domain_event))
     if handler is not None:
         handler(conn, domain_event)
+
+
+def apply_all(conn: Connection, domain_events: Iterable[Any]) -> None:
+    """Fold events in order, as ``apply`` would one by one, but insert each run of row-only
+    events with one executemany per table (flushed before any event that changes rows)."""
+    pending: dict[sa.Table, list[dict[str, Any]]] = {}
+
+    def flush() -> None:
+        for table, rows in pending.items():
+            conn.execute(table.insert(), rows)
+        pending.clear()
+
+    for event in domain_events:
+        rows = INSERTS.get(type(event))
+        if rows is None:
+            flush()
+            apply(conn, event)
+            continue
+        for table, row in rows(event):
+            pending.setdefault(table, []).append(row)
+    flush()
 
 
 # ---------------------------------------------------------------------------------------------

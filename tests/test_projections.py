@@ -42,9 +42,11 @@ apply_counts = sa.Table(
 )
 
 
-def counting_apply(engine: Engine, fail_at: int | None = None) -> Callable[[Connection, Any], None]:
-    """``routing.apply`` that also counts, IN the projection's transaction, how often each event
-    was applied: a rolled-back batch leaves no count behind, a committed one leaves exactly 1."""
+def counting_apply(engine: Engine, fail_at: int | None = None
+                   ) -> Callable[[Connection, list[Any]], None]:
+    """``routing.apply_all`` that applies event by event and also counts, IN the projection's
+    transaction, how often each event was applied: a rolled-back batch leaves no count behind,
+    a committed one leaves exactly 1."""
     apply_counts.create(engine, checkfirst=True)
     calls = {"n": 0}
 
@@ -60,7 +62,11 @@ def counting_apply(engine: Engine, fail_at: int | None = None) -> Callable[[Conn
             conn.execute(apply_counts.insert().values(event=key, n=1))
         REAL_APPLY(conn, event)
 
-    return apply
+    def apply_all(conn: Connection, events: list[Any]) -> None:
+        for event in events:
+            apply(conn, event)
+
+    return apply_all
 
 
 def counts(engine: Engine) -> list[int]:
@@ -144,13 +150,13 @@ class ProjectionContract:
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         total = self._total(registry)
-        monkeypatch.setattr(routing, "apply", counting_apply(engine, fail_at=5))
+        monkeypatch.setattr(routing, "apply_all", counting_apply(engine, fail_at=5))
         first = ProjectionFollower(registry, engine, batch_size=3)
         with pytest.raises(RuntimeError, match="killed"):
             first.catch_up()
         assert first.position() == 3  # batch 1 committed, batch 2 rolled back entirely
         assert counts(engine) == [1, 1, 1]
-        monkeypatch.setattr(routing, "apply", counting_apply(engine))
+        monkeypatch.setattr(routing, "apply_all", counting_apply(engine))
         second = ProjectionFollower(registry, engine, batch_size=3)
         assert second.catch_up() == total - 3
         assert sorted(counts(engine)) == [1] * total
@@ -159,7 +165,7 @@ class ProjectionContract:
                                           history: dict[str, str],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
         total = self._total(registry)
-        monkeypatch.setattr(routing, "apply", counting_apply(engine))
+        monkeypatch.setattr(routing, "apply_all", counting_apply(engine))
         follower = ProjectionFollower(registry, engine, batch_size=4)
         real_write = ProjectionFollower._write_position
         calls = {"n": 0}
@@ -182,7 +188,7 @@ class ProjectionContract:
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         total = self._total(registry)
-        monkeypatch.setattr(routing, "apply", counting_apply(engine))
+        monkeypatch.setattr(routing, "apply_all", counting_apply(engine))
         followers = [ProjectionFollower(registry, engine, batch_size=2) for _ in range(3)]
         errors: list[BaseException] = []
 
@@ -217,6 +223,28 @@ class ProjectionContract:
         assert snapshot(scratch) == live
         scratch.dispose()
 
+    def test_batched_inserts_equal_event_by_event(
+            self, registry: Registry, engine: Engine, history: dict[str, str], tmp_path: Path,
+            monkeypatch: pytest.MonkeyPatch) -> None:
+        """``apply_all`` (one executemany per table for each run of row-only events) leaves
+        exactly the rows ``apply`` leaves one event at a time, updates interleaved."""
+        registry.revoke(history["beta"], "rotated", actor="sec")
+        registry.record_serving_step(history["beta"], "h1", "drained", actor="h1")
+        registry.point_alias("globex-chat", history["base"], actor="op")
+        registry.create_tenant("initech", actor="op")
+        follower = ProjectionFollower(registry, engine)
+        batched = sa.create_engine(f"sqlite:///{tmp_path / 'batched.db'}")
+        one_by_one = sa.create_engine(f"sqlite:///{tmp_path / 'one-by-one.db'}")
+        follower.rebuild_into(batched)
+        monkeypatch.setattr(routing, "apply_all", lambda conn, events: [
+            REAL_APPLY(conn, e) for e in events])
+        follower.rebuild_into(one_by_one)
+        rows = snapshot(batched)
+        assert rows["serving_steps"] and rows["revocations"] and len(rows["tenants"]) == 3
+        assert rows == snapshot(one_by_one)
+        batched.dispose()
+        one_by_one.dispose()
+
     def test_registry_catches_up_after_commands(self, settings: Settings,
                                                 engine: Engine) -> None:
         reg = Registry(settings)  # follow=True: the default for the CLI
@@ -232,7 +260,7 @@ class ProjectionContract:
         back; one that finds other processes' events before its own reads the log, and every
         event is applied exactly once either way."""
         a, b = Registry(settings), Registry(settings, follow=False)
-        monkeypatch.setattr(routing, "apply", counting_apply(engine))
+        monkeypatch.setattr(routing, "apply_all", counting_apply(engine))
         reads: list[int] = []
         real = a.recorder.select_notifications
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures_control import Artifacts, build_artifacts
+
 
 @pytest.fixture(scope="session")
 def kit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -22,3 +24,9 @@ def kit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("kit")
     build_kit(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Artifacts:
+    """Tiny control-plane fixtures (bases, tokenizer, adapters, broken variants), built once."""
+    return build_artifacts(tmp_path_factory.mktemp("control-artifacts"))

@@ -127,11 +127,6 @@ def build_artifacts(root: Path) -> Artifacts:
     return Artifacts(base=base, tokenizer=tok, base_b=base_b, adapters=adapters)
 
 
-@pytest.fixture(scope="session")
-def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Artifacts:
-    return build_artifacts(tmp_path_factory.mktemp("control-artifacts"))
-
-
 # -- databases ----------------------------------------------------------------------------------
 
 
@@ -161,6 +156,28 @@ def postgres_settings(home: Path, max_rank: int = 8) -> Iterator[Settings]:
         with admin.begin() as conn:
             conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
         admin.dispose()
+
+
+class OnSQLite:
+    """Mixin for a contract suite: run it on a fresh SQLite file."""
+
+    @pytest.fixture
+    def settings(self, tmp_path: Path) -> Iterator[Settings]:
+        s = sqlite_settings(tmp_path / "home")
+        s.ensure_dirs()
+        yield s
+
+
+@pytest.mark.postgres
+class OnPostgres:
+    """Mixin for a contract suite: run it on a fresh PostgreSQL schema (skipped without
+    ``LORAPLANE_TEST_PG_URL``)."""
+
+    @pytest.fixture
+    def settings(self, tmp_path: Path) -> Iterator[Settings]:
+        with postgres_settings(tmp_path / "home") as s:
+            s.ensure_dirs()
+            yield s
 
 
 def close_registry(registry: object) -> None:

@@ -20,16 +20,17 @@ from control.db import make_engine
 from control.domain import TenantPolicy
 from control.integrity import AuditSeal, Report
 from control.registry import Registry
-from tests.fixtures_control import close_registry, postgres_settings, sqlite_settings
+from tests.fixtures_control import (
+    OnPostgres,
+    OnSQLite,
+    close_registry,
+    sqlite_settings,
+)
 
 EVENTS = "registry_events"
 
 
 class IntegrityContract:
-    @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        raise NotImplementedError
-
     @pytest.fixture
     def registry(self, settings: Settings) -> Iterator[Registry]:
         reg = Registry(settings, follow=False)
@@ -116,18 +117,12 @@ class IntegrityContract:
         assert not report.ok and {p.kind for p in report.problems} == {"checkpoint"}
 
 
-class TestIntegritySQLite(IntegrityContract):
-    @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        yield sqlite_settings(tmp_path / "home")
+class TestIntegritySQLite(OnSQLite, IntegrityContract):
+    pass
 
 
-@pytest.mark.postgres
-class TestIntegrityPostgres(IntegrityContract):
-    @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        with postgres_settings(tmp_path / "home") as s:
-            yield s
+class TestIntegrityPostgres(OnPostgres, IntegrityContract):
+    pass
 
 
 def test_commands_seal_every_hundred_events_without_asking_each_time(

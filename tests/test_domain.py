@@ -34,7 +34,7 @@ from control.domain import (
     tenant_id,
 )
 from control.validation import BaseInfo, base_linear_shapes, validate_adapter
-from tests.fixtures_control import Artifacts, artifacts  # noqa: F401  (pytest fixture)
+from tests.fixtures_control import Artifacts
 
 D1 = "sha256:" + "1" * 64
 D2 = "sha256:" + "2" * 64
@@ -232,7 +232,7 @@ def _validate(art: Artifacts, path: Path, max_rank: int = 8) -> object:
                             lookup_base=lambda ref: info if ref in ("tiny", info.digest) else None)
 
 
-def test_valid_adapter(artifacts: Artifacts) -> None:  # noqa: F811
+def test_valid_adapter(artifacts: Artifacts) -> None:
     facts = _validate(artifacts, artifacts.adapters["gamma"])
     assert facts.rank == 4  # type: ignore[attr-defined]
     assert facts.target_modules == ["k_proj", "o_proj", "q_proj", "v_proj"]  # type: ignore[attr-defined]
@@ -246,14 +246,14 @@ def test_valid_adapter(artifacts: Artifacts) -> None:  # noqa: F811
     ("unregistered-base", "base"),
     ("other-base", "base"),
 ])
-def test_each_check_names_itself(artifacts: Artifacts, name: str, check: str) -> None:  # noqa: F811
+def test_each_check_names_itself(artifacts: Artifacts, name: str, check: str) -> None:
     with pytest.raises(ValidationFailed) as info:
         _validate(artifacts, artifacts.adapters[name])
     assert info.value.check == check
     assert str(artifacts.adapters[name].parent) not in info.value.message
 
 
-def test_config_and_structure_checks(artifacts: Artifacts, tmp_path: Path) -> None:  # noqa: F811
+def test_config_and_structure_checks(artifacts: Artifacts, tmp_path: Path) -> None:
     src = artifacts.adapters["alpha"]
 
     def variant(name: str) -> Path:

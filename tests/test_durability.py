@@ -14,10 +14,8 @@ import subprocess
 import sys
 import textwrap
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import sqlalchemy as sa
 
 from control.audit import audit_log
@@ -25,7 +23,11 @@ from control.config import Settings
 from control.db import make_engine
 from control.registry import Registry
 from projections.follower import ProjectionFollower, snapshot
-from tests.fixtures_control import close_registry, postgres_settings, sqlite_settings
+from tests.fixtures_control import (
+    OnPostgres,
+    OnSQLite,
+    close_registry,
+)
 
 BURST = 1000
 KILL_AFTER = 150
@@ -45,10 +47,6 @@ CHILD = textwrap.dedent("""
 
 
 class DurabilityContract:
-    @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        raise NotImplementedError
-
     def test_kill_9_mid_burst(self, settings: Settings, tmp_path: Path) -> None:
         settings.ensure_dirs()
         root = Path(__file__).resolve().parents[1]
@@ -91,15 +89,9 @@ class DurabilityContract:
             close_registry(reg)
 
 
-class TestDurabilitySQLite(DurabilityContract):
-    @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        yield sqlite_settings(tmp_path / "home")
+class TestDurabilitySQLite(OnSQLite, DurabilityContract):
+    pass
 
 
-@pytest.mark.postgres
-class TestDurabilityPostgres(DurabilityContract):
-    @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        with postgres_settings(tmp_path / "home") as s:
-            yield s
+class TestDurabilityPostgres(OnPostgres, DurabilityContract):
+    pass

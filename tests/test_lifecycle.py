@@ -31,12 +31,11 @@ from control.releases import MANIFEST_FILE, get_document
 from control.ticket_office import NotGranted, TicketOffice
 from control.tickets import TicketSigner
 from projections.routing import RoutingView
-from tests.fixtures_control import (  # noqa: F401  (pytest fixture)
+from tests.fixtures_control import (
     Artifacts,
-    artifacts,
+    OnPostgres,
+    OnSQLite,
     close_registry,
-    postgres_settings,
-    sqlite_settings,
 )
 
 EVAL = {"suite": "smoke", "accuracy": 0.91, "passed": True}
@@ -67,10 +66,6 @@ def _sign(folder: Path, private_key: Path, out: Path) -> Path:
 
 class LifecycleContract:
     @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        raise NotImplementedError
-
-    @pytest.fixture
     def registry(self, settings: Settings) -> Iterator[Registry]:
         reg = Registry(settings)
         yield reg
@@ -81,7 +76,7 @@ class LifecycleContract:
         return RoutingView(registry.follower.engine)
 
     @pytest.fixture
-    def base(self, registry: Registry, artifacts: Artifacts) -> str:  # noqa: F811
+    def base(self, registry: Registry, artifacts: Artifacts) -> str:
         digest = registry.register_base(artifacts.base, artifacts.tokenizer, name="tiny",
                                         actor="op", alias="tiny-base")
         registry.create_tenant("acme", actor="op")
@@ -89,7 +84,7 @@ class LifecycleContract:
         return digest
 
     def test_illegal_transitions_record_nothing(self, registry: Registry,
-                                                artifacts: Artifacts, base: str) -> None:  # noqa: F811
+                                                artifacts: Artifacts, base: str) -> None:
         d = registry.register_adapter(artifacts.adapters["alpha"], tenant="acme", alias="chat",
                                       actor="alice")
         before = _events(registry)
@@ -104,7 +99,7 @@ class LifecycleContract:
         assert registry.store.digests() == sorted(registry.store.digests())  # nothing partial
 
     def test_release_manifest_canary_split_and_rollback(
-            self, registry: Registry, artifacts: Artifacts, base: str, view: RoutingView,  # noqa: F811
+            self, registry: Registry, artifacts: Artifacts, base: str, view: RoutingView,
             settings: Settings) -> None:
         v1 = registry.register_adapter(artifacts.adapters["alpha"], tenant="acme",
                                        alias="chat", actor="alice",
@@ -162,7 +157,7 @@ class LifecycleContract:
         with pytest.raises(NotGranted):
             office.issue("acme", "chat", "x")
 
-    def test_revocation_workflow_events(self, registry: Registry, artifacts: Artifacts,  # noqa: F811
+    def test_revocation_workflow_events(self, registry: Registry, artifacts: Artifacts,
                                         base: str, view: RoutingView) -> None:
         d = registry.register_adapter(artifacts.adapters["alpha"], tenant="acme", alias="chat",
                                       actor="alice")
@@ -181,7 +176,7 @@ class LifecycleContract:
         with pytest.raises(IllegalTransition):
             registry.point_alias("chat", d, actor="op")
 
-    def test_tenant_limits(self, registry: Registry, artifacts: Artifacts, base: str,  # noqa: F811
+    def test_tenant_limits(self, registry: Registry, artifacts: Artifacts, base: str,
                            tmp_path: Path) -> None:
         registry.set_policy("acme", TenantPolicy(max_adapters=1, max_rank=2,
                                                  allowed_target_modules={base: ["q_proj"]}),
@@ -212,7 +207,7 @@ class LifecycleContract:
         rejected = [e for e in audit_log(registry) if e.event_type == "RegistrationRejected"]
         assert len(rejected) == 4 and all(e.summary["tenant"] == "acme" for e in rejected)
 
-    def test_submitted_folder_shape(self, registry: Registry, artifacts: Artifacts,  # noqa: F811
+    def test_submitted_folder_shape(self, registry: Registry, artifacts: Artifacts,
                                     base: str, tmp_path: Path) -> None:
         import shutil
 
@@ -240,7 +235,7 @@ class LifecycleContract:
             assert str(tmp_path) not in info.value.message
         assert registry.store.digests() == stored
 
-    def test_signatures(self, registry: Registry, artifacts: Artifacts, base: str,  # noqa: F811
+    def test_signatures(self, registry: Registry, artifacts: Artifacts, base: str,
                         tmp_path: Path, view: RoutingView) -> None:
         import shutil
 
@@ -279,7 +274,7 @@ class LifecycleContract:
             registry.promote(unsigned_tenant_adapter, actor="gina")
 
     def test_incident_queries_by_training_data_and_base(
-            self, registry: Registry, artifacts: Artifacts, base: str,  # noqa: F811
+            self, registry: Registry, artifacts: Artifacts, base: str,
             settings: Settings) -> None:
         d1 = registry.register_adapter(artifacts.adapters["alpha"], tenant="acme", alias="a",
                                        actor="alice",
@@ -303,7 +298,7 @@ class LifecycleContract:
         with pytest.raises(ValueError):
             requests_for(settings, base=base, adapter=d1)
 
-    def test_state_as_of(self, registry: Registry, artifacts: Artifacts, base: str) -> None:  # noqa: F811
+    def test_state_as_of(self, registry: Registry, artifacts: Artifacts, base: str) -> None:
         d = registry.register_adapter(artifacts.adapters["alpha"], tenant="acme", alias="chat",
                                       actor="alice")
         registry.release(d, evaluation=EVAL, actor="alice")
@@ -321,7 +316,7 @@ class LifecycleContract:
         before = state_as_of(registry, dt.datetime(2000, 1, 1))
         assert before["adapters"] == [] and before["position"] == 0
 
-    def test_concurrent_alias_moves_one_wins(self, registry: Registry, artifacts: Artifacts,  # noqa: F811
+    def test_concurrent_alias_moves_one_wins(self, registry: Registry, artifacts: Artifacts,
                                              base: str, settings: Settings) -> None:
         d = registry.register_adapter(artifacts.adapters["alpha"], tenant="acme", alias="chat",
                                       actor="alice")
@@ -376,21 +371,15 @@ class LifecycleContract:
             close_registry(other)
 
 
-class TestLifecycleSQLite(LifecycleContract):
-    @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        yield sqlite_settings(tmp_path / "home")
+class TestLifecycleSQLite(OnSQLite, LifecycleContract):
+    pass
 
 
-@pytest.mark.postgres
-class TestLifecyclePostgres(LifecycleContract):
-    @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        with postgres_settings(tmp_path / "home") as s:
-            yield s
+class TestLifecyclePostgres(OnPostgres, LifecycleContract):
+    pass
 
 
-def test_cli_policy_evaluate_canary_rollback(tmp_path: Path, artifacts: Artifacts) -> None:  # noqa: F811
+def test_cli_policy_evaluate_canary_rollback(tmp_path: Path, artifacts: Artifacts) -> None:
     from typer.testing import CliRunner
 
     from control.cli import app

@@ -20,9 +20,8 @@ import pytest
 from control.clients import free_port, request_ticket
 from control.config import Settings
 from control.registry import Registry
-from tests.fixtures_control import (  # noqa: F401  (pytest fixture)
+from tests.fixtures_control import (
     Artifacts,
-    artifacts,
     close_registry,
     postgres_settings,
 )
@@ -63,7 +62,7 @@ def _wait(predicate: object, timeout: float = 30.0) -> bool:
 
 
 def test_two_gateways_and_follower_share_one_postgres(settings: Settings,
-                                                      artifacts: Artifacts) -> None:  # noqa: F811
+                                                      artifacts: Artifacts) -> None:
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "LORAPLANE_HOME": str(settings.home),
            "LORAPLANE_DB_URL": settings.db_url}

@@ -25,11 +25,11 @@ from control.registry import Registry
 from projections import routing
 from projections.follower import ProjectionFollower, snapshot
 from projections.routing import RoutingView
-from tests.fixtures_control import (  # noqa: F401  (pytest fixture)
+from tests.fixtures_control import (
     Artifacts,
-    artifacts,
+    OnPostgres,
+    OnSQLite,
     close_registry,
-    postgres_settings,
     sqlite_settings,
 )
 
@@ -76,10 +76,6 @@ def counts(engine: Engine) -> list[int]:
 
 class ProjectionContract:
     @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        raise NotImplementedError
-
-    @pytest.fixture
     def registry(self, settings: Settings) -> Iterator[Registry]:
         """A registry that does NOT catch up by itself: the tests drive the follower."""
         reg = Registry(settings, follow=False)
@@ -91,7 +87,7 @@ class ProjectionContract:
         return make_engine(settings.db_url)
 
     @pytest.fixture
-    def history(self, registry: Registry, artifacts: Artifacts) -> dict[str, str]:  # noqa: F811
+    def history(self, registry: Registry, artifacts: Artifacts) -> dict[str, str]:
         """A dozen-odd events across every aggregate kind."""
         base = registry.register_base(artifacts.base, artifacts.tokenizer, name="tiny",
                                       actor="op", alias="tiny-base")
@@ -306,18 +302,12 @@ class ProjectionContract:
         assert proc.returncode == 0, out.decode(errors="replace")[-2000:]
 
 
-class TestProjectionsSQLite(ProjectionContract):
-    @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        yield sqlite_settings(tmp_path / "home")
+class TestProjectionsSQLite(OnSQLite, ProjectionContract):
+    pass
 
 
-@pytest.mark.postgres
-class TestProjectionsPostgres(ProjectionContract):
-    @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        with postgres_settings(tmp_path / "home") as s:
-            yield s
+class TestProjectionsPostgres(OnPostgres, ProjectionContract):
+    pass
 
 
 def test_run_loop_stops_when_asked(tmp_path: Path) -> None:

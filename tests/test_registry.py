@@ -19,22 +19,17 @@ from control.domain import AlreadyExists, DomainError, IllegalTransition, NotFou
 from control.registry import Registry
 from control.store import ArtifactCorrupt, ArtifactMissing, ArtifactStore
 from projections.routing import RoutingView
-from tests.fixtures_control import (  # noqa: F401  (pytest fixture)
+from tests.fixtures_control import (
     Artifacts,
-    artifacts,
+    OnPostgres,
+    OnSQLite,
     close_registry,
-    postgres_settings,
-    sqlite_settings,
 )
 
 PUBLIC_KEY_B64 = "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo="
 
 
 class RegistryContract:
-    @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        raise NotImplementedError
-
     @pytest.fixture
     def registry(self, settings: Settings) -> Iterator[Registry]:
         reg = Registry(settings)
@@ -46,7 +41,7 @@ class RegistryContract:
         return RoutingView(registry.follower.engine)
 
     @pytest.fixture
-    def base(self, registry: Registry, artifacts: Artifacts) -> str:  # noqa: F811
+    def base(self, registry: Registry, artifacts: Artifacts) -> str:
         return registry.register_base(artifacts.base, artifacts.tokenizer, name="tiny",
                                       actor="op", alias="tiny-base")
 
@@ -77,7 +72,7 @@ class RegistryContract:
 
     # -- bases, adapters ----------------------------------------------------------------------
 
-    def test_register_base(self, registry: Registry, artifacts: Artifacts,  # noqa: F811
+    def test_register_base(self, registry: Registry, artifacts: Artifacts,
                            base: str, view: RoutingView) -> None:
         assert base == directory_digest(artifacts.base)
         b = registry.base("tiny")
@@ -94,7 +89,7 @@ class RegistryContract:
         route = view.resolve("acme", "tiny-base")
         assert route is not None and route.adapter_digest is None and route.base_digest == base
 
-    def test_adapter_lifecycle_and_routing(self, registry: Registry, artifacts: Artifacts,  # noqa: F811
+    def test_adapter_lifecycle_and_routing(self, registry: Registry, artifacts: Artifacts,
                                            base: str, view: RoutingView) -> None:
         registry.create_tenant("acme", actor="op")
         registry.create_tenant("globex", actor="op")
@@ -137,7 +132,7 @@ class RegistryContract:
         assert ("Release", "ReleaseCreated") in kinds
         assert all(e.actor for e in audit_log(registry))
 
-    def test_alias_owned_by_another_tenant(self, registry: Registry, artifacts: Artifacts,  # noqa: F811
+    def test_alias_owned_by_another_tenant(self, registry: Registry, artifacts: Artifacts,
                                            base: str) -> None:
         registry.create_tenant("acme", actor="op")
         registry.create_tenant("globex", actor="op")
@@ -169,7 +164,7 @@ class RegistryContract:
         ("big-rank", "rank"),
         ("extra-file", "files"),
     ])
-    def test_rejected_adapter(self, registry: Registry, artifacts: Artifacts,  # noqa: F811
+    def test_rejected_adapter(self, registry: Registry, artifacts: Artifacts,
                               base: str, name: str, check: str) -> None:
         registry.create_tenant("acme", actor="op")
         stored_before = registry.store.digests()
@@ -189,7 +184,7 @@ class RegistryContract:
             registry.alias("acme-x")
 
     def test_adapter_by_base_name_and_explicit_base(self, registry: Registry,
-                                                    artifacts: Artifacts,  # noqa: F811
+                                                    artifacts: Artifacts,
                                                     base: str) -> None:
         registry.create_tenant("acme", actor="op")
         d = registry.register_adapter(artifacts.adapters["by-name"], tenant="acme", alias="a1",
@@ -211,25 +206,19 @@ class RegistryContract:
         assert audit_log(registry, since=entries[1].position, limit=1)[0] == entries[2]
 
 
-class TestRegistrySQLite(RegistryContract):
-    @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        yield sqlite_settings(tmp_path / "home")
+class TestRegistrySQLite(OnSQLite, RegistryContract):
+    pass
 
 
-@pytest.mark.postgres
-class TestRegistryPostgres(RegistryContract):
-    @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        with postgres_settings(tmp_path / "home") as s:
-            yield s
+class TestRegistryPostgres(OnPostgres, RegistryContract):
+    pass
 
 
 # -- artifact store (no database) -----------------------------------------------------------
 
 
 def test_store_put_is_read_only_idempotent_and_verified(tmp_path: Path,
-                                                        artifacts: Artifacts) -> None:  # noqa: F811
+                                                        artifacts: Artifacts) -> None:
     store = ArtifactStore(tmp_path / "store")
     src = artifacts.adapters["alpha"]
     digest = directory_digest(src)

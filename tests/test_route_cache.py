@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -21,12 +20,11 @@ from control.tickets import TicketSigner
 from projections import route_cache
 from projections.route_cache import CachedRoutingView, RoutingUnavailable
 from projections.routing import RoutingView
-from tests.fixtures_control import (  # noqa: F401  (pytest fixture)
+from tests.fixtures_control import (
     Artifacts,
-    artifacts,
+    OnPostgres,
+    OnSQLite,
     close_registry,
-    postgres_settings,
-    sqlite_settings,
 )
 
 EVAL = {"suite": "smoke", "accuracy": 0.9, "passed": True}
@@ -48,17 +46,13 @@ def _answers(view: RoutingView, keys: dict[str, str]) -> dict[tuple[str, str, st
 
 class RouteCacheContract:
     @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        raise NotImplementedError
-
-    @pytest.fixture
     def registry(self, settings: Settings) -> Iterator[Registry]:
         reg = Registry(settings)
         yield reg
         close_registry(reg)
 
     @pytest.fixture
-    def world(self, registry: Registry, artifacts: Artifacts) -> dict[str, str]:  # noqa: F811
+    def world(self, registry: Registry, artifacts: Artifacts) -> dict[str, str]:
         """Two tenants, a granted base alias, a stable + 40% canary alias, another tenant's
         alias; returns {tenant: api key}."""
         registry.register_base(artifacts.base, artifacts.tokenizer, name="tiny", actor="op",
@@ -167,18 +161,12 @@ class RouteCacheContract:
         assert cached.resolve("acme", "tiny-base", "s") is not None
 
 
-class TestRouteCacheSQLite(RouteCacheContract):
-    @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        yield sqlite_settings(tmp_path / "home")
+class TestRouteCacheSQLite(OnSQLite, RouteCacheContract):
+    pass
 
 
-@pytest.mark.postgres
-class TestRouteCachePostgres(RouteCacheContract):
-    @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        with postgres_settings(tmp_path / "home") as s:
-            yield s
+class TestRouteCachePostgres(OnPostgres, RouteCacheContract):
+    pass
 
 
 def test_refresh_interval_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:

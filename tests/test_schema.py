@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +36,11 @@ from control.schema import (
 from projections import tables as projection_tables
 from projections.follower import ProjectionFollower, snapshot
 from projections.tables import create_tables
-from tests.fixtures_control import (  # noqa: F401  (pytest fixture)
+from tests.fixtures_control import (
     Artifacts,
-    artifacts,
+    OnPostgres,
+    OnSQLite,
     close_registry,
-    postgres_settings,
-    sqlite_settings,
 )
 
 D = "sha256:" + "1" * 64
@@ -120,10 +118,6 @@ def _cli(settings: Settings, *args: str) -> Any:
 
 
 class SchemaContract:
-    @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        raise NotImplementedError
-
     @pytest.fixture
     def engine(self, settings: Settings) -> Engine:
         return make_engine(settings.db_url)
@@ -301,7 +295,7 @@ class SchemaContract:
                 "acme"]
 
     def test_old_projections_are_rebuilt_from_the_events(
-            self, settings: Settings, engine: Engine, artifacts: Artifacts,  # noqa: F811
+            self, settings: Settings, engine: Engine, artifacts: Artifacts,
             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         registry = Registry(settings, follow=False)
         try:
@@ -348,7 +342,7 @@ class SchemaContract:
             close_registry(registry)
 
     @staticmethod
-    def _history(registry: Registry, artifacts: Artifacts) -> None:  # noqa: F811
+    def _history(registry: Registry, artifacts: Artifacts) -> None:
         registry.register_base(artifacts.base, artifacts.tokenizer, name="tiny", actor="op",
                                alias="tiny-base")
         registry.create_tenant("acme", actor="op")
@@ -373,18 +367,9 @@ def test_open_component_only_reads_when_current(tmp_path: Path) -> None:
             holder.rollback()
 
 
-class TestSchemaSQLite(SchemaContract):
-    @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        s = sqlite_settings(tmp_path / "home")
-        s.ensure_dirs()
-        yield s
+class TestSchemaSQLite(OnSQLite, SchemaContract):
+    pass
 
 
-@pytest.mark.postgres
-class TestSchemaPostgres(SchemaContract):
-    @pytest.fixture
-    def settings(self, tmp_path: Path) -> Iterator[Settings]:
-        with postgres_settings(tmp_path / "home") as s:
-            s.ensure_dirs()
-            yield s
+class TestSchemaPostgres(OnPostgres, SchemaContract):
+    pass

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -156,6 +157,25 @@ def postgres_settings(home: Path, max_rank: int = 8) -> Iterator[Settings]:
         with admin.begin() as conn:
             conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
         admin.dispose()
+
+
+class WithRegistry:
+    """Mixin for a contract suite: a following ``registry`` on its ``settings`` and the SQL
+    ``view`` of its routing projection."""
+
+    @pytest.fixture
+    def registry(self, settings: Settings) -> Iterator[Any]:
+        from control.registry import Registry
+
+        reg = Registry(settings)
+        yield reg
+        close_registry(reg)
+
+    @pytest.fixture
+    def view(self, registry: Any) -> Any:
+        from projections.routing import RoutingView
+
+        return RoutingView(registry.follower.engine)
 
 
 class OnSQLite:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,6 +34,7 @@ from tests.fixtures_control import (
     Artifacts,
     OnPostgres,
     OnSQLite,
+    WithRegistry,
     close_registry,
 )
 
@@ -64,17 +64,7 @@ def _sign(folder: Path, private_key: Path, out: Path) -> Path:
     return out
 
 
-class LifecycleContract:
-    @pytest.fixture
-    def registry(self, settings: Settings) -> Iterator[Registry]:
-        reg = Registry(settings)
-        yield reg
-        close_registry(reg)
-
-    @pytest.fixture
-    def view(self, registry: Registry) -> RoutingView:
-        return RoutingView(registry.follower.engine)
-
+class LifecycleContract(WithRegistry):
     @pytest.fixture
     def base(self, registry: Registry, artifacts: Artifacts) -> str:
         digest = registry.register_base(artifacts.base, artifacts.tokenizer, name="tiny",

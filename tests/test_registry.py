@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from control.audit import audit_log
-from control.config import Settings
 from control.digests import directory_digest
 from control.domain import AlreadyExists, DomainError, IllegalTransition, NotFound, ValidationFailed
 from control.registry import Registry
@@ -23,23 +21,13 @@ from tests.fixtures_control import (
     Artifacts,
     OnPostgres,
     OnSQLite,
-    close_registry,
+    WithRegistry,
 )
 
 PUBLIC_KEY_B64 = "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo="
 
 
-class RegistryContract:
-    @pytest.fixture
-    def registry(self, settings: Settings) -> Iterator[Registry]:
-        reg = Registry(settings)
-        yield reg
-        close_registry(reg)
-
-    @pytest.fixture
-    def view(self, registry: Registry) -> RoutingView:
-        return RoutingView(registry.follower.engine)
-
+class RegistryContract(WithRegistry):
     @pytest.fixture
     def base(self, registry: Registry, artifacts: Artifacts) -> str:
         return registry.register_base(artifacts.base, artifacts.tokenizer, name="tiny",

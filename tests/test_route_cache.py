@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
@@ -24,7 +23,7 @@ from tests.fixtures_control import (
     Artifacts,
     OnPostgres,
     OnSQLite,
-    close_registry,
+    WithRegistry,
 )
 
 EVAL = {"suite": "smoke", "accuracy": 0.9, "passed": True}
@@ -44,13 +43,7 @@ def _answers(view: RoutingView, keys: dict[str, str]) -> dict[tuple[str, str, st
     return out
 
 
-class RouteCacheContract:
-    @pytest.fixture
-    def registry(self, settings: Settings) -> Iterator[Registry]:
-        reg = Registry(settings)
-        yield reg
-        close_registry(reg)
-
+class RouteCacheContract(WithRegistry):
     @pytest.fixture
     def world(self, registry: Registry, artifacts: Artifacts) -> dict[str, str]:
         """Two tenants, a granted base alias, a stable + 40% canary alias, another tenant's

@@ -748,11 +748,11 @@ def _serve_gateway(port: int) -> None:
     from control.db import make_engine
     from control.gateway import make_app
     from control.ticket_office import TicketOffice
-    from projections.routing import RoutingView
+    from projections.route_cache import CachedRoutingView
 
     s = Settings.from_env()
     signer, _ = TicketSigner.load_or_create(s.keys_dir)
-    web.run_app(make_app(TicketOffice(s, RoutingView(make_engine(s.db_url)), signer)),
+    web.run_app(make_app(TicketOffice(s, CachedRoutingView(make_engine(s.db_url)), signer)),
                 host="127.0.0.1", port=port, print=None)
 
 

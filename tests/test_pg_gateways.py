@@ -37,10 +37,10 @@ GATEWAY = textwrap.dedent("""
     from control.gateway import make_app
     from control.tickets import TicketSigner
     from control.ticket_office import TicketOffice
-    from projections.routing import RoutingView
+    from projections.route_cache import CachedRoutingView
     s = Settings(home=Path(sys.argv[1]), db_url=sys.argv[2])
     signer, _ = TicketSigner.load_or_create(s.keys_dir)
-    office = TicketOffice(s, RoutingView(make_engine(s.db_url)), signer)
+    office = TicketOffice(s, CachedRoutingView(make_engine(s.db_url)), signer)
     web.run_app(make_app(office), host="127.0.0.1", port=int(sys.argv[3]), print=None)
 """)
 

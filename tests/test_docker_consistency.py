@@ -140,6 +140,12 @@ def test_ports_volumes_and_health_checks_agree() -> None:
     for name, svc in services.items():
         if name == "postgres":
             continue
+        if svc.get("restart") == "no":  # a one-shot job: what waits for it must say so
+            waiting = [n for n, other in services.items()
+                       if other.get("depends_on", {}).get(name, {}).get("condition")
+                       == "service_completed_successfully"]
+            assert waiting, f"{name} runs once but nothing waits for it to finish"
+            continue
         merged = {**compose["x-triton-host"], **svc} if name.startswith("triton") else svc
         argv = [str(a) for a in merged["command"]]
         listened = {argv[i + 1] for i, a in enumerate(argv[:-1]) if a.endswith("-port")}

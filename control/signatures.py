@@ -10,11 +10,24 @@ with its SHA-256, so that the signed manifest and the registered digest name the
 signature that ignores a file, uses another hash or a sharded serialization is refused.
 
 No network is used: key and certificate verification never contact Sigstore's transparency log.
+
+Certificates. ``model_signing`` 1.1.1 checks the chain (OpenSSL; intermediates must be CAs) from
+the bundle's leaf to a trusted certificate, which must be a self-signed root (or the self-signed
+leaf itself): an intermediate cannot be a trust anchor. It checks every certificate's validity
+at the leaf's own ``notBefore`` rather than now, so an expired or not-yet-valid leaf, intermediate
+or root passes; and it accepts a leaf whose key usage allows digital signatures *or* whose
+extended key usage names code signing, so a TLS server certificate (digitalSignature,
+serverAuth) from the same CA passes too. There is no trusted timestamp to prove an earlier
+signing time, so loraplane also requires, at registration, that every certificate in the bundle
+and the trusted certificate be valid now, and that the leaf be a code-signing certificate:
+extended key usage ``codeSigning``, and key usage, if present, allowing digital signatures.
+Revocation (CRL/OCSP) is not checked.
 """
 
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import hashlib
 import json
 import tempfile
@@ -24,6 +37,7 @@ from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from control.digests import directory_digest
 from control.domain import ValidationFailed
@@ -58,13 +72,71 @@ def fingerprint(pem: str) -> str:
 
 
 def check_trusted_key(pem: str) -> str:
-    """Validate a PEM public key or certificate for a policy; return it stripped."""
+    """Validate a PEM public key or certificate for a policy; return it stripped.
+
+    One key or certificate per entry (its fingerprint is what registration records); a
+    certificate must be self-signed, since ``model_signing`` anchors a chain only at a root.
+    """
     pem = pem.strip() + "\n"
+    if pem.count("-----BEGIN ") != 1:
+        raise ValueError("a trusted key must be exactly one PEM public key or certificate")
     try:
         fingerprint(pem)
     except Exception:
         raise ValueError("not a PEM public key or certificate") from None
+    if "BEGIN CERTIFICATE" in pem:
+        cert = x509.load_pem_x509_certificate(pem.encode("ascii"))
+        try:
+            cert.verify_directly_issued_by(cert)
+        except Exception:
+            raise ValueError("a trusted certificate must be a self-signed (root) CA "
+                             "certificate; model_signing cannot anchor at an intermediate"
+                             ) from None
     return pem
+
+
+def _bundle_certificates(signature: Path) -> list[x509.Certificate]:
+    """The certificates of a bundle's chain, leaf first, parsed as ``model_signing`` does."""
+    bundle = json.loads(signature.read_text(encoding="utf-8"))
+    chain = bundle["verificationMaterial"]["x509CertificateChain"]["certificates"]
+    return [x509.load_der_x509_certificate(base64.b64decode(c["rawBytes"])) for c in chain]
+
+
+def _certificate_problem(signature: Path, anchor: x509.Certificate,
+                         now: dt.datetime) -> str | None:
+    """What makes a chain ``model_signing`` accepted unfit for registration now, if anything.
+
+    Every certificate in the bundle and the trusted ``anchor`` must be valid at ``now`` (the
+    verified path is made of these), and the leaf must be a code-signing certificate.
+    """
+    try:
+        certs = _bundle_certificates(signature)
+    except (KeyError, TypeError, ValueError, IndexError):
+        return "the signature bundle is malformed"
+    if not certs:
+        return "the signature bundle has no signing certificate"
+    leaf = certs[0]
+    named = [(leaf, "the signing certificate"), (anchor, "your tenant's trusted CA certificate")]
+    named += [(c, "a certificate in the signature's chain") for c in certs[1:]]
+    for cert, what in named:
+        if now < cert.not_valid_before_utc:
+            return f"{what} is not valid until {cert.not_valid_before_utc.isoformat()}"
+        if now > cert.not_valid_after_utc:
+            return f"{what} expired on {cert.not_valid_after_utc.isoformat()}"
+    try:
+        eku = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        eku = None
+    if eku is None or ExtendedKeyUsageOID.CODE_SIGNING not in eku:
+        return ("the signing certificate is not a code-signing certificate (its extended key "
+                "usage must include codeSigning)")
+    try:
+        usage = leaf.extensions.get_extension_for_class(x509.KeyUsage).value
+    except x509.ExtensionNotFound:
+        usage = None
+    if usage is not None and not usage.digital_signature:
+        return "the signing certificate's key usage does not allow digital signatures"
+    return None
 
 
 def _signed_manifest_digest(signature: Path) -> str:
@@ -100,23 +172,34 @@ def verify_signature(adapter_dir: Path, signature: Path,
         raise ValidationFailed("signature", "the signature must be a model_signing bundle file")
     if not trusted:
         raise ValidationFailed("signature", "your tenant has no trusted signing key")
+    now = dt.datetime.now(dt.timezone.utc)
+    refusal = None  # why a signature that verified with some trusted certificate is unfit
     with tempfile.TemporaryDirectory(prefix="lp-sig-") as tmp:
         sig_copy = Path(tmp) / "signature.json"
         sig_copy.write_bytes(signature.read_bytes())  # verify what we parse, once read
         for i, pem in enumerate(trusted):
             pem_path = Path(tmp) / f"trusted-{i}.pem"
-            pem_path.write_text(pem)
-            config = verifying.Config()
-            if "BEGIN CERTIFICATE" in pem:
-                config.use_certificate_verifier(certificate_chain=[pem_path])
-                method = METHOD_CERTIFICATE
-            else:
-                config.use_elliptic_key_verifier(public_key=pem_path)
-                method = METHOD_KEY
+            anchor = None
             try:
+                config = verifying.Config()
+                if "BEGIN CERTIFICATE" in pem:
+                    # Trust exactly the certificate whose fingerprint is recorded, not any
+                    # further certificates the policy entry might hold.
+                    anchor = x509.load_pem_x509_certificate(pem.encode("ascii"))
+                    pem_path.write_bytes(anchor.public_bytes(serialization.Encoding.PEM))
+                    config.use_certificate_verifier(certificate_chain=[pem_path])
+                    method = METHOD_CERTIFICATE
+                else:
+                    pem_path.write_text(pem)
+                    config.use_elliptic_key_verifier(public_key=pem_path)
+                    method = METHOD_KEY
                 config.verify(adapter_dir, sig_copy)
             except Exception:  # model_signing raises several types for a failed verification
                 continue
+            if anchor is not None:
+                refusal = _certificate_problem(sig_copy, anchor, now)
+                if refusal is not None:
+                    continue  # another trusted certificate may still accept it
             try:
                 signed = _signed_manifest_digest(sig_copy)
             except ValidationFailed:
@@ -127,5 +210,7 @@ def verify_signature(adapter_dir: Path, signature: Path,
                 raise ValidationFailed("signature", "the signature does not cover exactly the "
                                                     "adapter's files")
             return VerifiedSignature(method, fingerprint(pem), signed)
+    if refusal is not None:
+        raise ValidationFailed("signature", refusal)
     raise ValidationFailed("signature", "the signature does not verify with any of your "
                                         "tenant's trusted keys for these exact files")

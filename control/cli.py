@@ -9,9 +9,7 @@ import datetime as dt
 import getpass
 import json
 import os
-import signal
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -367,18 +365,16 @@ def serve(
 
 def run_until_stopped(dep: Any) -> None:
     """Start a deployment and keep it up until SIGTERM or Ctrl-C; always stop it."""
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    with errors():
-        dep.start()
-    try:
-        err_console.print("serving; Ctrl-C to stop")
-        while not done.wait(0.5):
-            pass
-    except KeyboardInterrupt:
-        pass
-    finally:
-        dep.stop()
+    from control.signals import TerminationSignals
+
+    with TerminationSignals() as term:
+        try:
+            with errors():
+                dep.start()
+            err_console.print("serving; Ctrl-C to stop")
+            term.wait()
+        finally:
+            dep.stop()
 
 
 @app.command("demo")

@@ -17,7 +17,6 @@ backend, and its own tracking table lives beside the view rows so one transactio
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 import threading
 import time
@@ -245,6 +244,7 @@ def snapshot(engine: Engine) -> dict[str, list[tuple[Any, ...]]]:
 def main(argv: list[str] | None = None) -> int:
     """Run the follower for the configured deployment until SIGTERM/SIGINT."""
     from control.config import Settings
+    from control.signals import TerminationSignals
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -252,15 +252,15 @@ def main(argv: list[str] | None = None) -> int:
     settings.ensure_dirs()
     follower = ProjectionFollower.from_settings(settings)
     stop = threading.Event()
-
-    def _stop(signum: int, _frame: Any) -> None:
-        log.info("signal %d: stopping", signum)
+    with TerminationSignals() as term:
+        log.info("following the event store from position %d", follower.position())
+        # The loop runs in a thread; this one only waits for the signal and then stops it
+        # (setting the event from a signal handler can deadlock: see control.signals).
+        worker = threading.Thread(target=follower.run, args=(stop,), name="follower")
+        worker.start()
+        log.info("signal %d: stopping", term.wait())
         stop.set()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    log.info("following the event store from position %d", follower.position())
-    follower.run(stop)
+        worker.join()
     log.info("stopped at position %d", follower.position())
     return 0
 

@@ -101,7 +101,8 @@ def _ticket_latency(settings: Settings, work: Path, n: int) -> dict[str, float]:
     from aiohttp import web
 
     from control.clients import free_port
-    from control.gateway import make_app, new_event_loop
+    from control.gateway import make_app
+    from control.loops import new_event_loop
     from control.registry import Registry
     from control.serve import open_signer
     from control.ticket_office import TicketOffice

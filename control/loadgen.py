@@ -17,8 +17,9 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
+
+from control import loops
 
 
 class LoadError(RuntimeError):
@@ -89,15 +90,6 @@ async def run(
             "concurrency": concurrency}
 
 
-def _run_fast(coro: Coroutine[Any, Any, dict[str, float]]) -> dict[str, float]:
-    """Run on uvloop where installed: the client should cost as little CPU as it can."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", required=True, help="http://host:port/path")
@@ -117,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         return json.dumps({"alias": a.alias, "session": f"s{i}"}).encode()
 
     try:
-        out = _run_fast(run(host, int(port), "/" + path, {"Authorization": f"Bearer {a.bearer}"},
+        out = loops.run(run(host, int(port), "/" + path, {"Authorization": f"Bearer {a.bearer}"},
                               body, requests=a.requests, concurrency=a.concurrency,
                               method=a.method))
     except (LoadError, OSError, asyncio.IncompleteReadError) as e:

@@ -31,7 +31,8 @@ from backend.triton_glue import BASE_DIGEST_ENV, HOST_ID_ENV
 from backend.triton_server import TritonProcess
 from control.config import Settings
 from control.db import make_engine
-from control.gateway import make_app, new_event_loop
+from control.gateway import make_app
+from control.loops import new_event_loop
 from control.registry import Registry
 from control.ticket_office import TicketOffice
 from control.tickets import TicketSigner

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import hashlib
 import json
 import os
@@ -93,16 +92,6 @@ class TicketSigner:
         self.public_raw = _public_raw(private)
         self.kid = key_id(self.public_raw)
         self._footer = json.dumps({"kid": self.kid}, separators=(",", ":")).encode()
-
-    @functools.cached_property
-    def _key(self) -> Any:
-        """The same key as a pyseto key, for tests that forge payloads with pyseto itself."""
-        pem = self._private.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-        return pyseto.Key.new(version=4, purpose="public", key=pem)
 
     @property
     def public_b64(self) -> str:

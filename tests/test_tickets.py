@@ -17,7 +17,7 @@ from control.tickets import (
     encode_v4_public,
     load_public_keys,
 )
-from tests.fuzzing import CASES, FUZZ_EXAMPLES, fuzz
+from tests.fuzzing import CASES, FUZZ_EXAMPLES, fuzz, pyseto_key
 
 BASE = "sha256:" + "a" * 64
 TOK = "sha256:" + "b" * 64
@@ -85,7 +85,7 @@ def _sign_payload(signer: TicketSigner, payload: dict[str, object]) -> str:
 
     from control.tickets import IMPLICIT_ASSERTION
 
-    return pyseto.encode(signer._key, json.dumps(payload).encode(),
+    return pyseto.encode(pyseto_key(signer), json.dumps(payload).encode(),
                          footer=json.dumps({"kid": signer.kid}).encode(),
                          implicit_assertion=IMPLICIT_ASSERTION).decode()
 
@@ -150,7 +150,7 @@ def test_our_encoder_is_byte_for_byte_pyseto(payload: bytes, footer: bytes) -> N
     import pyseto
 
     ours = encode_v4_public(_SIGNER._private, payload, footer)
-    reference = pyseto.encode(_SIGNER._key, payload, footer=footer,
+    reference = pyseto.encode(pyseto_key(_SIGNER), payload, footer=footer,
                               implicit_assertion=IMPLICIT_ASSERTION).decode("ascii")
     assert ours == reference
 
@@ -342,7 +342,7 @@ def _fuzz_signed(claims: dict[str, object]) -> None:
     from control.tickets import IMPLICIT_ASSERTION
 
     CASES["ticket-signed"] += 1
-    token = pyseto.encode(_SIGNER._key, json_dumps(claims).encode(),
+    token = pyseto.encode(pyseto_key(_SIGNER), json_dumps(claims).encode(),
                           footer=json_dumps({"kid": _SIGNER.kid}).encode(),
                           implicit_assertion=IMPLICIT_ASSERTION).decode()
     now = time.time()

@@ -19,6 +19,7 @@ from control.db import make_engine
 from control.tickets import GENERIC_REFUSAL, IMPLICIT_ASSERTION, TicketSigner
 from projections.routing import RoutingView
 from tests.artifacts import perturbed_copy
+from tests.fuzzing import pyseto_key
 from tests.integration.conftest import ACTOR, Stack
 
 pytestmark = pytest.mark.triton
@@ -57,7 +58,7 @@ def _signed_without(signer: TicketSigner, claims: dict[str, object], claim: str)
     now = int(time.time())
     payload = {k: v for k, v in claims.items() if k not in ("ttl_s", claim)}
     payload.update(iat=now, exp=now + 300, jti=str(uuid.uuid4()), kid=signer.kid)
-    return pyseto.encode(signer._key, json.dumps(payload, separators=(",", ":")).encode(),
+    return pyseto.encode(pyseto_key(signer), json.dumps(payload, separators=(",", ":")).encode(),
                          footer=json.dumps({"kid": signer.kid}).encode(),
                          implicit_assertion=IMPLICIT_ASSERTION).decode()
 

@@ -195,9 +195,6 @@ class Registry(Application[UUID]):
         """The tenant called ``name``; NotFound if none."""
         return self._get(Tenant, tenant_id(name), "tenant")
 
-    def tenant_exists(self, name: str) -> bool:
-        return self._exists(tenant_id(name))
-
     def base(self, ref: str) -> BaseModel:
         """A registered base model by digest or by name; NotFound if none."""
         if DIGEST_RE.match(ref):

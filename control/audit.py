@@ -1,8 +1,8 @@
 """The audit view: the whole event history, in the order it was recorded.
 
 Read straight from the event store's notification log (not from a projection), so what an
-auditor sees is what was recorded. Summaries never carry API keys or their hashes; a base's
-Linear shapes are summarised as a count.
+auditor sees is what was recorded. Summaries never carry API keys or their hashes (a rotation
+shows the tenant only); a base's Linear shapes are summarised as a count.
 
 ``state_as_of`` replays the history up to a time into a scratch in-memory database with the
 same projection code the deployment runs, and returns the registry and routing state as it stood
@@ -47,6 +47,8 @@ def _summary(fields: dict[str, Any]) -> dict[str, Any]:
     for key, value in fields.items():
         if key == "actor" or key in _SECRET_FIELDS or "key_hash" in key:
             continue
+        if key == "reason" and value == "":
+            continue  # an optional reason left out (key retirement, API key revocation)
         if key == "linear_shapes" and isinstance(value, dict):
             out["linear_modules"] = len(value)
             continue
@@ -105,7 +107,17 @@ def state_as_of(registry: Application[Any], when: dt.datetime) -> dict[str, Any]
     from sqlalchemy.pool import StaticPool
 
     from projections import routing
-    from projections.tables import adapters, create_tables, grants, releases, revocations, routes
+    from projections.tables import (
+        adapters,
+        api_keys,
+        create_tables,
+        grants,
+        releases,
+        revocations,
+        routes,
+        signing_keys,
+        tenants,
+    )
 
     if when.tzinfo is None:
         when = when.replace(tzinfo=dt.timezone.utc)
@@ -133,6 +145,12 @@ def state_as_of(registry: Application[Any], when: dt.datetime) -> dict[str, Any]
             sa.select(grants).order_by(grants.c.alias, grants.c.tenant))]
         out["revoked"] = sorted(str(d) for d in conn.execute(
             sa.select(revocations.c.digest)).scalars())
+        out["retired_keys"] = sorted(str(k) for k in conn.execute(
+            sa.select(signing_keys.c.kid).where(signing_keys.c.retired_at.is_not(None)))
+            .scalars())
+        keyed = set(conn.execute(sa.select(api_keys.c.tenant)).scalars())
+        out["tenants_without_key"] = sorted(str(t) for t in conn.execute(
+            sa.select(tenants.c.name)).scalars() if t not in keyed)
     scratch.dispose()
     return out
 

@@ -67,6 +67,8 @@ def main(
     state.json = json_out
     state.home = home
     state.actor = actor or os.environ.get("LORAPLANE_ACTOR") or _login()
+    with errors():
+        Settings.from_env(home)  # a bad setting is one clear line before any verb runs
 
 
 def _login() -> str:
@@ -213,11 +215,14 @@ def adapter_promote(
 def adapter_revoke(
     digest: str,
     reason: Annotated[str, typer.Option(help="Why (recorded in the audit log).")],
+    wait: Annotated[float, typer.Option(
+        "--wait", help="Seconds to wait for the revocation set hosts read to show it.")] = 5.0,
 ) -> None:
-    """Revoke an adapter everywhere: no new tickets, Triton refuses it within a second."""
+    """Revoke an adapter everywhere: no new tickets, Triton refuses it within a second.
+    Succeeds only once the revocation set Triton hosts read holds the digest."""
     d = _digest(digest)
     with errors():
-        _registry().revoke(d, reason=reason, actor=state.actor)
+        _registry().revoke(d, reason=reason, actor=state.actor, wait_s=wait)
     emit({"digest": d, "state": "revoked"}, lambda: console.print(f"{short(d)} revoked"))
 
 
@@ -420,7 +425,14 @@ def _table(cols: list[str], rows: list[dict[str, Any]], title: str | None = None
 
 
 # Verbs that live beside their area register themselves on the apps above.
-from control import cli_db, cli_engine, cli_ops, cli_registry, cli_selftest  # noqa: E402, F401
+from control import (  # noqa: E402, F401
+    cli_credentials,
+    cli_db,
+    cli_engine,
+    cli_ops,
+    cli_registry,
+    cli_selftest,
+)
 
 if __name__ == "__main__":
     sys.exit(app())

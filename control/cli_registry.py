@@ -242,6 +242,9 @@ def _state_tables(data: dict[str, Any]) -> None:
             t.add_row(*[cell(r[c]) for c in cols])
         console.print(t)
     console.print("revoked: " + (", ".join(short(d) for d in data["revoked"]) or "none"))
+    console.print("retired signing keys: " + (", ".join(data["retired_keys"]) or "none"))
+    console.print("tenants without an API key: "
+                  + (", ".join(data["tenants_without_key"]) or "none"))
 
 
 @audit_app.command("verify")

@@ -7,8 +7,9 @@ creating two; only a rejected registration gets a random id (each rejection is i
 
 Aggregates:
 
-- ``Tenant``: a name, the SHA-256 of its API key (never the key) and its policy (limits,
-  signature requirement, trusted signing keys).
+- ``Tenant``: a name, the SHA-256 of its API key (never the key; rotated as a new hash, or
+  revoked: then the tenant holds no working key) and its policy (limits, signature
+  requirement, trusted signing keys).
 - ``BaseModel``: a registered base model: digest, tokenizer digest and the shapes of its Linear
   layers (what an adapter must fit). ``BaseName`` maps a base's name to its digest.
 - ``Adapter``: a registered LoRA adapter, its registry metadata, its lifecycle state, its
@@ -17,8 +18,10 @@ Aggregates:
   defaults, evaluation report), named by its own digest. Routing points at releases.
 - ``Alias``: a global route name, owned by a tenant (or by the operator for base-only routes),
   pointing at a stable release plus an optional canary release at a percentage, with the
-  history of its previous stable releases (for rollback) and the tenants granted to resolve it.
-- ``SigningKey``: a ticket-signing public key, by key id (a rotation is a new key).
+  history of its previous stable releases (for rollback) and the tenants granted to resolve it
+  (a grant can be removed).
+- ``SigningKey``: a ticket-signing public key, by key id (a rotation is a new key); once
+  retired, no gateway signs with it and no host trusts it.
 - ``RegistrationRejection``: one refused registration, kept for the audit.
 
 Lifecycle: draft -> candidate -> canary -> stable -> deprecated; revoked from any state (final).
@@ -306,6 +309,20 @@ class Tenant(Aggregate):
         policy: dict[str, Any]
         actor: str
 
+    class ApiKeyRotated(Aggregate.Event):
+        """The tenant's key is now the one hashed here; every earlier key stops working."""
+
+        tenant: str
+        api_key_hash: str
+        actor: str
+
+    class ApiKeysRevoked(Aggregate.Event):
+        """Every key of the tenant stops working; a rotation issues the next one."""
+
+        tenant: str
+        reason: str
+        actor: str
+
     @staticmethod
     def create_id(name: str) -> UUID:
         return tenant_id(name)
@@ -313,7 +330,7 @@ class Tenant(Aggregate):
     @event(TenantCreated)
     def __init__(self, name: str, api_key_hash: str, actor: str) -> None:
         self.name = name
-        self.api_key_hash = api_key_hash
+        self.api_key_hash: str | None = api_key_hash
         self.policy_json: dict[str, Any] = {}
 
     @classmethod
@@ -333,6 +350,26 @@ class Tenant(Aggregate):
     @event(TenantPolicySet)
     def _policy_set(self, tenant: str, policy: dict[str, Any], actor: str) -> None:
         self.policy_json = policy
+
+    def rotate_api_key(self, api_key: str, actor: str) -> None:
+        """Replace the tenant's key by ``api_key`` (only its hash is recorded); also after a
+        revocation, which is how a tenant gets a working key again."""
+        self._key_rotated(tenant=self.name, api_key_hash=hash_api_key(api_key),
+                          actor=check_actor(actor))
+
+    @event(ApiKeyRotated)
+    def _key_rotated(self, tenant: str, api_key_hash: str, actor: str) -> None:
+        self.api_key_hash = api_key_hash
+
+    def revoke_api_keys(self, reason: str, actor: str) -> None:
+        """Withdraw every key of the tenant; refused when it holds none (nothing to record)."""
+        if self.api_key_hash is None:
+            raise IllegalTransition("the tenant holds no API key (rotate to issue one)")
+        self._keys_revoked(tenant=self.name, reason=reason.strip(), actor=check_actor(actor))
+
+    @event(ApiKeysRevoked)
+    def _keys_revoked(self, tenant: str, reason: str, actor: str) -> None:
+        self.api_key_hash = None
 
 
 class BaseModel(Aggregate):
@@ -640,6 +677,11 @@ class Alias(Aggregate):
         tenant: str
         actor: str
 
+    class AliasGrantRemoved(Aggregate.Event):
+        alias: str
+        tenant: str
+        actor: str
+
     @staticmethod
     def create_id(name: str) -> UUID:
         return alias_id(name)
@@ -739,6 +781,16 @@ class Alias(Aggregate):
     def _granted(self, alias: str, tenant: str, actor: str) -> None:
         self.grants.append(tenant)
 
+    def remove_grant(self, tenant: str, actor: str) -> None:
+        """Stop ``tenant`` resolving this alias (tickets already issued run out on their own)."""
+        if tenant not in self.grants:
+            raise NotFound("that tenant holds no grant of this alias")
+        self._grant_removed(alias=self.name, tenant=tenant, actor=check_actor(actor))
+
+    @event(AliasGrantRemoved)
+    def _grant_removed(self, alias: str, tenant: str, actor: str) -> None:
+        self.grants.remove(tenant)
+
     def may_resolve(self, tenant: str) -> bool:
         return tenant in self.grants
 
@@ -749,6 +801,13 @@ class SigningKey(Aggregate):
         public_key_b64: str
         actor: str
 
+    class SigningKeyRetired(Aggregate.Event):
+        """No gateway signs with this key any more, and no host accepts tickets it signed."""
+
+        kid: str
+        reason: str
+        actor: str
+
     @staticmethod
     def create_id(kid: str) -> UUID:
         return signing_key_id(kid)
@@ -757,6 +816,17 @@ class SigningKey(Aggregate):
     def __init__(self, kid: str, public_key_b64: str, actor: str) -> None:
         self.kid = kid
         self.public_key_b64 = public_key_b64
+        self.retired = False
+
+    def retire(self, reason: str, actor: str) -> None:
+        """Retire the key for good (a key id is never reused); retiring twice is refused."""
+        if self.retired:
+            raise IllegalTransition(f"signing key {self.kid!r} is already retired")
+        self._retired(kid=self.kid, reason=reason.strip(), actor=check_actor(actor))
+
+    @event(SigningKeyRetired)
+    def _retired(self, kid: str, reason: str, actor: str) -> None:
+        self.retired = True
 
 
 class RegistrationRejection(Aggregate):

@@ -3,7 +3,8 @@
 ``POST /v1/tickets`` with ``Authorization: Bearer <api key>`` and ``{"alias": "..."}``.
 401 when the key is missing or unknown; 403, with one fixed body, when the alias is unknown, not
 granted to the caller, not servable or revoked: the caller cannot tell which, so the gateway never
-confirms that another tenant's alias exists.
+confirms that another tenant's alias exists. 503 while the routing tables cannot be read, or
+while no unretired signing key is held (the gateway never signs with a retired key).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from aiohttp.typedefs import Handler
 
 from control import observability, openai_api
 from control.observability import GatewayMetrics
-from control.ticket_office import NotGranted, TicketOffice
+from control.ticket_office import NotGranted, SigningUnavailable, TicketOffice
 from projections.route_cache import RoutingUnavailable
 
 log = logging.getLogger("loraplane.gateway")
@@ -29,6 +30,7 @@ MAX_BODY = 4096
 UNAUTHORISED = {"error": "unauthorised: missing or unknown API key"}
 FORBIDDEN = {"error": "forbidden: this alias is not available to your tenant"}
 UNAVAILABLE = {"error": "routing temporarily unavailable; retry shortly"}
+NO_SIGNING_KEY = {"error": "ticket signing unavailable: no active signing key; retry later"}
 OFFICE_KEY = web.AppKey("office", TicketOffice)
 
 
@@ -79,13 +81,15 @@ async def issue_ticket(request: web.Request) -> web.Response:
 
 @web.middleware
 async def fail_closed(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """503 while the routing tables cannot be read: no ticket from a view that may have missed
-    a revocation (see :mod:`projections.route_cache`)."""
+    """503 while the routing tables cannot be read (no ticket from a view that may have missed
+    a revocation, see :mod:`projections.route_cache`) or no unretired signing key is held."""
     try:
         return await handler(request)
     except RoutingUnavailable:
         log.warning("routing unavailable", extra={"path": request.path})
         return _json(503, UNAVAILABLE)
+    except SigningUnavailable:
+        return _json(503, NO_SIGNING_KEY)  # the office logged why, once per rescan
 
 
 async def healthz(_request: web.Request) -> web.Response:

@@ -16,6 +16,23 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 
+def load_ed25519(path: Path, what: str) -> Ed25519PrivateKey:
+    """The Ed25519 private key at ``path`` (PEM, unencrypted); ValueError for any other key."""
+    key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ValueError(f"the {what} is not an Ed25519 key")
+    return key
+
+
+def write_new_ed25519(path: Path, key: Ed25519PrivateKey) -> None:
+    """Write ``key`` to ``path``, which must not exist, created with mode 0600 from the start."""
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+
+
 def load_or_create_ed25519(
     path: Path,
     what: str,
@@ -27,17 +44,10 @@ def load_or_create_ed25519(
     its public half first, so nothing can sign with a key that verifiers cannot find.
     """
     if path.exists():
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-        if not isinstance(key, Ed25519PrivateKey):
-            raise ValueError(f"the {what} is not an Ed25519 key")
-        return key, False
+        return load_ed25519(path, what), False
     key = Ed25519PrivateKey.generate()
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                            serialization.NoEncryption())
     tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(pem)
+    write_new_ed25519(tmp, key)
     if before_publish is not None:
         before_publish(key)
     try:

@@ -16,6 +16,12 @@ the store, only a ``RegistrationRejected`` event for the audit.
 
 Operators walk an adapter through its lifecycle one step at a time (``promote``) or with
 ``release`` (evaluation report -> candidate -> canary -> stable, each step its own event).
+
+Commands that take something away (adapter revocation; revoking or rotating an API key, removing
+a grant, retiring a signing key) report success only once the projection tables that gateways
+and Triton hosts read show the change; otherwise they raise :class:`NotYetVisible`, saying that
+the change is recorded but not yet in force. A registry that follows drives the catch-up itself
+(and retries it) while it waits; one that does not waits for a follower elsewhere.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import logging
 import secrets
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from uuid import UUID
@@ -36,7 +44,7 @@ from eventsourcing.domain import Aggregate
 from eventsourcing.persistence import IntegrityError as EventStoreIntegrityError
 from eventsourcing.persistence import Recording
 
-from control import limits
+from control import key_ring, limits
 from control.config import Settings
 from control.db import make_engine
 from control.digests import DIGEST_RE, directory_digest
@@ -96,13 +104,31 @@ from control.validation import (
 
 if TYPE_CHECKING:
     from control.integrity import AuditSeal
+    from control.tickets import TicketSigner
     from projections.follower import ProjectionFollower
+    from projections.routing import RoutingView
 
 log = logging.getLogger("loraplane.registry")
 
 API_KEY_PREFIX = "lp_"
 DEFAULT_CANARY_PERCENT = 10
+# How long a revoking command waits for the tables hosts read to show its change.
+VISIBLE_WITHIN_S = 5.0
+_VISIBLE_POLL_S = 0.05
 TAggregate = TypeVar("TAggregate", bound=Aggregate)
+
+
+class NotYetVisible(RuntimeError):
+    """The command is recorded in the event store, but the projection tables that gateways and
+    hosts read do not show it yet, so it is not in force yet.
+
+    ``result``: what the command would have returned (a rotated API key must still reach its
+    owner: it is recorded, and shown nowhere else).
+    """
+
+    def __init__(self, message: str, result: object = None) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 class Registry(Application[UUID]):
@@ -159,8 +185,9 @@ class Registry(Application[UUID]):
             log.warning("audit checkpoint after command failed", exc_info=True)
 
     def _save(self, *aggregates: Aggregate | None, what: str,
-              already: str | None = None) -> None:
-        """Save all pending events of ``aggregates`` atomically.
+              already: str | None = None) -> int:
+        """Save all pending events of ``aggregates`` atomically; return the position of the
+        last one in the notification log.
 
         A lost race on a new aggregate is AlreadyExists (``already``: its message); on an
         existing one, Conflict.
@@ -176,6 +203,39 @@ class Registry(Application[UUID]):
             raise Conflict(f"{what} was changed concurrently by another command; nothing was "
                            "recorded, retry") from None
         self._after_command(recordings)
+        return max((r.notification.id for r in recordings), default=0)
+
+    def _confirm_visible(self, position: int, visible: Callable[[RoutingView], bool],
+                         what: str, wait_s: float) -> None:
+        """Return once the projection tables have applied the log up to ``position`` (the
+        command's own events) and ``visible`` holds on them, else raise NotYetVisible after
+        ``wait_s`` seconds. Catches the projections up meanwhile when this registry follows (a
+        catch-up that failed after the save is retried here, not swallowed).
+
+        The position matters for changes that remove rows: a projection that has not yet
+        applied the grant would also "show" its removal, and then apply the grant alone."""
+        from projections.routing import RoutingView
+
+        view = RoutingView(self.follower.engine)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                if self.follower.position() >= position and visible(view):
+                    return
+            except sa.exc.SQLAlchemyError:
+                log.warning("reading the projection tables failed", exc_info=True)
+            if time.monotonic() >= deadline:
+                raise NotYetVisible(
+                    f"{what} is recorded but not yet visible to gateways and Triton hosts: the "
+                    f"projection tables did not show it within {wait_s:g} s, so it is not in "
+                    "force yet. Check the projection follower (the control plane's log, or "
+                    "`loraplane db status`); it takes effect once the follower catches up")
+            if self._follow:
+                try:
+                    self.follower.catch_up()
+                except Exception:
+                    log.warning("projection catch-up failed; retrying", exc_info=True)
+            time.sleep(_VISIBLE_POLL_S)
 
     # -- reading aggregates -----------------------------------------------------------------
 
@@ -249,6 +309,31 @@ class Registry(Application[UUID]):
         t = self.tenant(tenant)
         t.set_policy(policy, actor)
         self._save(t, what="tenant policy")
+
+    def rotate_api_key(self, tenant: str, *, actor: str,
+                       wait_s: float = VISIBLE_WITHIN_S) -> str:
+        """Give ``tenant`` a new API key and return it (shown once; only its hash is kept).
+        Every earlier key stops working: this returns once gateways refuse them."""
+        t = self.tenant(tenant)
+        api_key = API_KEY_PREFIX + secrets.token_urlsafe(32)
+        t.rotate_api_key(api_key, actor)
+        position = self._save(t, what="tenant")
+        try:
+            self._confirm_visible(position, lambda v: v.tenant_for_api_key(api_key) == tenant,
+                                  "the API key rotation", wait_s)
+        except NotYetVisible as e:
+            raise NotYetVisible(str(e), result=api_key) from None
+        return api_key
+
+    def revoke_api_keys(self, tenant: str, *, actor: str, reason: str = "",
+                        wait_s: float = VISIBLE_WITHIN_S) -> None:
+        """Withdraw every API key of ``tenant``; it holds no working key until a rotation.
+        Returns once gateways refuse them."""
+        t = self.tenant(tenant)
+        t.revoke_api_keys(reason, actor)
+        position = self._save(t, what="tenant")
+        self._confirm_visible(position, lambda v: v.api_key_count(tenant) == 0,
+                              "the API key revocation", wait_s)
 
     # -- bases ------------------------------------------------------------------------------
 
@@ -520,12 +605,19 @@ class Registry(Application[UUID]):
             return cache[release_id(digest)]  # type: ignore[return-value]
         return self.release_manifest(digest)
 
-    def revoke(self, digest: str, reason: str, *, actor: str) -> None:
+    def revoke(self, digest: str, reason: str, *, actor: str,
+               wait_s: float = VISIBLE_WITHIN_S) -> None:
         """Revoke an adapter, from any state: no new resolution from the next projection
-        update on; the serving side then reports drained, purged, unloaded per host."""
+        update on; the serving side then reports drained, purged, unloaded per host.
+
+        Returns only once the revocation set that Triton hosts read holds ``digest``; else
+        NotYetVisible after ``wait_s`` seconds (the revocation stays recorded).
+        """
         adapter = self.adapter(digest)
         adapter.revoke(reason, actor)
-        self._save(adapter, what="adapter")
+        position = self._save(adapter, what="adapter")
+        self._confirm_visible(position, lambda v: v.is_revoked(digest), "the revocation",
+                              wait_s)
 
     def record_serving_step(self, digest: str, host: str, step: str, *, actor: str) -> None:
         """Record one step of the serving side's revocation work on ``host``:
@@ -553,6 +645,15 @@ class Registry(Application[UUID]):
         route = self.alias(alias)
         route.grant(tenant, actor)
         self._save(route, what="grant")
+
+    def remove_grant(self, tenant: str, alias: str, *, actor: str,
+                     wait_s: float = VISIBLE_WITHIN_S) -> None:
+        """Stop ``tenant`` resolving ``alias``; returns once gateways refuse it."""
+        route = self.alias(alias)
+        route.remove_grant(tenant, actor)
+        position = self._save(route, what="grant")
+        self._confirm_visible(position, lambda v: not v.is_granted(tenant, alias),
+                              "the grant removal", wait_s)
 
     def _target_release(self, target: str, actor: str) -> Release:
         """A release by manifest digest, by adapter digest (its release), or by base digest (a
@@ -620,8 +721,50 @@ class Registry(Application[UUID]):
         self._save(SigningKey(kid=kid, public_key_b64=public_key_b64, actor=actor),
                    what="signing key")
 
+    def rotate_signing_key(self, *, actor: str) -> tuple[str, str | None]:
+        """Make a new ticket-signing key this home's active one, recorded before it signs
+        anything; returns (new kid, previous kid). Retire the previous one afterwards."""
+        check_actor(actor)
+
+        def record(signer: TicketSigner) -> None:
+            self.record_signing_key(signer.kid, signer.public_b64, actor=actor)
+
+        signer, previous = key_ring.rotate(self.settings.keys_dir, record)
+        return signer.kid, previous
+
+    def retire_signing_key(self, kid: str, *, actor: str, reason: str = "",
+                           force: bool = False, wait_s: float = VISIBLE_WITHIN_S) -> None:
+        """Retire a ticket-signing key: gateways stop signing with it, hosts stop trusting it.
+
+        Refused, unless ``force``, for this home's active key and for the last unretired key
+        (either leaves gateways nothing to sign with: rotate first). Returns once the
+        retirement shows in the tables gateways and hosts read.
+        """
+        key = self._get(SigningKey, signing_key_id(check_name("key id", kid)), "signing key")
+        if not force and not key.retired:
+            self._check_retirable(kid)
+        key.retire(reason, actor)
+        position = self._save(key, what="signing key")
+        self._confirm_visible(position, lambda v: kid in v.retired_key_ids(),
+                              "the signing key retirement", wait_s)
+
+    def _check_retirable(self, kid: str) -> None:
+        from projections.routing import RoutingView
+
+        active = key_ring.active_signer(self.settings.keys_dir)
+        if active is not None and active.kid == kid:
+            raise IllegalTransition(
+                f"{kid!r} is the active signing key here: run `loraplane key rotate` first, "
+                "then retire it (or pass --force: gateways answer 503 until a new key exists)")
+        view = RoutingView(self.follower.engine)
+        unretired = set(view.signing_keys()) - view.retired_key_ids()
+        if unretired <= {kid}:
+            raise IllegalTransition(
+                f"{kid!r} is the last unretired signing key: run `loraplane key rotate` first "
+                "(or pass --force: no gateway can issue tickets until a new key exists)")
+
     def __repr__(self) -> str:
         return f"Registry(home={self.settings.home!s})"
 
 
-__all__ = ["DEFAULT_CANARY_PERCENT", "REVOKED", "Registry"]
+__all__ = ["DEFAULT_CANARY_PERCENT", "REVOKED", "NotYetVisible", "Registry"]

@@ -64,24 +64,31 @@ def open_signer(settings: Settings, registry: Registry, actor: str) -> TicketSig
 
 
 def sync_public_keys(settings: Settings, routing: RoutingView) -> int:
-    """Write every recorded signing public key to ``keys/public``; returns how many were new.
+    """Write every recorded, unretired signing public key to ``keys/public`` and remove the
+    files of retired ones; returns how many files were written or removed.
 
     A Triton host trusts exactly the keys the control plane recorded as events, wherever the
-    gateway that signs with them runs.
+    gateway that signs with them runs, and stops trusting a key once it is retired.
     """
     public_dir = settings.keys_dir / "public"
     public_dir.mkdir(parents=True, exist_ok=True)
-    new = 0
+    retired = routing.retired_key_ids()
+    changed = 0
     for kid, b64 in routing.signing_keys().items():
         path = public_dir / f"{kid}.pub"
+        if kid in retired:
+            if path.exists():
+                path.unlink(missing_ok=True)
+                changed += 1
+            continue
         if path.exists():
             continue
         base64.b64decode(b64, validate=True)  # never write a file the verifier cannot read
         tmp = path.with_suffix(".tmp")
         tmp.write_text(b64 + "\n")
         tmp.replace(path)  # atomic: the verifier never reads half a key
-        new += 1
-    return new
+        changed += 1
+    return changed
 
 
 def seal_interval_s() -> float:

@@ -1,20 +1,37 @@
 """Issuing routing tickets: resolve (tenant, alias) on the routing projection, then sign.
 
 The gateway and the operator CLI both issue through here, so both follow the same rules: a tenant
-gets a ticket only for an alias it is granted, that points at a servable release.
+gets a ticket only for an alias it is granted, that points at a servable release, signed by a key
+that is not retired. When the key in use is retired, the office switches to the newest key it
+holds that is recorded and not retired (``control.key_ring``); holding none, it issues nothing
+(:class:`SigningUnavailable`, which the gateway answers with 503).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from dataclasses import dataclass
 
+from control import key_ring
 from control.config import Settings
 from control.tickets import TicketClaims, TicketSigner
 from projections.routing import RoutingView
 
+log = logging.getLogger("loraplane.ticket_office")
+
+# With no usable key, look at the keys folder again at most this often: a flood of ticket
+# requests must not turn into a flood of key-file reads and database queries.
+RESCAN_S = 1.0
+
 
 class NotGranted(Exception):
     """No ticket: unknown alias, not granted, not servable or revoked (deliberately one error)."""
+
+
+class SigningUnavailable(RuntimeError):
+    """No ticket: the signing key is retired and no other recorded, unretired key is held."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +47,8 @@ class TicketOffice:
         self.settings = settings
         self.routing = routing
         self.signer = signer
+        self._switch = threading.Lock()
+        self._failed_scan_at = float("-inf")
 
     def issue(self, tenant: str, alias: str, session: str | None = None) -> IssuedTicket:
         """A fresh ticket for ``tenant`` to use ``alias``, else NotGranted.
@@ -42,7 +61,7 @@ class TicketOffice:
         route = self.routing.resolve(tenant, alias, session)
         if route is None:
             raise NotGranted()
-        token, claims = self.signer.issue(
+        token, claims = self.current_signer().issue(
             tenant=tenant,
             model=self.settings.model_name,
             base=route.base_digest,
@@ -52,3 +71,29 @@ class TicketOffice:
             ttl_s=self.settings.ticket_ttl_s,
         )
         return IssuedTicket(token, claims, alias, route.release)
+
+    def current_signer(self) -> TicketSigner:
+        """The signer to use now: never one whose key is retired (SigningUnavailable)."""
+        retired = self.routing.retired_key_ids()
+        if self.signer.kid not in retired:
+            return self.signer
+        with self._switch:
+            if self.signer.kid in retired:
+                self.signer = self._replacement(retired)
+            return self.signer
+
+    def _replacement(self, retired: frozenset[str]) -> TicketSigner:
+        if time.monotonic() - self._failed_scan_at < RESCAN_S:
+            raise SigningUnavailable("no unretired ticket signing key")
+        recorded = self.routing.signing_keys()
+        found = key_ring.pick_signer(self.settings.keys_dir,
+                                     lambda kid: kid in recorded and kid not in retired)
+        if found is None:
+            self._failed_scan_at = time.monotonic()
+            log.error("signing key %s is retired and no recorded, unretired key is held under "
+                      "%s: no tickets until `loraplane key rotate`", self.signer.kid,
+                      self.settings.keys_dir)
+            raise SigningUnavailable("no unretired ticket signing key")
+        log.warning("signing key %s is retired; signing with %s from now on", self.signer.kid,
+                    found.kid)
+        return found

@@ -7,6 +7,10 @@ for some other purpose is never a ticket.
 
 Verification failures raise :class:`TicketRejected` with a short machine reason for the ledger and
 metrics; what a client is told is always :data:`GENERIC_REFUSAL`, whatever the reason.
+
+A ticket whose lifetime (``exp - iat``) exceeds the host's cap is refused (reason ``lifetime``)
+even when its signature is good: a misconfigured gateway or a stolen key cannot mint tickets
+that outlive a revocation of the key by more than the cap.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import pyseto
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from control.config import DEFAULT_TICKET_MAX_TTL_S
 from control.digests import DIGEST_RE
 from control.keys import load_or_create_ed25519
 
@@ -37,6 +42,7 @@ IMPLICIT_ASSERTION = b"loraplane-routing-ticket-v1"
 CLOCK_SKEW_S = 30
 GENERIC_REFUSAL = "request refused: invalid or unauthorised routing ticket"
 _LE64_MASK = (1 << 63) - 1
+ACTIVE_KEY_FILE = "active.pem"  # under <keys>/private: the key a gateway starts signing with
 _B64URL_RE = re.compile(r"^[A-Za-z0-9_-]*$")
 # Exactly these claims, no more, no fewer. ``release`` joined in the second claim set: tickets
 # signed before it (nine claims) are refused, which is fine because a ticket lives minutes.
@@ -106,11 +112,10 @@ class TicketSigner:
         public_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(private_dir, 0o700)
         key, created = load_or_create_ed25519(
-            private_dir / "active.pem",
+            private_dir / ACTIVE_KEY_FILE,
             "active ticket signing key",
             # Hosts must know the public half before anything can be signed with the key.
-            before_publish=lambda k: (public_dir / f"{key_id(_public_raw(k))}.pub").write_text(
-                base64.b64encode(_public_raw(k)).decode("ascii") + "\n"),
+            before_publish=lambda k: write_public_key(public_dir, _public_raw(k)),
         )
         return cls(key), created
 
@@ -181,6 +186,13 @@ def encode_v4_public(private: Ed25519PrivateKey, payload: bytes, footer: bytes) 
     return token.decode("ascii")
 
 
+def write_public_key(public_dir: Path, public_raw: bytes) -> Path:
+    """Write ``<kid>.pub`` (the base64 raw key) where hosts load keys from; returns its path."""
+    path = public_dir / f"{key_id(public_raw)}.pub"
+    path.write_text(base64.b64encode(public_raw).decode("ascii") + "\n")
+    return path
+
+
 def load_public_keys(public_dir: Path) -> dict[str, bytes]:
     """kid -> raw Ed25519 public key, from ``<kid>.pub`` files (base64 raw keys)."""
     keys: dict[str, bytes] = {}
@@ -202,10 +214,16 @@ class TicketVerifier:
         model: str,
         base: str,
         tokenizer: str,
+        max_ttl_s: int = DEFAULT_TICKET_MAX_TTL_S,
     ) -> None:
+        """``max_ttl_s``: the longest lifetime (``exp - iat``) accepted, in seconds."""
+        if type(max_ttl_s) is not int or max_ttl_s <= 0:
+            raise ValueError(f"max_ttl_s must be a positive whole number of seconds, "
+                             f"not {max_ttl_s!r}")
         self.model = model
         self.base = base
         self.tokenizer = tokenizer
+        self.max_ttl_s = max_ttl_s
         self._keys: dict[str, Any] = {}
         for kid, raw in public_keys.items():
             pem = _raw_public_to_pem(raw)
@@ -245,6 +263,8 @@ class TicketVerifier:
             raise TicketRejected("expired")
         if claims.iat > t + CLOCK_SKEW_S:
             raise TicketRejected("not_yet_valid")
+        if claims.exp - claims.iat > self.max_ttl_s:
+            raise TicketRejected("lifetime")
         if claims.model != self.model:
             raise TicketRejected("model")
         if claims.base != self.base:

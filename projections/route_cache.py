@@ -3,8 +3,9 @@
 Issuing a ticket asks two questions (who holds this API key; which release does this tenant's
 session get for this alias). Answered with SQL they cost about 1.5 ms of CPU per ticket on this
 platform (statement building dominates, not the database), which capped the gateway near 600
-tickets per second. Here they are dictionary lookups on an immutable snapshot of the four tables
-that routing reads: api keys, grants, routes, releases joined with their adapter's state.
+tickets per second. Here they are dictionary lookups on an immutable snapshot of the tables that
+routing reads: api keys, grants, routes, releases joined with their adapter's state, and the ids
+of retired signing keys (asked before every signature).
 
 Freshness: every projection write moves the follower's tracking position in the same transaction
 as the view rows, so the position is a change stamp. A request finds out whether the snapshot is
@@ -13,7 +14,8 @@ stale by reading that one row, at most once every ``refresh_s`` (default 20 ms,
 key, alias not resolvable) re-reads the position first, so a tenant, grant or release just
 recorded is served at once. A revocation stops new tickets within ``refresh_s`` of the
 projection recording it, and the Triton hosts, which check the revocation set on every
-request, refuse tickets already issued.
+request, refuse tickets already issued. The same holds for a revoked or rotated-out API key, a
+removed grant and a retired signing key: a hit in a stale snapshot lasts at most ``refresh_s``.
 
 If the database cannot be read, the last snapshot keeps serving for ``max_stale_s`` (default
 5 s); after that, resolution fails closed with :class:`RoutingUnavailable` (the gateway answers
@@ -35,7 +37,15 @@ from sqlalchemy.engine import Connection, Engine
 from control.domain import SERVABLE_STATES, canary_bucket, choose_release, hash_api_key
 from projections.follower import DEFAULT_NAME as TRACKING_NAME
 from projections.routing import Route, RoutingView
-from projections.tables import adapters, api_keys, grants, projection_tracking, releases, routes
+from projections.tables import (
+    adapters,
+    api_keys,
+    grants,
+    projection_tracking,
+    releases,
+    routes,
+    signing_keys,
+)
 
 log = logging.getLogger("loraplane.route_cache")
 
@@ -64,6 +74,7 @@ class _Snapshot:
     granted: frozenset[tuple[str, str]] = frozenset()
     routes: dict[str, tuple[str | None, str | None, int]] = field(default_factory=dict)
     releases: dict[str, _Release] = field(default_factory=dict)
+    retired_kids: frozenset[str] = frozenset()
 
 
 def refresh_s_from_env() -> float:
@@ -106,14 +117,17 @@ def _load(conn: Connection, position: int) -> _Snapshot:
             r.adapter_digest, str(r.base_digest), str(r.tokenizer_digest),
             servable=r.adapter_digest is None or r.state in SERVABLE_STATES)
             for r in release_rows},
+        retired_kids=frozenset(str(k) for k in conn.execute(
+            sa.select(signing_keys.c.kid).where(signing_keys.c.retired_at.is_not(None)))
+            .scalars()),
     )
 
 
 class CachedRoutingView(RoutingView):
     """A :class:`RoutingView` whose ticket-path questions are answered from memory.
 
-    ``resolve`` and ``tenant_for_api_key`` follow exactly the rules of the SQL versions (the
-    contract tests run both); every other question still reads the tables.
+    ``resolve``, ``tenant_for_api_key`` and ``retired_key_ids`` follow exactly the rules of the
+    SQL versions (the contract tests run both); every other question still reads the tables.
     """
 
     def __init__(self, engine: Engine, *, refresh_s: float | None = None,
@@ -175,6 +189,9 @@ class CachedRoutingView(RoutingView):
         if tenant is None and self._confirm_miss():
             tenant = self._current().tenant_by_key_hash.get(key_hash)
         return tenant
+
+    def retired_key_ids(self) -> frozenset[str]:
+        return self._current().retired_kids
 
     def resolve(self, tenant: str, alias: str, session: str | None = None) -> Route | None:
         route = self._resolve(self._current(), tenant, alias, session)

@@ -3,7 +3,8 @@
 ``apply(conn, event)`` folds one domain event into the tables of ``projections.tables`` on an
 open connection (the follower owns the transaction). ``RoutingView`` answers run-time questions
 from those tables: which release a tenant's session gets for an alias (canary split by the hash
-of tenant and session id), who holds an API key, which digests are revoked.
+of tenant and session id), who holds an API key, which digests are revoked, which
+ticket-signing keys are retired.
 """
 
 from __future__ import annotations
@@ -88,6 +89,13 @@ class BaseRow:
 
 
 @dataclass(frozen=True)
+class SigningKeyRow:
+    kid: str
+    created_at: datetime
+    retired_at: datetime | None
+
+
+@dataclass(frozen=True)
 class AliasRow:
     alias: str
     owner: str | None
@@ -156,7 +164,7 @@ def _alias_granted(e: Alias.AliasGranted) -> Rows:
 
 def _signing_key_recorded(e: SigningKey.SigningKeyRecorded) -> Rows:
     return [(signing_keys, {"kid": e.kid, "public_key": e.public_key_b64,
-                            "created_at": e.timestamp})]
+                            "created_at": e.timestamp, "retired_at": None})]
 
 
 INSERTS: dict[type, Callable[[Any], Rows]] = {
@@ -215,6 +223,25 @@ def _alias_rolled_back(conn: Connection, e: Alias.AliasRolledBack) -> None:
                  .values(stable_release=e.to_release))
 
 
+def _alias_grant_removed(conn: Connection, e: Alias.AliasGrantRemoved) -> None:
+    conn.execute(grants.delete().where(grants.c.tenant == e.tenant, grants.c.alias == e.alias))
+
+
+def _api_key_rotated(conn: Connection, e: Tenant.ApiKeyRotated) -> None:
+    # One working key per tenant: the rotation withdraws every earlier one in the same write.
+    conn.execute(api_keys.delete().where(api_keys.c.tenant == e.tenant))
+    conn.execute(api_keys.insert().values(key_hash=e.api_key_hash, tenant=e.tenant))
+
+
+def _api_keys_revoked(conn: Connection, e: Tenant.ApiKeysRevoked) -> None:
+    conn.execute(api_keys.delete().where(api_keys.c.tenant == e.tenant))
+
+
+def _signing_key_retired(conn: Connection, e: SigningKey.SigningKeyRetired) -> None:
+    conn.execute(signing_keys.update().where(signing_keys.c.kid == e.kid)
+                 .values(retired_at=e.timestamp))
+
+
 # Events that change rows already there.
 HANDLERS: dict[type, Callable[[Connection, Any], None]] = {
     Adapter.EvaluationRecorded: _evaluation_recorded,
@@ -224,6 +251,10 @@ HANDLERS: dict[type, Callable[[Connection, Any], None]] = {
     Alias.AliasCanarySet: _alias_canary_set,
     Alias.AliasCanaryCleared: _alias_canary_cleared,
     Alias.AliasRolledBack: _alias_rolled_back,
+    Alias.AliasGrantRemoved: _alias_grant_removed,
+    Tenant.ApiKeyRotated: _api_key_rotated,
+    Tenant.ApiKeysRevoked: _api_keys_revoked,
+    SigningKey.SigningKeyRetired: _signing_key_retired,
 }
 
 
@@ -363,6 +394,18 @@ class RoutingView:
             value = conn.execute(q).scalar()
         return str(value) if value is not None else None
 
+    def api_key_count(self, tenant: str) -> int:
+        """How many working API keys ``tenant`` holds (0 once they are revoked)."""
+        q = sa.select(sa.func.count()).select_from(api_keys).where(api_keys.c.tenant == tenant)
+        with self.engine.connect() as conn:
+            return int(conn.execute(q).scalar() or 0)
+
+    def is_granted(self, tenant: str, alias: str) -> bool:
+        """Whether ``tenant`` holds a grant of ``alias`` (operators: says nothing of routes)."""
+        q = sa.select(grants.c.tenant).where(grants.c.tenant == tenant, grants.c.alias == alias)
+        with self.engine.connect() as conn:
+            return conn.execute(q).first() is not None
+
     def revoked_digests(self) -> frozenset[str]:
         """Every revoked adapter digest."""
         with self.engine.connect() as conn:
@@ -409,7 +452,22 @@ class RoutingView:
                                                  .order_by(tenants.c.name)).scalars()]
 
     def signing_keys(self) -> dict[str, str]:
-        """``{kid: base64 public key}`` for every recorded ticket-signing key."""
+        """``{kid: base64 public key}`` for every recorded ticket-signing key, retired ones
+        included (see :meth:`retired_key_ids`)."""
         with self.engine.connect() as conn:
             return {str(r.kid): str(r.public_key)
                     for r in conn.execute(sa.select(signing_keys.c.kid, signing_keys.c.public_key))}
+
+    def signing_key_rows(self) -> list[SigningKeyRow]:
+        """Every recorded ticket-signing key with when it was recorded and retired, oldest
+        first."""
+        q = (sa.select(signing_keys.c.kid, signing_keys.c.created_at, signing_keys.c.retired_at)
+             .order_by(signing_keys.c.created_at, signing_keys.c.kid))
+        with self.engine.connect() as conn:
+            return [SigningKeyRow(**r._mapping) for r in conn.execute(q)]
+
+    def retired_key_ids(self) -> frozenset[str]:
+        """Key ids of the retired ticket-signing keys: never signed with, never trusted."""
+        q = sa.select(signing_keys.c.kid).where(signing_keys.c.retired_at.is_not(None))
+        with self.engine.connect() as conn:
+            return frozenset(str(k) for k in conn.execute(q).scalars())

@@ -14,7 +14,8 @@ metadata = sa.MetaData()
 # The projections' schema version (control.schema, component ``projections``). Raise it whenever
 # a table or column below changes: a database at an older version is then dropped and rebuilt
 # from the event store by ``loraplane db upgrade`` (the rows are derived, so nothing is lost).
-SCHEMA_VERSION = 1
+# 2: ``signing_keys.retired_at``.
+SCHEMA_VERSION = 2
 
 _digest = sa.String(71)  # "sha256:" + 64 hex
 _name = sa.String(64)
@@ -104,11 +105,14 @@ revocations = sa.Table(
     sa.Column("revoked_at", _ts, nullable=False),
 )
 
+# Every recorded ticket-signing key; ``retired_at`` is set once it is retired (hosts refuse
+# its tickets, gateways stop signing with it, and its public file is removed from hosts).
 signing_keys = sa.Table(
     "signing_keys", metadata,
     sa.Column("kid", _name, primary_key=True),
     sa.Column("public_key", sa.Text, nullable=False),
     sa.Column("created_at", _ts, nullable=False),
+    sa.Column("retired_at", _ts, nullable=True),
 )
 
 # Position of each projection in the event store's notification log. Written in the same

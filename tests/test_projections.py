@@ -21,7 +21,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from control.config import Settings
 from control.db import make_engine
-from control.registry import Registry
+from control.registry import NotYetVisible, Registry
 from projections import routing
 from projections.follower import ProjectionFollower, snapshot
 from projections.routing import RoutingView
@@ -67,6 +67,26 @@ def counting_apply(engine: Engine, fail_at: int | None = None
             apply(conn, event)
 
     return apply_all
+
+
+def unapplied(command: Callable[[], object]) -> None:
+    """Run a command that waits for its change to show (revocations, credential changes)
+    through a registry that does not follow, with no follower running: it is recorded, and
+    reported as not yet visible (the test applies it later)."""
+    with pytest.raises(NotYetVisible):
+        command()
+
+
+def revoke_unapplied(registry: Registry, digest: str) -> None:
+    unapplied(lambda: registry.revoke(digest, "rotated", actor="sec", wait_s=0))
+
+
+def credential_changes(registry: Registry) -> None:
+    """One of each credential event, on the ``history`` fixture's world, none applied yet."""
+    unapplied(lambda: registry.rotate_api_key("acme", actor="op", wait_s=0))
+    unapplied(lambda: registry.revoke_api_keys("globex", actor="op", reason="left", wait_s=0))
+    unapplied(lambda: registry.remove_grant("globex", "tiny-base", actor="op", wait_s=0))
+    unapplied(lambda: registry.retire_signing_key("k1", actor="op", force=True, wait_s=0))
 
 
 def counts(engine: Engine) -> list[int]:
@@ -132,7 +152,10 @@ class ProjectionContract:
         view = RoutingView(engine)
         follower = ProjectionFollower(registry, engine)
         follower.catch_up()
-        registry.revoke(history["alpha"], "key material leaked", actor="sec")
+        # Recorded, but nobody applied it yet: the command says so instead of succeeding.
+        with pytest.raises(NotYetVisible, match="recorded but not yet visible"):
+            registry.revoke(history["alpha"], "key material leaked", actor="sec", wait_s=0)
+        assert registry.adapter(history["alpha"]).state == "revoked"
         assert history["alpha"] not in view.revoked_digests()  # not applied yet
         assert follower.catch_up() == 1
         assert view.revoked_digests() == frozenset({history["alpha"]})
@@ -207,11 +230,15 @@ class ProjectionContract:
                                  history: dict[str, str], tmp_path: Path) -> None:
         follower = ProjectionFollower(registry, engine)
         follower.catch_up()
-        registry.revoke(history["beta"], "rotated", actor="sec")
+        revoke_unapplied(registry, history["beta"])
         registry.point_alias("globex-chat", history["base"], actor="op")
+        credential_changes(registry)
         follower.catch_up()
         live = snapshot(engine)
         assert live["revocations"] and live["routes"] and live["api_keys"]
+        assert [r[1] for r in live["api_keys"]] == ["acme"]  # globex's key is revoked
+        assert ("globex", "tiny-base") not in live["grants"]
+        assert [(r[0], r[3] is not None) for r in live["signing_keys"]] == [("k1", True)]
         scratch = sa.create_engine(f"sqlite:///{tmp_path / 'rebuilt.db'}")
         assert follower.rebuild_into(scratch) == self._total(registry)
         assert snapshot(scratch) == live
@@ -224,10 +251,11 @@ class ProjectionContract:
             monkeypatch: pytest.MonkeyPatch) -> None:
         """``apply_all`` (one executemany per table for each run of row-only events) leaves
         exactly the rows ``apply`` leaves one event at a time, updates interleaved."""
-        registry.revoke(history["beta"], "rotated", actor="sec")
+        revoke_unapplied(registry, history["beta"])
         registry.record_serving_step(history["beta"], "h1", "drained", actor="h1")
         registry.point_alias("globex-chat", history["base"], actor="op")
         registry.create_tenant("initech", actor="op")
+        credential_changes(registry)
         follower = ProjectionFollower(registry, engine)
         batched = sa.create_engine(f"sqlite:///{tmp_path / 'batched.db'}")
         one_by_one = sa.create_engine(f"sqlite:///{tmp_path / 'one-by-one.db'}")

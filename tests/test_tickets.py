@@ -77,6 +77,72 @@ def test_bindings(keys: tuple[TicketSigner, TicketVerifier], over: dict[str, obj
     assert e.value.reason == reason
 
 
+def test_lifetime_above_the_cap_refused(keys: tuple[TicketSigner, TicketVerifier]) -> None:
+    """Default cap 5 minutes: a validly signed ticket that lives longer is refused, whoever
+    signed it and whatever its expiry."""
+    signer, verifier = keys
+    assert verifier.max_ttl_s == 300
+    assert verifier.verify(_issue(signer, ttl_s=300)).exp - verifier.verify(
+        _issue(signer, ttl_s=300)).iat == 300  # exactly the cap is fine
+    now = int(time.time())
+    forged = [
+        _issue(signer, ttl_s=301),  # a gateway misconfigured by one second
+        _issue(signer, ttl_s=86_400),  # a day-long ticket
+        _sign_payload(signer, {**_genuine_payload(signer), "iat": now - 3600, "exp": now + 60}),
+    ]
+    for token in forged:
+        with pytest.raises(TicketRejected) as e:
+            verifier.verify(token)
+        assert e.value.reason == "lifetime"
+    longer = TicketVerifier({signer.kid: signer.public_raw}, model="lora_llm", base=BASE,
+                            tokenizer=TOK, max_ttl_s=86_400)
+    assert longer.verify(forged[1]).tenant == "acme"
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_ttl_s"):
+            TicketVerifier({}, model="lora_llm", base=BASE, tokenizer=TOK,
+                           max_ttl_s=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"LORAPLANE_TICKET_TTL_S": "600"}, "above the ticket lifetime cap"),
+    ({"LORAPLANE_TICKET_TTL_S": "120", "LORAPLANE_TICKET_MAX_TTL_S": "60"}, "above"),
+    ({"LORAPLANE_TICKET_TTL_S": "0"}, "LORAPLANE_TICKET_TTL_S must be a positive"),
+    ({"LORAPLANE_TICKET_TTL_S": "-5"}, "LORAPLANE_TICKET_TTL_S must be a positive"),
+    ({"LORAPLANE_TICKET_TTL_S": "5m"}, "LORAPLANE_TICKET_TTL_S must be a whole number"),
+    ({"LORAPLANE_TICKET_MAX_TTL_S": "0"}, "LORAPLANE_TICKET_MAX_TTL_S must be a positive"),
+    ({"LORAPLANE_TICKET_MAX_TTL_S": "86400"}, "at most 3600"),
+])
+def test_ticket_lifetime_settings_refused_at_start(
+        env: dict[str, str], message: str, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from control.cli import app
+    from control.config import ConfigError, Settings
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=message):
+        Settings.from_env(tmp_path)
+    # Every verb reads the settings first: one clear line, a non-zero exit, nothing started.
+    res = CliRunner().invoke(app, ["--json", "--home", str(tmp_path / "home"), "tenant", "list"])
+    assert res.exit_code == 2 and message in res.stdout
+    assert not (tmp_path / "home").exists()
+
+
+def test_ticket_lifetime_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from control.config import ConfigError, Settings
+
+    s = Settings.from_env(tmp_path)
+    assert (s.ticket_ttl_s, s.ticket_max_ttl_s) == (300, 300)
+    monkeypatch.setenv("LORAPLANE_TICKET_TTL_S", "900")
+    monkeypatch.setenv("LORAPLANE_TICKET_MAX_TTL_S", "900")
+    s = Settings.from_env(tmp_path)
+    assert (s.ticket_ttl_s, s.ticket_max_ttl_s) == (900, 900)
+    with pytest.raises(ConfigError):  # built in code, not only from the environment
+        Settings(home=tmp_path, db_url="sqlite://", ticket_ttl_s=301)
+
+
 def _sign_payload(signer: TicketSigner, payload: dict[str, object]) -> str:
     """Any payload, genuinely signed by ``signer`` (what only a buggy or old issuer would sign)."""
     import json
@@ -310,7 +376,8 @@ def _oracle_accepts(claims: dict[str, object], now: float) -> bool:
             return False
     return (claims["kid"] == _SIGNER.kid and claims["model"] == "lora_llm"
             and claims["base"] == BASE and claims["tokenizer"] == TOK
-            and claims["exp"] > now and claims["iat"] <= now + 30)  # type: ignore[operator]
+            and claims["exp"] > now and claims["iat"] <= now + 30  # type: ignore[operator]
+            and claims["exp"] - claims["iat"] <= 300)  # type: ignore[operator]
 
 
 @st.composite

@@ -228,8 +228,8 @@ class Registry(Application[UUID]):
                 raise NotYetVisible(
                     f"{what} is recorded but not yet visible to gateways and Triton hosts: the "
                     f"projection tables did not show it within {wait_s:g} s, so it is not in "
-                    "force yet. Check the projection follower (the control plane's log, or "
-                    "`loraplane db status`); it takes effect once the follower catches up")
+                    "force yet. Check the projection follower (the control plane's log); it "
+                    "takes effect once the follower catches up")
             if self._follow:
                 try:
                     self.follower.catch_up()
@@ -706,8 +706,9 @@ class Registry(Application[UUID]):
 
     # -- keys -------------------------------------------------------------------------------
 
-    def record_signing_key(self, kid: str, public_key_b64: str, *, actor: str) -> None:
-        """Record a ticket-signing public key (raw Ed25519, base64); a rotation adds a key."""
+    def record_signing_key(self, kid: str, public_key_b64: str, *, actor: str) -> int:
+        """Record a ticket-signing public key (raw Ed25519, base64); a rotation adds a key.
+        Returns the event's position in the notification log."""
         check_name("key id", kid)
         check_actor(actor)
         try:
@@ -718,18 +719,30 @@ class Registry(Application[UUID]):
             raise DomainError("public key must be a raw 32-byte Ed25519 key")
         if self._exists(signing_key_id(kid)):
             raise AlreadyExists(f"signing key {kid!r} is already recorded")
-        self._save(SigningKey(kid=kid, public_key_b64=public_key_b64, actor=actor),
-                   what="signing key")
+        return self._save(SigningKey(kid=kid, public_key_b64=public_key_b64, actor=actor),
+                          what="signing key")
 
-    def rotate_signing_key(self, *, actor: str) -> tuple[str, str | None]:
-        """Make a new ticket-signing key this home's active one, recorded before it signs
-        anything; returns (new kid, previous kid). Retire the previous one afterwards."""
+    def rotate_signing_key(self, *, actor: str,
+                           wait_s: float = VISIBLE_WITHIN_S) -> tuple[str, str | None]:
+        """Make a new ticket-signing key this home's active one; returns (new kid, previous
+        kid). Retire the previous one afterwards.
+
+        The key becomes active only once its public half is recorded and visible in the
+        tables hosts copy their trusted keys from; else NotYetVisible, and the active key
+        stays as it was (the recorded key is never used: retire it).
+        """
         check_actor(actor)
 
         def record(signer: TicketSigner) -> None:
-            self.record_signing_key(signer.kid, signer.public_b64, actor=actor)
+            position = self.record_signing_key(signer.kid, signer.public_b64, actor=actor)
+            self._confirm_visible(position, lambda v: signer.kid in v.signing_keys(),
+                                  "the new signing key", wait_s)
 
-        signer, previous = key_ring.rotate(self.settings.keys_dir, record)
+        try:
+            signer, previous = key_ring.rotate(self.settings.keys_dir, record)
+        except NotYetVisible as e:
+            raise NotYetVisible(f"{e}. The new key was NOT made active here (the active key "
+                                "is unchanged): rotate again once it has caught up") from None
         return signer.kid, previous
 
     def retire_signing_key(self, kid: str, *, actor: str, reason: str = "",

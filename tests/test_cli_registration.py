@@ -86,6 +86,13 @@ def test_full_operator_flow(home: Path, kit_dir: Path) -> None:
     ticket = json.loads(out)
     assert ticket["adapter"] == digest and ticket["tenant"] == "acme"
     assert ticket["ticket"].startswith("v4.public.")
+    # Signing key rotation: retire the key that signed it, and the next ticket has the new one.
+    code, out = _cli(home, "key", "rotate")
+    assert code == 0 and json.loads(out)["previous"] == ticket["kid"], out
+    new_kid = json.loads(out)["kid"]
+    assert _cli(home, "key", "retire", ticket["kid"], "--reason", "rotated")[0] == 0
+    code, out = _cli(home, "ticket", "issue", "--tenant", "acme", "--alias", "acme-alpha")
+    assert code == 0 and json.loads(out)["kid"] == new_kid
     assert _cli(home, "adapter", "revoke", digest, "--reason", "leak")[0] == 0
     code, _ = _cli(home, "ticket", "issue", "--tenant", "acme", "--alias", "acme-alpha")
     assert code != 0

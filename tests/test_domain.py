@@ -21,7 +21,9 @@ from control.domain import (
     BaseModel,
     DomainError,
     IllegalTransition,
+    NotFound,
     Release,
+    SigningKey,
     Tenant,
     TenantPolicy,
     ValidationFailed,
@@ -67,6 +69,48 @@ def test_tenant_event_carries_only_the_key_hash() -> None:
     assert created.api_key_hash == hash_api_key("lp_secret")  # type: ignore[attr-defined]
     assert "lp_secret" not in repr(created)
     assert created.actor == "alice"  # type: ignore[attr-defined]
+
+
+def test_api_key_rotation_and_revocation() -> None:
+    tenant = Tenant.create("acme", "lp_first", "alice")
+    tenant.rotate_api_key("lp_second", "alice")
+    assert tenant.api_key_hash == hash_api_key("lp_second")
+    tenant.revoke_api_keys("leaked", "sec")
+    assert tenant.api_key_hash is None
+    with pytest.raises(IllegalTransition, match="no API key"):
+        tenant.revoke_api_keys("again", "sec")  # nothing to withdraw: nothing recorded
+    tenant.rotate_api_key("lp_third", "alice")  # a tenant gets a key back by rotation
+    events = tenant.collect_events()
+    assert [type(e).__name__ for e in events] == [
+        "TenantCreated", "ApiKeyRotated", "ApiKeysRevoked", "ApiKeyRotated"]
+    assert not any(k in repr(events) for k in ("lp_first", "lp_second", "lp_third"))
+    assert events[2].reason == "leaked"  # type: ignore[attr-defined]
+    with pytest.raises(DomainError):
+        tenant.rotate_api_key("lp_x", " ")
+
+
+def test_grant_removal() -> None:
+    alias = Alias.create("chat", owner="acme", release=None, actor="alice")
+    with pytest.raises(NotFound, match="no grant"):
+        alias.remove_grant("acme", "op")
+    alias.grant("acme", "op")
+    alias.grant("globex", "op")
+    alias.remove_grant("acme", "op")
+    assert not alias.may_resolve("acme") and alias.may_resolve("globex")
+    alias.grant("acme", "op")  # granted again after a removal
+    assert [type(e).__name__ for e in alias.collect_events()][-2:] == [
+        "AliasGrantRemoved", "AliasGranted"]
+
+
+def test_signing_key_retires_once() -> None:
+    key = SigningKey(kid="k1", public_key_b64="AAAA", actor="op")
+    assert not key.retired
+    key.retire("rotated", "op")
+    assert key.retired
+    with pytest.raises(IllegalTransition, match="already retired"):
+        key.retire("again", "op")
+    assert [type(e).__name__ for e in key.collect_events()] == [
+        "SigningKeyRecorded", "SigningKeyRetired"]
 
 
 def test_names_and_actor_are_checked() -> None:

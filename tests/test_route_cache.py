@@ -27,6 +27,8 @@ from tests.fixtures_control import (
 )
 
 EVAL = {"suite": "smoke", "accuracy": 0.9, "passed": True}
+KEY_1 = "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo="  # raw Ed25519 public keys, base64
+KEY_2 = "Pq5FjzhpVDq4GLiyKP8Csyv0uo+y7KSJfbiAtVtO0FM="
 SESSIONS = [f"s{i}" for i in range(60)]
 
 
@@ -40,6 +42,7 @@ def _answers(view: RoutingView, keys: dict[str, str]) -> dict[tuple[str, str, st
     for tenant, key in keys.items():
         out[("key", tenant, "")] = view.tenant_for_api_key(key)
     out[("key", "bogus", "")] = view.tenant_for_api_key("lp_not-a-key")
+    out[("retired keys", "", "")] = view.retired_key_ids()
     return out
 
 
@@ -70,6 +73,15 @@ class RouteCacheContract(WithRegistry):
         sql = RoutingView(registry.follower.engine)
         cached = CachedRoutingView(registry.follower.engine, refresh_s=0)
         keys = {t: world[t] for t in ("acme", "globex")}
+
+        def rotate_acme_key() -> None:  # the old key stays in the lookups: it must stop
+            keys["acme rotated"] = registry.rotate_api_key("acme", actor="op")
+
+        def retire_a_signing_key() -> None:
+            registry.record_signing_key("k1", KEY_1, actor="op")
+            registry.record_signing_key("k2", KEY_2, actor="op")
+            registry.retire_signing_key("k1", actor="op")
+
         steps = [
             lambda: None,
             lambda: registry.promote(world["v2"], actor="op"),  # canary graduates
@@ -77,6 +89,10 @@ class RouteCacheContract(WithRegistry):
             lambda: registry.revoke(world["v1"], "leak", actor="sec"),  # nothing servable
             lambda: registry.promote(world["g"], to="deprecated", actor="op"),
             lambda: registry.grant("globex", "tiny-base", actor="op"),
+            rotate_acme_key,
+            lambda: registry.revoke_api_keys("globex", actor="sec"),
+            lambda: registry.remove_grant("acme", "tiny-base", actor="op"),
+            retire_a_signing_key,
         ]
         seen = set()
         for step in steps:

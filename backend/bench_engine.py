@@ -123,7 +123,7 @@ def _run_scheduler(sched: Scheduler, engine: Engine, requests: list[GenerationRe
         def token(self, piece: str) -> None:
             pass
 
-        def finish(self, result: GenerationResult, outcome: str) -> None:
+        def finish(self, result: GenerationResult, outcome: str, reason: str | None) -> None:
             out.append(result.tokens_out)
             done.release()
 

@@ -13,6 +13,12 @@ queued or running request is never evicted or unloaded; cold loads go through a 
 one load worker; each tenant may hold at most ``resident_share`` of the device budget and start at
 most ``loads_per_minute`` cold loads, so one tenant churning versions cannot push everyone out.
 Revocation purges every tier at once and unloads from the device as soon as no request holds it.
+A revoked digest stays in the cache as a tombstone: nothing can load it again, not even a request
+that passed the revocation check just before the revocation landed.
+
+References are held through :class:`backend.lease.Lease` handles, released exactly once; a count
+that would go negative raises :class:`backend.lease.InvariantViolation` and is counted, never
+clamped.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pathlib import Path
 from typing import Protocol
 
 from backend.engine import AdapterSource, HostAdapter
+from backend.lease import Lease, Violations
 
 log = logging.getLogger("loraplane.cache")
 
@@ -120,13 +127,6 @@ class _Bucket:
 LoadEvent = Callable[[str, str, float, float, int | None, str | None], None]
 
 
-@dataclass(frozen=True)
-class Lease:
-    """One request's reference on an adapter; release it when the request ends."""
-
-    digest: str
-
-
 class AdapterCache:
     """Budgets, LRU, references and tenant limits over the engine's adapter slots."""
 
@@ -140,8 +140,13 @@ class AdapterCache:
         on_event: LoadEvent | None = None,
         on_purge: Callable[[str], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        violations: Violations | None = None,
     ) -> None:
         self.engine = engine
+        # One count of broken invariants per host: the engine's, when it keeps one.
+        found = getattr(engine, "violations", None)
+        self.violations = violations or (found if isinstance(found, Violations)
+                                         else Violations())
         # digest -> the adapter's verified files; the store hands over the very bytes it
         # hashed, so nothing can change between the check and the parse
         self.fetch = fetch
@@ -161,7 +166,8 @@ class AdapterCache:
         """Reference ``digest`` and make it device-resident; blocks while it loads.
 
         The reference is taken before any load starts, so the adapter cannot be evicted between
-        being placed and being used. Raises ``CacheRefused`` (and holds nothing) on failure.
+        being placed and being used; the returned lease gives it back, once. Raises
+        ``CacheRefused`` (and holds nothing) on failure.
         """
         with self._lock:
             e = self._entries.get(digest)
@@ -173,7 +179,7 @@ class AdapterCache:
             if e.on_device:
                 e.hits += 1
                 e.refs += 1
-                return Lease(digest)
+                return self._lease(digest)
             e.misses += 1
             future = e.loading
             if future is None:
@@ -190,22 +196,32 @@ class AdapterCache:
             if isinstance(exc, CacheRefused):
                 raise
             raise CacheRefused("load_failed", "adapter could not be loaded") from exc
-        return Lease(digest)
+        return self._lease(digest)
+
+    def _lease(self, digest: str) -> Lease:
+        lease = Lease(digest, self.violations)
+        lease.attach(lambda: self._drop_ref(digest))
+        return lease
 
     def release(self, lease: Lease) -> None:
-        """Drop a request's reference; a revoked adapter unloads when the last one goes."""
-        self._drop_ref(lease.digest)
+        """Release a request's lease: its reference goes; a revoked adapter unloads when the
+        last one goes. Releasing a lease again changes nothing (counted as a violation)."""
+        lease.release()
+
+    def references(self) -> int:
+        """References held by live leases, all adapters together (0 when idle)."""
+        with self._lock:
+            return sum(e.refs for e in self._entries.values())
 
     def _drop_ref(self, digest: str) -> None:
         with self._lock:
             e = self._entries.get(digest)
-            if e is None:
-                return
-            e.refs = max(0, e.refs - 1)
+            if e is None or e.refs < 1:
+                self.violations.raise_("negative_ref", f"reference on {digest}")
+            assert e is not None
+            e.refs -= 1
             if e.refs == 0 and e.revoked and e.on_device:
                 self._unload(e, "revoked")
-            if e.refs == 0 and e.revoked and not e.on_device:
-                self._entries.pop(digest, None)
 
     def _admit_load(self, tenant: str | None) -> None:
         """Bounded load queue and per-tenant load rate (token bucket); caller holds the lock."""

@@ -38,8 +38,10 @@ from torch import nn
 from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM, PreTrainedConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from backend.lease import Lease, Violations
 from backend.lora_ops import SlotBatch
-from backend.slots import SlotContext, SlotsFull, SlotTable, SlottedLinear
+from backend.sampling import InvalidParameter, check_sampling, sample
+from backend.slots import SlotContext, SlotIdentity, SlotsFull, SlotTable, SlottedLinear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -100,12 +102,18 @@ class GenerationResult:
 
     ``text`` excludes the prompt and the eos token; ``token_ids`` are all generated tokens,
     including the eos that stopped generation, if any; ``tokens_out == len(token_ids)``.
+
+    ``adapter_digest`` is read from the slot that computed the tokens (None: the all-zero base
+    slot), never from the request: it is the evidence of which adapter answered. ``failure``
+    says why the row failed alone, if it did (``numerical``, ``stale_slot``).
     """
 
     text: str
     token_ids: list[int]
     tokens_in: int
     tokens_out: int
+    adapter_digest: str | None = None
+    failure: str | None = None
 
 
 @dataclass(frozen=True)
@@ -168,14 +176,27 @@ class Sequence:
 
     request: GenerationRequest
     prompt_ids: list[int]
-    slot: int  # 0 = the all-zero base slot; otherwise the slot of the ticket's adapter
+    # The request's hold on its slot (the pin; the service attaches its cache reference to the
+    # same lease). Released exactly once, by whoever ends the request.
+    lease: Lease
+    # The slot load this row was admitted on (slot, digest, generation); None: the base slot.
+    # Every forward pass checks the slot still holds exactly this load.
+    holder: SlotIdentity | None
     generator: torch.Generator | None
     produced: list[int] = field(default_factory=list)
     done: bool = False
+    failure: str | None = None  # why this row failed alone: numerical | stale_slot
+
+    @property
+    def slot(self) -> int:
+        """0 = the all-zero base slot; otherwise the slot of the ticket's adapter."""
+        return 0 if self.holder is None else self.holder.slot
 
     def result(self, text: str) -> GenerationResult:
         return GenerationResult(text=text, token_ids=list(self.produced),
-                                tokens_in=len(self.prompt_ids), tokens_out=len(self.produced))
+                                tokens_in=len(self.prompt_ids), tokens_out=len(self.produced),
+                                adapter_digest=None if self.holder is None else self.holder.digest,
+                                failure=self.failure)
 
 
 @dataclass
@@ -206,7 +227,10 @@ class Engine:
         dtype: torch.dtype | None = None,
         max_rank: int = 64,
         max_adapters: int = 64,
+        violations: Violations | None = None,
     ) -> None:
+        # Broken lease/pin invariants, counted (and raised) here, exported as a metric.
+        self.violations = violations or Violations()
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.bfloat16 if self._device.type == "cuda" else torch.float32
@@ -224,7 +248,7 @@ class Engine:
         self._context = SlotContext()
         self._table = SlotTable(max_adapters)
         self._modules: dict[str, list[str]] = {}  # digest -> modules it targets
-        self._active: dict[int, int] = {}  # slot -> sequences using it right now
+        self._active: dict[int, int] = {}  # slot -> pins held by live sequences
 
         eos = self._model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -280,9 +304,13 @@ class Engine:
             modules = sorted(adapter.pairs)
             wrapped = [self._wrapped(name) for name in modules]  # may wrap, never fails half-way
             try:
-                slot = self._table.allocate(digest)
+                slot = self._table.allocate(digest).slot
             except SlotsFull as e:
                 raise AdapterLoadError(str(e)) from None
+            if self._active.get(slot, 0):
+                # A free slot with pins means a lease outlived its load: never reuse it.
+                self._table.release(digest)
+                self.violations.raise_("pinned_unload", f"slot {slot} is free but pinned")
             for module, name in zip(wrapped, modules, strict=True):
                 a, b = adapter.pairs[name]
                 module.place(slot, a.to(self._device, self._dtype), b.to(self._device, self._dtype),
@@ -312,6 +340,9 @@ class Engine:
             if slot is None:
                 raise UnknownAdapterError(f"adapter not resident: {digest}")
             if self._active.get(slot, 0):
+                # The cache unloads only unreferenced adapters, so this is a broken invariant
+                # when it comes from the cache; counted either way.
+                self.violations.count("pinned_unload", f"slot {slot}")
                 raise AdapterBusyError("adapter is serving running sequences")
             for name in self._modules.pop(digest):
                 self._wrapped(name).clear(slot)
@@ -434,21 +465,55 @@ class Engine:
             ids, _ = self._prepare_one(request)
             return len(ids)
 
-    def open_sequence(self, request: GenerationRequest) -> Sequence:
-        """Validate a request and pin its adapter's slot until ``close_sequence``."""
+    def open_sequence(self, request: GenerationRequest, lease: Lease | None = None) -> Sequence:
+        """Validate a request and pin its adapter's slot until its lease is released.
+
+        ``lease``: the request's lease (the service's, already holding the cache reference);
+        the pin joins it, so one release gives both back. Without one, the sequence gets a
+        lease of its own. On error nothing is pinned.
+        """
         with self._lock:
-            ids, slot = self._prepare_one(request)
-            self._active[slot] = self._active.get(slot, 0) + 1
-            return Sequence(request, ids, slot, self._generator(request))
+            ids, holder = self._prepare_one(request)
+            if lease is None:
+                lease = Lease(request.adapter, self.violations)
+            if holder is not None:
+                self._active[holder.slot] = self._active.get(holder.slot, 0) + 1
+                lease.attach(lambda: self._unpin(holder))
+            return Sequence(request, ids, lease, holder, self._generator(request))
 
     def close_sequence(self, seq: Sequence) -> None:
-        """Release the slot pin taken by ``open_sequence``."""
+        """Release the sequence's lease (its slot pin, and what else the lease holds)."""
+        seq.lease.release()
+
+    def _unpin(self, holder: SlotIdentity) -> None:
         with self._lock:
-            left = self._active.get(seq.slot, 0) - 1
-            if left > 0:
-                self._active[seq.slot] = left
+            left = self._active.get(holder.slot, 0) - 1
+            if left < 0:
+                self.violations.raise_("negative_pin", f"slot {holder.slot}")
+            if left:
+                self._active[holder.slot] = left
             else:
-                self._active.pop(seq.slot, None)
+                self._active.pop(holder.slot, None)
+            if self._table.holder(holder.slot) != holder:
+                # The slot was emptied or refilled under a live pin: a row may have been served
+                # by other weights. The scheduler checks before every step; this is the backstop.
+                self.violations.count("stale_slot", f"slot {holder.slot} at unpin")
+
+    def pins(self) -> dict[int, int]:
+        """Slot -> pins held by live sequences (state-machine tests, metrics)."""
+        with self._lock:
+            return dict(self._active)
+
+    def stale_rows(self, seqs: Sequence_[Sequence]) -> list[int]:
+        """Indices of ``seqs`` whose slot no longer holds the load they were admitted on."""
+        with self._lock:
+            return [i for i, s in enumerate(seqs)
+                    if s.holder is not None and self._table.holder(s.holder.slot) != s.holder]
+
+    def slot_identity(self, digest: str) -> SlotIdentity | None:
+        """The slot, digest and load generation of a resident adapter, or None."""
+        with self._lock:
+            return self._table.identity_of(digest)
 
     def text(self, ids: Sequence_[int]) -> str:
         """Decode generated ids (eos dropped) to text."""
@@ -457,20 +522,16 @@ class Engine:
         assert isinstance(out, str)
         return out
 
-    def _prepare_one(self, r: GenerationRequest) -> tuple[list[int], int]:
-        if r.adapter is None:
-            slot = 0
-        else:
-            found = self._table.slot_of(r.adapter)
-            if found is None:
+    def _prepare_one(self, r: GenerationRequest) -> tuple[list[int], SlotIdentity | None]:
+        holder = None
+        if r.adapter is not None:
+            holder = self._table.identity_of(r.adapter)
+            if holder is None:
                 raise UnknownAdapterError(f"adapter not resident: {r.adapter}")
-            slot = found
-        if not isinstance(r.max_tokens, int) or r.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be >= 1, found {r.max_tokens!r}")
-        if not (r.temperature >= 0.0 and math.isfinite(r.temperature)):
-            raise InvalidRequestError(f"temperature must be >= 0, found {r.temperature!r}")
-        if not 0.0 < r.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], found {r.top_p!r}")
+        try:  # the service checks these at admission already; the engine trusts no caller
+            check_sampling(r.max_tokens, r.temperature, r.top_p, r.seed)
+        except InvalidParameter as e:
+            raise InvalidRequestError(str(e)) from None
         ids = self.encode(r.prompt)
         limit = int(getattr(self._model.config, "max_position_embeddings", 0) or 0)
         if limit and len(ids) + r.max_tokens > limit:
@@ -478,7 +539,7 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({r.max_tokens}) exceeds the "
                 f"model's {limit} positions"
             )
-        return ids, slot
+        return ids, holder
 
     # -- whole batches (the oracle's entry points) ------------------------------------------
 
@@ -561,12 +622,17 @@ class Engine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [batch, width]
         slots = SlotBatch.from_slots([s.slot for s in seqs], self._device)
         cache = DynamicCache(config=self._model.config)
-        logits = self._forward(slots, ids, mask, positions, cache)
+        logits = self._forward(seqs, slots, ids, mask, positions, cache)
         keys, values = _cache_tensors(cache)
         return DecodeBatch(list(seqs), keys, values, mask, positions[:, -1:], logits, slots)
 
-    def _forward(self, slots: SlotBatch, ids: torch.Tensor, mask: torch.Tensor,
-                 positions: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    def _forward(self, seqs: list[Sequence], slots: SlotBatch, ids: torch.Tensor,
+                 mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        # Provenance backstop: no row's delta is applied from a slot that no longer holds the
+        # load the row was admitted on. The scheduler drops such rows before each step; reaching
+        # this means a caller skipped that check, so the whole pass is refused.
+        if self.stale_rows(seqs):
+            self.violations.raise_("stale_slot", "a forward pass over a reloaded slot")
         self._context.batch = slots
         try:
             out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions,
@@ -629,21 +695,30 @@ class Engine:
             SlotBatch.from_slots([s.slot for s in seqs], self._device),
         )
 
-    def choose(self, batch: DecodeBatch) -> list[int]:
-        """Pick each row's next token from its logits; mark rows that reached eos or limit."""
+    def choose(self, batch: DecodeBatch) -> list[int | None]:
+        """Pick each row's next token; mark rows that reached eos or their limit as done.
+
+        A row whose logits are not finite, or whose sampling distribution is not one, fails
+        alone (``failure = "numerical"``, done, no token): the other rows go on.
+        """
         with torch.inference_mode():
             logits = batch.logits.float()
-            chosen = logits.argmax(dim=-1)  # [batch]
+            finite = torch.isfinite(logits).all(dim=-1).tolist()  # [batch]
+            chosen: list[int | None] = [int(t) for t in logits.argmax(dim=-1).tolist()]
             for i, s in enumerate(batch.seqs):
-                if s.generator is not None:
-                    chosen[i] = _sample(logits[i], s.request.temperature, s.request.top_p,
-                                        s.generator)
-            tokens = [int(t) for t in chosen.tolist()]
-        for s, token in zip(batch.seqs, tokens, strict=True):
+                if not finite[i]:
+                    chosen[i] = None
+                elif s.generator is not None:
+                    chosen[i] = sample(logits[i], s.request.temperature, s.request.top_p,
+                                       s.generator)
+        for s, token in zip(batch.seqs, chosen, strict=True):
+            if token is None:
+                s.failure, s.done = "numerical", True
+                continue
             s.produced.append(token)
             if token in self._eos_ids or len(s.produced) >= s.request.max_tokens:
                 s.done = True
-        return tokens
+        return chosen
 
     def advance(self, batch: DecodeBatch) -> None:
         """One decode step: feed each row's last token, extend the KV cache, new logits."""
@@ -657,7 +732,8 @@ class Engine:
             for layer, k, v in zip(layers, batch.keys, batch.values, strict=True):
                 layer.lazy_initialization(k, v)
                 layer.keys, layer.values = k, v
-            batch.logits = self._forward(batch.slots, ids, batch.mask, batch.last_pos, cache)
+            batch.logits = self._forward(batch.seqs, batch.slots, ids, batch.mask,
+                                         batch.last_pos, cache)
             batch.keys, batch.values = _cache_tensors(cache)
 
     def _generator(self, request: GenerationRequest) -> torch.Generator | None:
@@ -675,23 +751,6 @@ def _cache_tensors(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.
     """Per-layer keys and values ([batch, kv_heads, width, head_dim]) of a filled cache."""
     layers: list[Any] = list(cache.layers)
     return [layer.keys for layer in layers], [layer.values for layer in layers]
-
-
-def _sample(
-    logits: torch.Tensor,  # [vocab] float32
-    temperature: float,
-    top_p: float,
-    generator: torch.Generator,
-) -> torch.Tensor:
-    """One token id (0-dim long) by temperature and nucleus (top-p) sampling."""
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator)[0]
 
 
 def _read_config(source: AdapterSource) -> dict[str, Any]:

@@ -13,11 +13,26 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 metadata = sa.MetaData()
+
+
+class Outcome(StrEnum):
+    """How a request ended, as the ledger records it."""
+
+    RUNNING = "running"  # admitted, not finished (or its host died: marked failed at restart)
+    OK = "ok"
+    REJECTED = "rejected"  # refused before generation: ticket, revocation, limits, busy
+    FAILED = "failed"
+    CANCELLED = "cancelled"  # the client cancelled or went away
+    # The slot that computed the row did not hold the adapter the ticket named: the request
+    # failed closed, and the row names both digests.
+    IDENTITY_MISMATCH = "identity_mismatch"
+
 
 request_ledger = sa.Table(
     "request_ledger",
@@ -34,18 +49,23 @@ request_ledger = sa.Table(
     sa.Column("finished_at", sa.Float, nullable=True),
     sa.Column("tokens_in", sa.Integer, nullable=True),
     sa.Column("tokens_out", sa.Integer, nullable=True),
-    # running | ok | rejected | failed | cancelled
-    sa.Column("outcome", sa.String(16), nullable=False),
+    sa.Column("outcome", sa.String(32), nullable=False),  # an Outcome (32 since version 3)
     sa.Column("reason", sa.String(64), nullable=True),
     # Schema version 2: the release manifest the verified ticket named (None for rows whose ticket
     # did not verify, for a base without a release, and for rows written before version 2).
     sa.Column("release_digest", sa.String(71), nullable=True),
+    # Schema version 3: the adapter digest the engine's slot held while it computed this row's
+    # tokens, read from the slot, not from the ticket (None: the base slot, or never computed).
+    # ``adapter_digest`` is what the verified ticket named; the two differ only on an
+    # identity_mismatch row, and the incident view searches both.
+    sa.Column("served_digest", sa.String(71), nullable=True),
     sa.Index("ix_ledger_adapter_time", "adapter_digest", "admitted_at"),
     sa.Index("ix_ledger_time", "admitted_at"),
     sa.Index("ix_ledger_release_time", "release_digest", "admitted_at"),
+    sa.Index("ix_ledger_served_time", "served_digest", "admitted_at"),
 )
 
-OUTCOMES = ("running", "ok", "rejected", "failed", "cancelled")
+OUTCOMES = tuple(o.value for o in Outcome)
 
 # One row per attempt to make an adapter resident on a host: the evidence that a refused request
 # never caused a load, and the record of loads that failed (bytes changed in the store, say).
@@ -88,9 +108,10 @@ class LedgerEntry:
     finished_at: float | None = None
     tokens_in: int | None = None
     tokens_out: int | None = None
-    outcome: str = "running"
+    outcome: str = Outcome.RUNNING
     reason: str | None = None
     release_digest: str | None = None
+    served_digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +121,7 @@ class Completion:
     tokens_in: int | None = None
     tokens_out: int | None = None
     reason: str | None = None
+    served_digest: str | None = None  # read from the slot that computed the tokens
 
 
 class Ledger:
@@ -116,35 +138,22 @@ class Ledger:
 
     def admit(self, entries: Sequence[LedgerEntry]) -> None:
         """Insert rows (admitted or refused) in one transaction."""
-        if not entries:
-            return
-        with self.engine.begin() as conn:
-            conn.execute(request_ledger.insert(), [_row(e) for e in entries])
+        self.write(entries, ())
 
     def complete(self, completions: Sequence[Completion], now: float | None = None) -> None:
         """Record how requests ended, in one transaction; only running rows change."""
-        if not completions:
+        self.write((), completions, now)
+
+    def write(self, entries: Sequence[LedgerEntry], completions: Sequence[Completion],
+              now: float | None = None) -> None:
+        """Insert ``entries`` and apply ``completions``, all in one transaction."""
+        if not entries and not completions:
             return
-        t = time.time() if now is None else now
-        stmt = (
-            request_ledger.update()
-            .where(request_ledger.c.request_id == sa.bindparam("rid"))
-            .where(request_ledger.c.outcome == "running")
-            .values(
-                outcome=sa.bindparam("o"),
-                tokens_in=sa.bindparam("ti"),
-                tokens_out=sa.bindparam("to"),
-                reason=sa.bindparam("r"),
-                finished_at=t,
-            )
-        )
-        params = [
-            {"rid": c.request_id, "o": c.outcome, "ti": c.tokens_in, "to": c.tokens_out,
-             "r": c.reason}
-            for c in completions
-        ]
         with self.engine.begin() as conn:
-            conn.execute(stmt, params)
+            if entries:
+                conn.execute(request_ledger.insert(), [_row(e) for e in entries])
+            if completions:
+                _complete(conn, completions, time.time() if now is None else now)
 
     def fail_running(self, host: str, reason: str = "host_restart") -> int:
         """Mark rows this host left running (it died mid-request) as failed."""
@@ -169,8 +178,9 @@ class Ledger:
     ) -> list[LedgerEntry]:
         """Rows matching every given filter, oldest first."""
         q = sa.select(request_ledger)
-        if adapter is not None:
-            q = q.where(request_ledger.c.adapter_digest == adapter)
+        if adapter is not None:  # what the ticket named, or what the slot held
+            q = q.where(sa.or_(request_ledger.c.adapter_digest == adapter,
+                               request_ledger.c.served_digest == adapter))
         if release is not None:
             q = q.where(request_ledger.c.release_digest == release)
         if tenant is not None:
@@ -206,7 +216,30 @@ class Ledger:
         return LedgerEntry(**dict(r._mapping)) if r else None
 
 
+def _complete(conn: sa.Connection, completions: Sequence[Completion], t: float) -> None:
+    stmt = (
+        request_ledger.update()
+        .where(request_ledger.c.request_id == sa.bindparam("rid"))
+        .where(request_ledger.c.outcome == Outcome.RUNNING.value)
+        .values(
+            outcome=sa.bindparam("o"),
+            tokens_in=sa.bindparam("ti"),
+            tokens_out=sa.bindparam("to"),
+            reason=sa.bindparam("r"),
+            served_digest=sa.bindparam("sd"),
+            finished_at=t,
+        )
+    )
+    conn.execute(stmt, [
+        {"rid": c.request_id, "o": str(c.outcome), "ti": c.tokens_in, "to": c.tokens_out,
+         "r": c.reason, "sd": c.served_digest}
+        for c in completions
+    ])
+
+
 def _row(e: LedgerEntry) -> dict[str, object]:
     if e.outcome not in OUTCOMES:
         raise ValueError(f"unknown ledger outcome {e.outcome!r}")
-    return {f: getattr(e, f) for f in LedgerEntry.__dataclass_fields__}
+    row = {f: getattr(e, f) for f in LedgerEntry.__dataclass_fields__}
+    row["outcome"] = str(e.outcome)
+    return row

@@ -12,6 +12,9 @@ FAILURE_MESSAGE = "request failed: the adapter could not be served"
 LIMITS_MESSAGE = "request refused: prompt plus max_tokens exceed the model's limits"
 BUSY_MESSAGE = "server busy: too many requests queued, retry later"
 INTERNAL_MESSAGE = "request failed"
+# A sampling parameter out of range: the message names the parameter and its range
+# (backend.sampling.InvalidParameter), about the caller's own input only.
+PARAMETER_PREFIX = "invalid parameter "
 
 # message -> status ("invalid_arg" | "unavailable" | "internal")
 STATUS_OF: dict[str, str] = {
@@ -25,4 +28,6 @@ STATUS_OF: dict[str, str] = {
 
 def status_of(message: str) -> str:
     """The status of one of the fixed messages; anything else is internal."""
+    if message.startswith(PARAMETER_PREFIX):
+        return "invalid_arg"
     return STATUS_OF.get(message, "internal")

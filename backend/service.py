@@ -1,21 +1,32 @@
 """The serving pipeline behind the Triton models, importable and testable without Triton.
 
 For each request Triton hands over: read the ticket from the request parameters, verify it, check
-the revocation set, and only then reference the adapter the verified ticket names in the governed
-cache (``backend.cache``: loaded from the content-addressed store by digest, bytes checked against
-the digest). The ledger row is written (durable) before the sequence joins the continuous batch
-(``backend.scheduler``); tokens stream to the caller's sink; when the sequence ends its ledger row
-is completed, durably, before the final answer leaves.
+it against governance (revocations, retired keys, its release; ``backend.admission``), check the
+request's own parameters, and only then lease the adapter the verified ticket names from the
+governed cache (``backend.cache``: loaded from the content-addressed store by digest, bytes checked
+against the digest). The ledger row is written (durable) before the sequence joins the continuous
+batch (``backend.scheduler``); tokens stream to the caller's sink; when the sequence ends its
+ledger row is completed, durably, before the final answer leaves (``backend.recorder``).
 
 Nothing a client sends other than a verified ticket can choose an adapter: no name, path or digest
 in any parameter is read.
+
+Provenance: the answer's ``adapter_digest`` and the ledger's ``served_digest`` are read from the
+slot that computed the tokens (``GenerationResult.adapter_digest``), never copied from the ticket.
+Where they differ from the ticket's adapter, the request fails closed as ``identity_mismatch``.
+
+Every request gets a ledger row: served, refused (ticket, governance, parameters, limits, loads),
+busy, failed at admission, failed in the engine, cancelled.
+
+Revocation is pushed to the host, not only checked per request: a watcher thread reads the
+governance snapshot every :data:`WATCH_INTERVAL_S` (and on PostgreSQL wakes on the projection
+follower's NOTIFY), so an idle host purges, drains and unloads a revoked adapter and records the
+three steps within a second of the revocation.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import queue
 import socket
 import threading
 import time
@@ -25,7 +36,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from backend.cache import AdapterCache, CacheBudgets, CacheRefused, Lease, TenantPolicy
+from backend.admission import (
+    TICKET_HEADER,
+    TICKET_PARAM,
+    RequestRefused,
+    VerifiedTickets,
+    check_governance,
+    ticket_from_parameters,
+)
+from backend.cache import AdapterCache, CacheBudgets, CacheRefused, TenantPolicy
 from backend.engine import (
     DecodeBatch,
     Engine,
@@ -34,9 +53,19 @@ from backend.engine import (
     GenerationResult,
     InvalidRequestError,
 )
-from backend.ledger import AdapterLoad, Completion, Ledger, LedgerEntry
-from backend.messages import BUSY_MESSAGE, FAILURE_MESSAGE, INTERNAL_MESSAGE, LIMITS_MESSAGE
+from backend.engine import Sequence as EngineSequence
+from backend.lease import Lease
+from backend.ledger import AdapterLoad, Completion, Ledger, LedgerEntry, Outcome
+from backend.messages import (
+    BUSY_MESSAGE,
+    FAILURE_MESSAGE,
+    INTERNAL_MESSAGE,
+    LIMITS_MESSAGE,
+    PARAMETER_PREFIX,
+)
 from backend.prefix_cache import PrefixCache, PrefixKey
+from backend.recorder import LedgerWriter
+from backend.sampling import InvalidParameter, check_sampling
 from backend.scheduler import QueueFull, Scheduler, SchedulerLimits
 from control.config import Settings
 from control.db import make_engine
@@ -48,17 +77,16 @@ from control.tickets import (
     TicketVerifier,
     load_public_keys,
 )
+from projections.host_view import ChangeListener, GovernanceState, HostGovernance
 from projections.routing import RoutingView
 
 log = logging.getLogger("loraplane.backend")
 
-TICKET_PARAM = "lora_ticket"
-TICKET_HEADER = "x-lora-ticket"
 MAX_PROMPT_CHARS = 8192
-MAX_NEW_TOKENS = 512
-DEFAULT_MAX_TOKENS = 16
 PREFIX_CACHE_BYTES = 64 * 2**20
-__all__ = ["BUSY_MESSAGE", "FAILURE_MESSAGE", "LIMITS_MESSAGE", "LoraService"]
+WATCH_INTERVAL_S = 0.1
+__all__ = ["BUSY_MESSAGE", "FAILURE_MESSAGE", "LIMITS_MESSAGE", "TICKET_HEADER", "TICKET_PARAM",
+           "LoraService", "RequestRefused", "ticket_from_parameters"]
 
 
 @dataclass(frozen=True)
@@ -67,10 +95,10 @@ class IncomingRequest:
 
     text: bytes | str | None
     parameters: str | dict[str, object] | None  # request.parameters(): a JSON string
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
+    max_tokens: object = None
+    temperature: object = None
+    top_p: object = None
+    seed: object = None
     stream: bool = False
 
 
@@ -81,10 +109,10 @@ class Answer:
     ok: bool
     text: str = ""
     request_id: str = ""
-    adapter_digest: str = ""  # "" for the bare base model
+    adapter_digest: str = ""  # read from the slot that computed the text; "" for the base
     error: str = ""
-    status: str = ""  # "invalid_arg" | "unavailable" | "internal"
-    outcome: str = ""  # ok | cancelled | rejected | failed
+    status: str = ""  # "invalid_arg" | "unavailable" | "internal" | "cancelled"
+    outcome: str = ""  # an Outcome
 
 
 class AnswerSink(Protocol):
@@ -100,50 +128,12 @@ class ServiceStats:
     refused: dict[str, int] = field(default_factory=dict)
     served: int = 0
     cancelled: int = 0
+    failed: int = 0
     load_failures: int = 0
+    identity_mismatches: int = 0
 
-
-class RequestRefused(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-def ticket_from_parameters(raw: str | dict[str, object] | None) -> str:
-    """The ticket string from request parameters (or the forwarded header), else RequestRefused.
-
-    Both present with different values is refused: a client must not be able to smuggle a second
-    ticket past a proxy that inspected the first.
-    """
-    if raw is None or raw == "":
-        raise RequestRefused("missing")
-    if isinstance(raw, str):
-        try:
-            # Duplicate keys or deep nesting: refused, never guessed at or crashed on.
-            params = json.loads(raw, object_pairs_hook=_unique_keys)
-        except (ValueError, RecursionError):
-            raise RequestRefused("parameters") from None
-    else:
-        params = raw
-    if not isinstance(params, dict):
-        raise RequestRefused("parameters")
-    # Header names are case-insensitive: X-Lora-Ticket is the same header as x-lora-ticket.
-    names = (TICKET_PARAM, TICKET_HEADER)
-    found = [v for k, v in params.items() if isinstance(k, str) and k.lower() in names]
-    if not found:
-        raise RequestRefused("missing")
-    if any(not isinstance(v, str) for v in found):
-        raise RequestRefused("encoding")
-    if len(set(found)) > 1:
-        raise RequestRefused("ambiguous")
-    return str(found[0])
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ValueError("duplicate key")
-    return out
+    def refuse(self, reason: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
 
 
 @dataclass
@@ -152,8 +142,9 @@ class _Admitted:
     claims: TicketClaims
     sink: AnswerSink
     stream: bool
-    lease: Lease | None
+    seq: EngineSequence
     admitted_at: float
+    delivered: int = 0  # tokens the client has received as streamed pieces
 
 
 class _SequenceSink:
@@ -161,15 +152,18 @@ class _SequenceSink:
 
     def __init__(self, service: LoraService, adm: _Admitted) -> None:
         self.service, self.adm = service, adm
+        holder = adm.seq.holder
+        self.served = "" if holder is None else holder.digest  # from the slot, not the ticket
 
     def cancelled(self) -> bool:
         return self.adm.sink.cancelled()
 
     def token(self, piece: str) -> None:
-        self.adm.sink.piece(piece, self.adm.request_id, self.adm.claims.adapter or "")
+        self.adm.sink.piece(piece, self.adm.request_id, self.served)
+        self.adm.delivered = len(self.adm.seq.produced)
 
-    def finish(self, result: GenerationResult, outcome: str) -> None:
-        self.service._completions.put((self.adm, result, outcome))
+    def finish(self, result: GenerationResult, outcome: Outcome, reason: str | None) -> None:
+        self.service._finish(self.adm, result, outcome, reason)
 
 
 class _Collector:
@@ -204,18 +198,15 @@ class LoraService:
         budgets: CacheBudgets | None = None,
         policy: TenantPolicy | None = None,
         prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
-        governed: bool = True,
+        watch_interval_s: float = WATCH_INTERVAL_S,
     ) -> None:
         self.settings = settings
-        # governed=False exists only for the governed-vs-open benchmark: each distinct ticket is
-        # verified once and remembered, revocation is not checked and nothing is written to the
-        # ledger. Never on in a deployment (see backend.triton_glue).
-        self.governed = governed
-        self._verified: dict[str, TicketClaims] = {}
         self.host = host or socket.gethostname()
         db = make_engine(settings.db_url)
         self.routing = RoutingView(db)
+        self.governance = HostGovernance(db)
         self.ledger = Ledger(db)
+        self.writer = LedgerWriter(self.ledger)
         self.store = ArtifactStore(settings.store_dir)
         base = next((b for b in self.routing.bases() if b.digest == base_digest), None)
         if base is None:
@@ -233,27 +224,29 @@ class LoraService:
         self.prefix_cache: PrefixCache[DecodeBatch] = PrefixCache(prefix_cache_bytes)
         self.cache = AdapterCache(engine, self.store.read_verified, budgets=budgets, policy=policy,
                                   on_event=self._record_load,
-                                  on_purge=self.prefix_cache.purge_adapter)
+                                  on_purge=self.prefix_cache.purge_adapter,
+                                  violations=engine.violations)
         self.scheduler = Scheduler(engine, self.limits, self.prefix_cache)
-        self._verifier_lock = threading.Lock()
-        self.verifier = self._load_verifier()
+        self.tickets = VerifiedTickets(self._load_verifier)
         self.stats = ServiceStats()
         # Revoked before this process started: never resident here, nothing to drain or report.
-        self._known_revoked: frozenset[str] = self.routing.revoked_digests()
+        self._known_revoked: frozenset[str] = self.governance.current().revoked
+        self._governance_lock = threading.Lock()
         self._reported_revocations: set[str] = set()
         self._registry: Any = None
         self._steps = ThreadPoolExecutor(max_workers=1, thread_name_prefix="revocation-steps")
         self._inflight = 0
         self._inflight_lock = threading.Lock()
         self._admission = ThreadPoolExecutor(max_workers=8, thread_name_prefix="admission")
-        self._completions: queue.Queue[tuple[_Admitted, GenerationResult, str] | None] = (
-            queue.Queue())
-        self._completer = threading.Thread(target=self._complete_loop, name="completions",
-                                           daemon=True)
-        self._completer.start()
         failed = self.ledger.fail_running(self.host)
         if failed:
             log.warning("marked %d requests left running by a previous process as failed", failed)
+        self._closing = threading.Event()
+        self._listener = ChangeListener.for_engine(db)
+        self._watch_interval_s = watch_interval_s
+        self._watcher = threading.Thread(target=self._watch, name="governance-watch",
+                                         daemon=True)
+        self._watcher.start()
 
     def _load_verifier(self) -> TicketVerifier:
         return TicketVerifier(
@@ -261,39 +254,29 @@ class LoraService:
             model=self.settings.model_name,
             base=self.base_digest,
             tokenizer=self.tokenizer_digest,
+            max_ttl_s=self.settings.ticket_max_ttl_s,
         )
-
-    def _verify(self, token: str) -> TicketClaims:
-        if not self.governed:
-            claims = self._verified.get(token)
-            if claims is None:
-                claims = self._verified[token] = self.verifier.verify(token)
-            return claims
-        try:
-            return self.verifier.verify(token)
-        except TicketRejected as e:
-            if e.reason != "unknown_key":
-                raise
-            # A key may have been rotated in since start: reload public keys once.
-            with self._verifier_lock:
-                self.verifier = self._load_verifier()
-            return self.verifier.verify(token)
 
     # -- entry points -----------------------------------------------------------------------
 
     def submit(self, req: IncomingRequest, sink: AnswerSink) -> None:
         """Take one request; its answer (and streamed pieces) go to ``sink`` later.
 
-        Returns at once. Past the bound on requests in flight the sink gets a busy answer.
+        Returns at once. Past the bound on requests in flight the sink gets a busy answer,
+        after the refusal's ledger row is written.
         """
         with self._inflight_lock:
             busy = self._inflight >= self.limits.max_queued + self.limits.max_running
             if not busy:
                 self._inflight += 1
         if busy:
-            self.stats.refused["busy"] = self.stats.refused.get("busy", 0) + 1
-            sink.answer(Answer(ok=False, error=BUSY_MESSAGE, status="unavailable",
-                               outcome="rejected"))
+            # No ticket is verified for a busy refusal: under overload the host spends nothing
+            # it can avoid. The row records the refusal, without a tenant.
+            self.stats.refuse("busy")
+            rid = str(uuid.uuid4())
+            self._record_refusal(sink, self._entry(rid, None, time.time(),
+                                                   outcome=Outcome.REJECTED, reason="busy"),
+                                 BUSY_MESSAGE, "unavailable", counted=False)
             return
         self._admission.submit(self._admit, req, sink)
 
@@ -306,13 +289,25 @@ class LoraService:
             sink.done.wait()
         return [s.final for s in sinks if s.final is not None]
 
+    def health(self) -> dict[str, int]:
+        """Leases, pins, broken invariants, mismatches and held ledger rows, right now."""
+        return {
+            "leases": self.cache.references(),
+            "pins": sum(self.engine.pins().values()),
+            "violations": self.engine.violations.total,
+            "identity_mismatches": self.stats.identity_mismatches,
+            "ledger_backlog": self.writer.backlog(),
+        }
+
     def close(self) -> None:
-        """Stop the scheduler and the worker threads."""
+        """Stop the watcher, the scheduler, and the worker threads; write what is queued."""
+        self._closing.set()
+        self._watcher.join(timeout=5)
         self.scheduler.stop()
         self._admission.shutdown(wait=True)
         self._steps.shutdown(wait=True)
-        self._completions.put(None)
-        self._completer.join(timeout=30)
+        self.writer.close()
+        self._listener.close()
 
     # -- admission --------------------------------------------------------------------------
 
@@ -320,139 +315,151 @@ class LoraService:
         with self._inflight_lock:
             self._inflight -= 1
 
-    def _refuse(self, sink: AnswerSink, entry: LedgerEntry, error: str, status: str) -> None:
-        self.ledger.admit([entry])  # durable before the answer leaves
-        self._done()
-        sink.answer(Answer(ok=False, request_id=entry.request_id, error=error, status=status,
-                           outcome="rejected"))
+    def _record_refusal(self, sink: AnswerSink, entry: LedgerEntry, error: str, status: str,
+                        *, counted: bool = True) -> None:
+        """Write the refusal's row, then answer (the row is durable first, or held for retry:
+        the answer is an error either way)."""
+
+        def answer(_durable: bool) -> None:
+            if counted:
+                self._done()
+            sink.answer(Answer(ok=False, request_id=entry.request_id, error=error, status=status,
+                               outcome=str(entry.outcome)))
+
+        self.writer.insert(entry, answer)
 
     def _admit(self, req: IncomingRequest, sink: AnswerSink) -> None:
+        rid, now = str(uuid.uuid4()), time.time()
         try:
-            self._admit_checked(req, sink)
+            self._admit_checked(rid, now, req, sink)
         except Exception:
+            # Nothing was answered or handed to the scheduler, and nothing stays leased (see
+            # _admit_checked): the row records the failure before the answer leaves.
             log.exception("admission failed")
-            self._done()
-            sink.answer(Answer(ok=False, error=INTERNAL_MESSAGE, status="internal",
-                               outcome="failed"))
+            self.stats.failed += 1
+            self._record_refusal(sink, self._entry(rid, None, now, outcome=Outcome.FAILED,
+                                                   reason="admission"),
+                                 INTERNAL_MESSAGE, "internal")
 
-    def _admit_checked(self, req: IncomingRequest, sink: AnswerSink) -> None:
-        now = time.time()
-        rid = str(uuid.uuid4())
+    def _admit_checked(self, rid: str, now: float, req: IncomingRequest,
+                       sink: AnswerSink) -> None:
         claims: TicketClaims | None = None
-        # 1. the ticket, 2. the revocation set; only then may any adapter bytes be read
+        # 1. the ticket, 2. governance, 3. the request's own parameters; only then may any
+        # adapter bytes be read
         try:
-            claims = self._verify(ticket_from_parameters(req.parameters))
-            if self.governed:
-                revoked = self.routing.revoked_digests()
-                self._purge(revoked)
-                if claims.adapter is not None and claims.adapter in revoked:
-                    raise RequestRefused("revoked")
+            claims = self.tickets.verify(ticket_from_parameters(req.parameters))
+            state = self.governance.current()
+            self._apply_governance(state)
+            check_governance(claims, state)
             gen = self._generation_request(req, claims)
         except (TicketRejected, RequestRefused) as e:
-            self.stats.refused[e.reason] = self.stats.refused.get(e.reason, 0) + 1
-            self._refuse(sink, self._entry(rid, claims, now, outcome="rejected", reason=e.reason),
-                         GENERIC_REFUSAL, "invalid_arg")
+            self.stats.refuse(e.reason)
+            # Claims of a ticket that failed verification are never recorded: unproven.
+            self._refuse(sink, rid, claims if isinstance(e, RequestRefused) else None, now,
+                         e.reason, GENERIC_REFUSAL, "invalid_arg")
+            return
+        except InvalidParameter as e:
+            self.stats.refuse(f"invalid_{e.name}")
+            self._refuse(sink, rid, claims, now, f"invalid_{e.name}", str(e), "invalid_arg")
             return
 
-        lease: Lease | None = None
-        if claims.adapter is not None:
+        if claims.adapter is None:
+            lease = Lease(None, self.engine.violations)
+        else:
             try:
                 lease = self.cache.acquire(claims.adapter, claims.tenant)
             except CacheRefused as e:
                 # Not served, so "rejected": the incident view lists only what a digest served.
                 self.stats.load_failures += 1
-                reason = "revoked" if e.reason == "revoked" else f"adapter_{e.reason}"[:64]
-                error, status = ((GENERIC_REFUSAL, "invalid_arg") if e.reason == "revoked"
-                                 else (FAILURE_MESSAGE, "unavailable"))
-                self._refuse(sink, self._entry(rid, claims, now, outcome="rejected",
-                                               reason=reason), error, status)
+                revoked = e.reason == "revoked"
+                self._refuse(sink, rid, claims, now,
+                             "revoked" if revoked else f"adapter_{e.reason}"[:64],
+                             GENERIC_REFUSAL if revoked else FAILURE_MESSAGE,
+                             "invalid_arg" if revoked else "unavailable")
                 return
+        # From here the lease is this function's until the scheduler takes it: every way out
+        # below releases it or hands it over, exactly once.
         try:
-            seq = self.engine.open_sequence(gen)
+            seq = self.engine.open_sequence(gen, lease)
         except (InvalidRequestError, EngineError) as e:
-            if lease is not None:
-                self.cache.release(lease)
+            lease.release()
+            parameter = str(e).startswith(PARAMETER_PREFIX)
             limits = isinstance(e, InvalidRequestError)
-            self._refuse(sink, self._entry(rid, claims, now, outcome="rejected",
-                                           reason="request_limits" if limits else "adapter_load"),
-                         LIMITS_MESSAGE if limits else FAILURE_MESSAGE,
+            self._refuse(sink, rid, claims, now,
+                         "request_limits" if limits else "adapter_load",
+                         str(e) if parameter else LIMITS_MESSAGE if limits else FAILURE_MESSAGE,
                          "invalid_arg" if limits else "unavailable")
             return
-        adm = _Admitted(rid, claims, sink, req.stream, lease, now)
-        if self.governed:
-            try:
-                self.ledger.admit([self._entry(rid, claims, now)])  # durable before any token
-            except Exception:
-                self.engine.close_sequence(seq)  # nothing may stay referenced by a lost row
-                if lease is not None:
-                    self.cache.release(lease)
-                raise
+        except BaseException:
+            lease.release()
+            raise
+        try:
+            self._durably(lambda: self.ledger.admit([self._entry(rid, claims, now)]))
+        except BaseException:
+            lease.release()  # nothing may stay referenced by a row that was never written
+            raise
+        adm = _Admitted(rid, claims, sink, req.stream, seq, now)
         key = PrefixKey(self.base_digest, claims.adapter, self.tokenizer_digest,
                         tuple(seq.prompt_ids)) if gen.temperature == 0.0 else None
         try:
             self.scheduler.submit(seq, _SequenceSink(self, adm), stream=req.stream, key=key)
         except QueueFull:
-            self.engine.close_sequence(seq)
-            self._completions.put((adm, seq.result(""), "busy"))
+            lease.release()
+            self.stats.refuse("busy")
+            self._finish(adm, seq.result(""), Outcome.REJECTED, "busy")
+
+    def _refuse(self, sink: AnswerSink, rid: str, claims: TicketClaims | None, now: float,
+                reason: str, error: str, status: str) -> None:
+        self._record_refusal(sink, self._entry(rid, claims, now, outcome=Outcome.REJECTED,
+                                               reason=reason), error, status)
 
     # -- completion -------------------------------------------------------------------------
 
-    def _complete_loop(self) -> None:
-        while True:
-            item = self._completions.get()
-            if item is None:
-                return
-            batch = [item]
-            while True:  # everything that finished meanwhile shares one ledger transaction
-                try:
-                    more = self._completions.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._completions.put(None)
-                    break
-                batch.append(more)
-            try:
-                self._complete(batch)
-            except Exception:
-                log.exception("completing %d requests failed", len(batch))
+    def _finish(self, adm: _Admitted, result: GenerationResult, outcome: Outcome,
+                reason: str | None) -> None:
+        """Complete the request's row (from the scheduler thread), then answer."""
+        served = result.adapter_digest
+        if outcome == Outcome.OK and served != adm.claims.adapter:
+            outcome, reason = Outcome.IDENTITY_MISMATCH, "slot_digest"
+        if outcome == Outcome.IDENTITY_MISMATCH:
+            self.stats.identity_mismatches += 1
+            # Operators' log: the request id and both digests; the client learns nothing.
+            log.error("identity mismatch on request %s: ticket named %s, slot held %s (%s)",
+                      adm.request_id, adm.claims.adapter, served, reason)
+        done = Completion(adm.request_id, outcome, result.tokens_in, result.tokens_out,
+                          reason=reason, served_digest=served)
+        # If the row cannot be written now, the client gets a failure, and the row held for
+        # retry says so, with the tokens the client did receive as streamed pieces.
+        unrecorded = Completion(adm.request_id, Outcome.FAILED, result.tokens_in,
+                                adm.delivered if adm.stream else 0,
+                                reason="ledger_unavailable", served_digest=served)
+        self.writer.complete(
+            done, lambda durable: self._answer(adm, result, outcome if durable
+                                               else Outcome.FAILED, served),
+            if_unrecorded=unrecorded)
 
-    def _complete(self, batch: list[tuple[_Admitted, GenerationResult, str]]) -> None:
-        rows = []
-        for adm, r, outcome in batch:
-            ledger_outcome = {"ok": "ok", "cancelled": "cancelled"}.get(outcome, "failed")
-            reason = None if outcome == "ok" else outcome if outcome != "failed" else "engine"
-            rows.append(Completion(adm.request_id, ledger_outcome, r.tokens_in, r.tokens_out,
-                                   reason=reason))
-        if self.governed:
-            try:
-                self._durably(lambda: self.ledger.complete(rows))
-            except Exception:
-                # The ledger cannot hold these rows: no answer may leave that it does not record.
-                # The rows stay "running" and are marked failed when the host restarts.
-                log.exception("ledger unavailable; failing %d requests", len(batch))
-                batch = [(adm, r, "failed") for adm, r, _ in batch]
-        for adm, r, outcome in batch:
-            if adm.lease is not None:
-                self.cache.release(adm.lease)
-            self._done()
-            digest = adm.claims.adapter or ""
-            if outcome == "ok":
-                self.stats.served += 1
-                text = "" if adm.stream else r.text
-                adm.sink.answer(Answer(ok=True, text=text, request_id=adm.request_id,
-                                       adapter_digest=digest, outcome="ok"))
-            elif outcome == "cancelled":
-                self.stats.cancelled += 1
-                adm.sink.answer(Answer(ok=False, request_id=adm.request_id, error="cancelled",
-                                       status="cancelled", outcome="cancelled"))
-            elif outcome == "busy":
-                adm.sink.answer(Answer(ok=False, request_id=adm.request_id, error=BUSY_MESSAGE,
-                                       status="unavailable", outcome="failed"))
-            else:
-                adm.sink.answer(Answer(ok=False, request_id=adm.request_id,
-                                       error=INTERNAL_MESSAGE, status="internal",
-                                       outcome="failed"))
+    def _answer(self, adm: _Admitted, result: GenerationResult, outcome: Outcome,
+                served: str | None) -> None:
+        self._done()
+        rid = adm.request_id
+        if outcome == Outcome.OK:
+            self.stats.served += 1
+            text = "" if adm.stream else result.text
+            a = Answer(ok=True, text=text, request_id=rid, adapter_digest=served or "",
+                       outcome=outcome)
+        elif outcome == Outcome.CANCELLED:
+            self.stats.cancelled += 1
+            a = Answer(ok=False, request_id=rid, error="cancelled", status="cancelled",
+                       outcome=outcome)
+        elif outcome == Outcome.REJECTED:  # busy once admitted: the scheduler queue was full
+            a = Answer(ok=False, request_id=rid, error=BUSY_MESSAGE, status="unavailable",
+                       outcome=outcome)
+        else:
+            if outcome == Outcome.FAILED:
+                self.stats.failed += 1
+            a = Answer(ok=False, request_id=rid, error=INTERNAL_MESSAGE, status="internal",
+                       outcome=outcome)
+        adm.sink.answer(a)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -477,20 +484,14 @@ class LoraService:
                 raise RequestRefused("prompt_encoding") from None
         if not isinstance(text, str) or len(text) > MAX_PROMPT_CHARS:
             raise RequestRefused("prompt")
-        max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else int(req.max_tokens)
-        if not 1 <= max_tokens <= MAX_NEW_TOKENS:
-            raise RequestRefused("max_tokens")
-        temperature = 0.0 if req.temperature is None else float(req.temperature)
-        top_p = 1.0 if req.top_p is None else float(req.top_p)
-        if not (0.0 <= temperature <= 10.0 and 0.0 < top_p <= 1.0):
-            raise RequestRefused("sampling")
+        params = check_sampling(req.max_tokens, req.temperature, req.top_p, req.seed)
         return GenerationRequest(
             prompt=text,
             adapter=claims.adapter,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=req.seed,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=params.seed,
         )
 
     def _record_load(self, digest: str, outcome: str, started: float, seconds: float,
@@ -500,13 +501,31 @@ class LoraService:
         if outcome == "unloaded" and reason == "revoked":
             self._report_revocation(digest)
 
-    def _purge(self, revoked: frozenset[str]) -> None:
+    # -- revocation, pushed -----------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Apply governance changes without waiting for a request (see the module notes)."""
+        failing = False
+        while not self._closing.is_set():
+            self._listener.wait(self._watch_interval_s, self._closing)
+            if self._closing.is_set():
+                return
+            try:
+                self._apply_governance(self.governance.current())
+                failing = False
+            except Exception:
+                if not failing:  # once per outage, not ten times a second
+                    log.warning("cannot read governance state; retrying", exc_info=True)
+                failing = True
+
+    def _apply_governance(self, state: GovernanceState) -> None:
         """Revoke newly revoked digests in the cache: purge now, unload once drained."""
-        fresh = revoked - self._known_revoked
-        if not fresh:
-            return
-        self._known_revoked = revoked
-        for digest in fresh:
+        with self._governance_lock:
+            fresh = state.revoked - self._known_revoked
+            if not fresh:
+                return
+            self._known_revoked = self._known_revoked | state.revoked
+        for digest in sorted(fresh):
             self.cache.revoke(digest)
             if digest not in self.engine.resident_adapters():
                 # Never resident here, or unloaded at once: nothing left to drain on this host.
@@ -539,10 +558,9 @@ class LoraService:
         claims: TicketClaims | None,
         now: float,
         *,
-        outcome: str = "running",
+        outcome: Outcome = Outcome.RUNNING,
         reason: str | None = None,
     ) -> LedgerEntry:
-        # Claims of a ticket that failed verification are never recorded: they are unproven.
         return LedgerEntry(
             request_id=rid,
             ticket_id=claims.jti if claims else None,

@@ -88,6 +88,20 @@ class SlottedLinear(nn.Module):
         return out
 
 
+@dataclass(frozen=True)
+class SlotIdentity:
+    """What one slot holds: an adapter digest and the load that put it there.
+
+    ``generation`` is unique per load (a counter over the table's life), so a slot emptied and
+    filled again, even with the same digest, never looks unchanged to a sequence admitted on the
+    earlier load.
+    """
+
+    slot: int
+    digest: str
+    generation: int
+
+
 class SlotTable:
     """Which slot each resident adapter digest holds; slot 0 is reserved for the base."""
 
@@ -96,26 +110,38 @@ class SlotTable:
             raise ValueError("max_adapters must be >= 1")
         self.capacity = max_adapters
         self._free = list(range(max_adapters, 0, -1))  # pop() hands out 1 first
-        self._by_digest: dict[str, int] = {}
+        self._by_digest: dict[str, SlotIdentity] = {}
+        self._by_slot: dict[int, SlotIdentity] = {}
+        self._generations = 0
 
     @property
     def num_slots(self) -> int:
         return self.capacity + 1
 
     def slot_of(self, digest: str) -> int | None:
+        found = self._by_digest.get(digest)
+        return found.slot if found is not None else None
+
+    def identity_of(self, digest: str) -> SlotIdentity | None:
         return self._by_digest.get(digest)
 
-    def allocate(self, digest: str) -> int:
+    def holder(self, slot: int) -> SlotIdentity | None:
+        """What ``slot`` holds now, or None when it is free."""
+        return self._by_slot.get(slot)
+
+    def allocate(self, digest: str) -> SlotIdentity:
         if not self._free:
             raise SlotsFull(f"all {self.capacity} adapter slots are in use")
-        slot = self._free.pop()
-        self._by_digest[digest] = slot
-        return slot
+        self._generations += 1
+        ident = SlotIdentity(self._free.pop(), digest, self._generations)
+        self._by_digest[digest] = self._by_slot[ident.slot] = ident
+        return ident
 
     def release(self, digest: str) -> int:
-        slot = self._by_digest.pop(digest)
-        self._free.append(slot)
-        return slot
+        ident = self._by_digest.pop(digest)
+        del self._by_slot[ident.slot]
+        self._free.append(ident.slot)
+        return ident.slot
 
     def digests(self) -> list[str]:
         return list(self._by_digest)

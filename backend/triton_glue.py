@@ -25,7 +25,6 @@ log = logging.getLogger("loraplane.backend")
 
 BASE_DIGEST_ENV = "LORAPLANE_BASE_DIGEST"
 HOST_ID_ENV = "LORAPLANE_HOST_ID"  # the ledger's host column (default: the hostname)
-UNGOVERNED_ENV = "LORAPLANE_BENCH_UNGOVERNED"  # benchmark only: see LoraService(governed=...)
 PREFIX_CACHE_ENV = "LORAPLANE_PREFIX_CACHE_BYTES"  # 0 turns the prompt cache off
 
 
@@ -67,14 +66,21 @@ class _ResponseSink:
         self.incoming = incoming
         self.sender = request.get_response_sender()
         self.started = time.time_ns()
+        self.gone = False  # a send failed: the client is gone, its request ends
 
     def cancelled(self) -> bool:
-        return bool(self.request.is_cancelled())
+        return self.gone or bool(self.request.is_cancelled())
 
     def piece(self, text: str, request_id: str, adapter_digest: str) -> None:
         pb = self.glue.pb
-        self.sender.send(pb.InferenceResponse(output_tensors=outputs(pb, text, request_id,
-                                                                     adapter_digest)))
+        try:
+            self.sender.send(pb.InferenceResponse(output_tensors=outputs(pb, text, request_id,
+                                                                         adapter_digest)))
+        except Exception:
+            # Only this request ends (the scheduler sees cancelled() next step); raising would
+            # reach the decode loop that serves every other row.
+            log.info("a streamed piece could not be sent (client gone?)", exc_info=True)
+            self.gone = True
 
     def answer(self, a: Answer) -> None:
         pb = self.glue.pb
@@ -102,15 +108,15 @@ class TritonGlue:
         base = os.environ.get(BASE_DIGEST_ENV)
         if not base:
             raise RuntimeError(f"{BASE_DIGEST_ENV} is not set: which base model should I serve?")
-        governed = os.environ.get(UNGOVERNED_ENV) != "1"
-        if not governed:
-            log.warning("%s=1: tickets verified once, no revocation checks, no ledger. "
-                        "For the governed-vs-open benchmark only.", UNGOVERNED_ENV)
-        self.service = LoraService(
+        self.service = self.make_service(
             Settings.from_env(), base, host=os.environ.get(HOST_ID_ENV) or None,
-            governed=governed,
             prefix_cache_bytes=int(os.environ.get(PREFIX_CACHE_ENV, PREFIX_CACHE_BYTES)))
         self.telemetry = Telemetry.for_service(pb_utils, self.service)
+
+    def make_service(self, settings: Settings, base: str, **kw: Any) -> LoraService:
+        """The service this instance serves through. Test and benchmark model repositories
+        (never the one ``serve`` launches) subclass the glue to wrap it."""
+        return LoraService(settings, base, **kw)
 
     def _incoming(self, request: Any) -> IncomingRequest:
         pb = self.pb

@@ -4,7 +4,10 @@ Each component below has a row in ``loraplane_schema`` (component, version, upgr
 
 - ``ledger``: ``request_ledger`` and ``adapter_loads`` (``backend.ledger``). Evidence: never
   dropped; upgraded in place by explicit steps. Version 1 is the ledger before release digests;
-  version 2 adds ``request_ledger.release_digest`` and its (release_digest, admitted_at) index.
+  version 2 adds ``request_ledger.release_digest`` and its (release_digest, admitted_at) index;
+  version 3 adds ``request_ledger.served_digest`` (the digest the engine's slot held, the
+  evidence of which adapter answered) with its index, and widens ``outcome`` to 32 characters
+  for ``identity_mismatch``.
 - ``audit``: ``audit_checkpoints`` (``control.integrity``). Evidence too; version 1.
 - ``projections``: the tables of ``projections.tables``. Derived from the event store, so an older
   version is not migrated: the tables are dropped, created afresh and replayed from the events.
@@ -144,12 +147,14 @@ class Change:
 # -- the components -------------------------------------------------------------------------------
 
 def _ledger_version(insp: sa.Inspector) -> int:
-    # Version 2 added exactly one column; a request_ledger without it is version 1. Without a
-    # request_ledger (only adapter_loads) nothing needs altering: the missing table is created
-    # at the latest version.
+    # Versions 2 and 3 each added one column; the newest column present tells the version.
+    # Without a request_ledger (only adapter_loads) nothing needs altering: the missing table
+    # is created at the latest version.
     if not insp.has_table(ledger_tables.request_ledger.name):
-        return 2
+        return LEDGER_VERSION
     columns = {c["name"] for c in insp.get_columns(ledger_tables.request_ledger.name)}
+    if "served_digest" in columns:
+        return 3
     return 2 if "release_digest" in columns else 1
 
 
@@ -172,8 +177,17 @@ def _ledger_1_to_2(conn: Connection) -> None:
     _index(table, "ix_ledger_release_time").create(conn)
 
 
-LEDGER = Component("ledger", 2, ledger_tables.metadata, _ledger_version,
-                   steps={1: _ledger_1_to_2})
+def _ledger_2_to_3(conn: Connection) -> None:
+    table = ledger_tables.request_ledger
+    _add_column(conn, table.c.served_digest)
+    _index(table, "ix_ledger_served_time").create(conn)
+    if conn.dialect.name == "postgresql":  # SQLite does not enforce VARCHAR lengths
+        conn.exec_driver_sql("ALTER TABLE request_ledger ALTER COLUMN outcome TYPE VARCHAR(32)")
+
+
+LEDGER_VERSION = 3
+LEDGER = Component("ledger", LEDGER_VERSION, ledger_tables.metadata, _ledger_version,
+                   steps={1: _ledger_1_to_2, 2: _ledger_2_to_3})
 AUDIT = Component("audit", 1, integrity.metadata, lambda _insp: 1)
 PROJECTIONS = Component("projections", projection_tables.SCHEMA_VERSION,
                         projection_tables.metadata,

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("loraplane.follower")
 
 DEFAULT_NAME = "routing"
+# PostgreSQL NOTIFY channel: a projection batch committed (payload: the new position).
+CHANGE_CHANNEL = "loraplane_projection"
 _RETRIES = 8
 
 
@@ -149,6 +151,10 @@ class ProjectionFollower:
                     return 0
                 routing.apply_all(conn, events)
                 self._write_position(conn, old, last)
+                if not sqlite:
+                    # Delivered at commit to every listening Triton host (projections.host_view):
+                    # a revocation reaches an idle host without waiting for its next poll.
+                    conn.execute(sa.select(sa.func.pg_notify(CHANGE_CHANNEL, str(last))))
                 conn.commit()
             except BaseException:
                 conn.rollback()

@@ -132,7 +132,7 @@ class Sink:
     def token(self, piece: str) -> None:
         self.pieces.append(piece)
 
-    def finish(self, result: GenerationResult, outcome: str) -> None:
+    def finish(self, result: GenerationResult, outcome: str, reason: str | None = None) -> None:
         self.result, self.outcome = result, outcome
         self.done.set()
 

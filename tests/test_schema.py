@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from typer.testing import CliRunner
 
-from backend.ledger import Ledger, LedgerEntry
+from backend.ledger import Completion, Ledger, LedgerEntry, Outcome
 from control import schema
 from control.cli import app
 from control.config import Settings
@@ -173,7 +173,7 @@ class SchemaContract:
         audit = _by_component(engine)["audit"]
         assert (audit.found, audit.stamped) == (AUDIT.latest, True)
 
-    # -- the ledger, version 1 -> 2 -------------------------------------------------------------
+    # -- the ledger, version 1 -> latest --------------------------------------------------------
 
     @pytest.mark.parametrize("stamped", [False, True], ids=["previous-release", "stamped-v1"])
     def test_v1_ledger_upgraded_without_losing_a_row(self, engine: Engine, settings: Settings,
@@ -185,24 +185,33 @@ class SchemaContract:
         with pytest.raises(SchemaOutdated) as e:
             Ledger(engine)
         assert "'ledger'" in str(e.value) and "version 1" in str(e.value)
-        assert "expects version 2" in str(e.value) and "loraplane db upgrade" in str(e.value)
+        assert f"expects version {LEDGER.latest}" in str(e.value)
+        assert "loraplane db upgrade" in str(e.value)
 
         changes = {c.component: c for c in upgrade(engine, rebuild=None)}
         assert (changes["ledger"].before, changes["ledger"].after,
-                changes["ledger"].action) == (1, 2, "upgraded")
+                changes["ledger"].action) == (1, LEDGER.latest, "upgraded")
         insp = sa.inspect(engine)
-        assert "release_digest" in {c["name"] for c in insp.get_columns("request_ledger")}
-        assert any(i["column_names"] == ["release_digest", "admitted_at"]
-                   for i in insp.get_indexes("request_ledger"))
+        columns = {c["name"] for c in insp.get_columns("request_ledger")}
+        assert {"release_digest", "served_digest"} <= columns
+        indexes = [i["column_names"] for i in insp.get_indexes("request_ledger")]
+        assert ["release_digest", "admitted_at"] in indexes
+        assert ["served_digest", "admitted_at"] in indexes
         ledger = Ledger(engine)
         kept = ledger.query()
         assert [{k: getattr(r, k) for k in rows[0]} for r in kept] == rows
-        assert all(r.release_digest is None for r in kept)
+        assert all(r.release_digest is None and r.served_digest is None for r in kept)
         assert [load.outcome for load in ledger.loads()] == ["loaded", "failed"]
         # The new column works.
         ledger.admit([LedgerEntry("new", "t", "acme", "lora_llm", "h1", D, D, D, 5000.0,
                                   release_digest=RELEASE)])
         assert [r.request_id for r in ledger.query(release=RELEASE)] == ["new"]
+        # The widened outcome holds the longest outcome (PostgreSQL enforces the length).
+        ledger.complete([Completion("new", Outcome.IDENTITY_MISMATCH, 1, 1,
+                                    reason="stale_slot", served_digest=RELEASE)])
+        row = ledger.get("new")
+        assert row is not None and row.outcome == "identity_mismatch"
+        assert [r.request_id for r in ledger.query(adapter=RELEASE)] == ["new"]
 
         # Idempotent: a second upgrade changes nothing.
         again = upgrade(engine, rebuild=None)

@@ -1,0 +1,150 @@
+"""What a Triton host must know before it serves a verified ticket, read from the projections.
+
+Three questions, asked on every request: is the ticket's adapter revoked; is the key that signed
+it retired; does its ``release`` claim name a known release whose adapter, base and tokenizer are
+the ticket's own. Asked with SQL each time they would cost three queries per request; here they
+are answered from an immutable snapshot of the ``revocations``, ``signing_keys`` and ``releases``
+tables, and each request first reads the projection's tracking position (one row), reloading the
+snapshot when it moved. Every projection write moves that position in the same transaction as the
+view rows, so a request never sees a snapshot older than the last committed projection write:
+the same guarantee as reading the revocation set itself on every request, which is what the host
+did before.
+
+The host's governance watcher (``backend.service``) reads the same snapshot on a short timer, and
+on PostgreSQL also wakes on the follower's ``NOTIFY``, so an idle host drains and unloads a revoked
+adapter without waiting for a request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from projections.follower import CHANGE_CHANNEL
+from projections.follower import DEFAULT_NAME as TRACKING_NAME
+from projections.tables import projection_tracking, releases, revocations, signing_keys
+
+log = logging.getLogger("loraplane.host_view")
+
+
+@dataclass(frozen=True)
+class ReleaseBinding:
+    """The digests a release manifest binds together."""
+
+    adapter_digest: str | None
+    base_digest: str
+    tokenizer_digest: str
+
+
+@dataclass(frozen=True)
+class GovernanceState:
+    """The host's view of revocations, retired keys and releases at one projection position."""
+
+    position: int
+    revoked: frozenset[str] = frozenset()
+    retired_kids: frozenset[str] = frozenset()
+    releases: dict[str, ReleaseBinding] = field(default_factory=dict)
+
+
+def _position(conn: Connection) -> int:
+    value = conn.execute(sa.select(projection_tracking.c.position)
+                         .where(projection_tracking.c.name == TRACKING_NAME)).scalar()
+    return int(value or 0)
+
+
+def _load(conn: Connection, position: int) -> GovernanceState:
+    return GovernanceState(
+        position=position,
+        revoked=frozenset(str(d) for d in conn.execute(sa.select(revocations.c.digest))
+                          .scalars()),
+        retired_kids=frozenset(str(k) for k in conn.execute(
+            sa.select(signing_keys.c.kid).where(signing_keys.c.retired_at.is_not(None)))
+            .scalars()),
+        releases={str(r.digest): ReleaseBinding(r.adapter_digest, str(r.base_digest),
+                                                str(r.tokenizer_digest))
+                  for r in conn.execute(sa.select(releases.c.digest, releases.c.adapter_digest,
+                                                  releases.c.base_digest,
+                                                  releases.c.tokenizer_digest))},
+    )
+
+
+class HostGovernance:
+    """The snapshot, current as of the last committed projection write; thread-safe."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._state: GovernanceState | None = None
+
+    def current(self) -> GovernanceState:
+        """The state as the projections hold it now (one position read; a reload if moved).
+
+        Raises what the database raises: a host that cannot read governance refuses requests
+        rather than serving on a view that may have missed a revocation.
+        """
+        with self.engine.connect() as conn:
+            position = _position(conn)
+            state = self._state
+            if state is not None and state.position == position:
+                return state
+            with self._lock:
+                if self._state is None or self._state.position != position:
+                    self._state = _load(conn, position)
+                return self._state
+
+
+class ChangeListener:
+    """Waits for the projections to move: a PostgreSQL ``LISTEN`` where there is one.
+
+    Without PostgreSQL (SQLite), or when the listening connection breaks, :meth:`wait` simply
+    sleeps for its timeout and the caller polls; the watcher's short timer is the floor either
+    way, the notification only makes it sooner.
+    """
+
+    def __init__(self, engine: Engine | None) -> None:
+        self._engine = engine
+        self._conn: Any = None
+
+    @classmethod
+    def for_engine(cls, engine: Engine) -> ChangeListener:
+        return cls(engine if engine.dialect.name == "postgresql" else None)
+
+    def _connect(self) -> Any:
+        if self._conn is None and self._engine is not None:
+            import psycopg  # only on PostgreSQL, where the postgres extra installed it
+
+            url = self._engine.url.set(drivername="postgresql")
+            conn = psycopg.connect(url.render_as_string(hide_password=False), autocommit=True)
+            conn.execute(f"LISTEN {CHANGE_CHANNEL}")
+            self._conn = conn
+        return self._conn
+
+    def wait(self, timeout_s: float, stop: threading.Event) -> None:
+        """Return after a change notification, ``timeout_s``, or ``stop``, whichever first."""
+        try:
+            conn = self._connect()
+        except Exception:
+            log.warning("cannot LISTEN for projection changes; polling", exc_info=True)
+            self._engine, conn = None, None
+        if conn is None:
+            stop.wait(timeout_s)
+            return
+        try:
+            for _ in conn.notifies(timeout=timeout_s, stop_after=1):
+                pass
+        except Exception:
+            log.warning("projection change listener lost; reconnecting", exc_info=True)
+            self.close()
+            stop.wait(timeout_s)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            self._conn = None

@@ -1,0 +1,55 @@
+"""Test-only fault injection into the real engine. Never imported by production code.
+
+:class:`FaultyEngine` is the real :class:`backend.engine.Engine` with two faults a test can
+provoke, either directly (``fail_steps``) or from a request's prompt, so the same faults reach the
+engine through the real tritonserver in the chaos test's own model repository:
+
+- a prompt holding :data:`POISON_ROW` gets non-finite logits for its row on every forward pass:
+  a numerical failure that belongs to one row;
+- a prompt holding :data:`FAIL_STEP` makes the first forward pass that includes its row raise: a
+  decode-step failure that no row can be blamed for.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from backend.engine import Engine
+from backend.engine import Sequence as EngineSequence
+
+POISON_ROW = "\u2620nan"
+FAIL_STEP = "\u2620step"
+
+
+class InjectedFault(RuntimeError):
+    """An exception the test put there."""
+
+
+class FaultyEngine(Engine):
+    """The real engine, plus injected faults (see the module notes)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fail_steps = 0  # the next n forward passes raise
+        self._failed_for: set[int] = set()  # ids of sequences whose FAIL_STEP already fired
+        self._fault_lock = threading.Lock()
+        self.injected = 0
+
+    def _forward(self, seqs: list[EngineSequence], *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self._fault_lock:
+            marked = [s for s in seqs if FAIL_STEP in s.request.prompt
+                      and id(s) not in self._failed_for]
+            if self.fail_steps > 0 or marked:
+                self.fail_steps = max(0, self.fail_steps - 1)
+                self._failed_for.update(id(s) for s in marked)
+                self.injected += 1
+                raise InjectedFault("injected decode-step failure")
+        logits = super()._forward(seqs, *args, **kwargs)
+        poisoned = [i for i, s in enumerate(seqs) if POISON_ROW in s.request.prompt]
+        if poisoned:
+            logits = logits.clone()
+            logits[poisoned] = float("nan")
+        return logits

@@ -347,10 +347,7 @@ class LoraService:
         # 1. the ticket, 2. governance, 3. the request's own parameters; only then may any
         # adapter bytes be read
         try:
-            claims = self.tickets.verify(ticket_from_parameters(req.parameters))
-            state = self.governance.current()
-            self._apply_governance(state)
-            check_governance(claims, state)
+            claims = self._authorize(req)
             gen = self._generation_request(req, claims)
         except (TicketRejected, RequestRefused) as e:
             self.stats.refuse(e.reason)
@@ -394,7 +391,7 @@ class LoraService:
             lease.release()
             raise
         try:
-            self._durably(lambda: self.ledger.admit([self._entry(rid, claims, now)]))
+            self._write_running(self._entry(rid, claims, now))
         except BaseException:
             lease.release()  # nothing may stay referenced by a row that was never written
             raise
@@ -407,6 +404,18 @@ class LoraService:
             lease.release()
             self.stats.refuse("busy")
             self._finish(adm, seq.result(""), Outcome.REJECTED, "busy")
+
+    def _authorize(self, req: IncomingRequest) -> TicketClaims:
+        """The verified claims of the request's ticket, if governance allows them now."""
+        claims = self.tickets.verify(ticket_from_parameters(req.parameters))
+        state = self.governance.current()
+        self._apply_governance(state)
+        check_governance(claims, state)
+        return claims
+
+    def _write_running(self, entry: LedgerEntry) -> None:
+        """The admitted request's row, durable before any token is computed."""
+        self._durably(lambda: self.ledger.admit([entry]))
 
     def _refuse(self, sink: AnswerSink, rid: str, claims: TicketClaims | None, now: float,
                 reason: str, error: str, status: str) -> None:

@@ -24,11 +24,12 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiohttp import web
 
 from backend.triton_glue import BASE_DIGEST_ENV, HOST_ID_ENV
-from backend.triton_server import TritonProcess
+from backend.triton_server import MODEL_REPOSITORY, TritonProcess
 from control.config import Settings
 from control.db import make_engine
 from control.gateway import make_app
@@ -143,6 +144,10 @@ class Deployment:
     host_id: str | None = None  # the ledger's host column for this Triton host
     triton_urls: list[str] = field(default_factory=list)  # extra Triton hosts (host:port)
     bind: str = "127.0.0.1"  # gateway listen address; 0.0.0.0 in a container
+    # The Triton model repository; None: the project's model_repository/. Only test and
+    # benchmark deployments pass another (backend.repository.derived_repository); no command
+    # line option or environment variable reaches this.
+    model_repository: Path | None = None
     triton: TritonProcess | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -210,6 +215,7 @@ class Deployment:
             grpc_port=self.ports.grpc,
             metrics_port=self.ports.metrics,
             env=env,
+            model_repository=self.model_repository or MODEL_REPOSITORY,
         )
         self.triton.start()
 

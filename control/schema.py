@@ -190,9 +190,8 @@ LEDGER = Component("ledger", LEDGER_VERSION, ledger_tables.metadata, _ledger_ver
                    steps={1: _ledger_1_to_2, 2: _ledger_2_to_3})
 AUDIT = Component("audit", 1, integrity.metadata, lambda _insp: 1)
 PROJECTIONS = Component("projections", projection_tables.SCHEMA_VERSION,
-                        projection_tables.metadata,
-                        # Tables made before versions were recorded are version 1.
-                        lambda _insp: 1, rebuildable=True)
+                        projection_tables.metadata, projection_tables.detect_version,
+                        rebuildable=True)
 COMPONENTS: tuple[Component, ...] = (LEDGER, AUDIT, PROJECTIONS)
 
 

@@ -14,7 +14,7 @@ metadata = sa.MetaData()
 # The projections' schema version (control.schema, component ``projections``). Raise it whenever
 # a table or column below changes: a database at an older version is then dropped and rebuilt
 # from the event store by ``loraplane db upgrade`` (the rows are derived, so nothing is lost).
-# 2: ``signing_keys.retired_at``.
+# 2: ``signing_keys.retired_at``. A new version also teaches ``detect_version`` its columns.
 SCHEMA_VERSION = 2
 
 _digest = sa.String(71)  # "sha256:" + 64 hex
@@ -127,6 +127,19 @@ VIEW_TABLES: tuple[sa.Table, ...] = (
     routes, releases, grants, api_keys, tenants, adapters, bases, revocations, signing_keys,
     serving_steps,
 )
+
+
+def detect_version(insp: sa.Inspector) -> int:
+    """The version of projection tables found without a version row, read from the columns.
+
+    The release before versions left version 1 (no ``signing_keys.retired_at``). Tables that
+    already have it are the latest, caught between another process's CREATE and its version
+    row (two first starts at once): they must not be mistaken for an old release.
+    """
+    if insp.has_table(signing_keys.name) and "retired_at" in {
+            c["name"] for c in insp.get_columns(signing_keys.name)}:
+        return 2
+    return 1
 
 
 def create_tables(engine: Engine) -> None:

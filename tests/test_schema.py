@@ -289,6 +289,23 @@ class SchemaContract:
 
     # -- projections ----------------------------------------------------------------------------
 
+    def test_latest_tables_without_a_version_row_are_stamped_not_rebuilt(
+            self, engine: Engine) -> None:
+        """What a process sees between another's CREATE and its version row (two first starts
+        at once): the latest tables, to be stamped and kept, never refused as old."""
+        projection_tables.metadata.create_all(engine)
+        with engine.begin() as conn:
+            conn.execute(projection_tables.tenants.insert().values(
+                name="acme", created_at=sa.func.now()))
+        found = _by_component(engine)["projections"]
+        assert (found.found, found.stamped) == (projection_tables.SCHEMA_VERSION, False)
+        create_tables(engine)
+        found = _by_component(engine)["projections"]
+        assert (found.found, found.stamped) == (projection_tables.SCHEMA_VERSION, True)
+        with engine.connect() as conn:
+            assert conn.execute(sa.select(projection_tables.tenants.c.name)).scalars().all() == [
+                "acme"]
+
     def test_tables_of_the_release_before_versions_are_rebuilt_by_upgrade(
             self, settings: Settings, engine: Engine) -> None:
         """The release before versions left version-1 projection tables, unstamped: today's

@@ -16,7 +16,17 @@ and turns them into series:
 ``loraplane_backend_resident_bytes``          bytes by ``kind``: base_weights, adapter_weights,
                                               kv_cache, workspace
 ``loraplane_backend_resident_adapters``       adapters resident now
+``loraplane_backend_leases``                  adapter leases held by live requests (0 when idle)
+``loraplane_backend_slot_pins``               slot pins held by live sequences (0 when idle)
+``loraplane_backend_invariant_violations``    broken lease/pin/job invariants by ``kind``
+                                              (``backend.lease.VIOLATION_KINDS``); always 0
+``loraplane_backend_identity_mismatches``     requests failed closed: the slot did not hold the
+                                              ticket's adapter; always 0
+``loraplane_backend_ledger_backlog``          ledger rows held for retry (database away)
 ===========================================  =====================================================
+
+The lease, pin, violation, mismatch and backlog series are read from the service every second
+and after every batch, so an idle host's values settle within a second.
 
 Labels are bounded: outcomes, token kinds and memory kinds are fixed; reasons come from the
 backend's own fixed vocabularies, and any reason past :data:`MAX_REASONS` distinct values is
@@ -32,7 +42,7 @@ import logging
 import queue
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,11 +145,14 @@ class BackendMetrics:
     """The backend's metric families and the thread that fills them from the ledger."""
 
     def __init__(self, pb_utils: Any, db: sa.engine.Engine, host: str,
-                 engine: Any = None) -> None:
+                 engine: Any = None, health: Callable[[], dict[str, int]] | None = None,
+                 violations: Callable[[], dict[str, int]] | None = None) -> None:
         self.pb = pb_utils
         self.db = db
         self.host = host
         self.engine = engine
+        self.health = health
+        self.violation_counts = violations
         self.values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self._values_lock = threading.Lock()
         self._reasons: set[str] = set()
@@ -162,6 +175,19 @@ class BackendMetrics:
                               "Bytes resident in this model instance, by kind.", "gauge")
         self.adapters = _Series(self, "loraplane_backend_resident_adapters",
                                 "Adapters resident in this model instance.", "gauge")
+        self.leases = _Series(self, "loraplane_backend_leases",
+                              "Adapter leases held by live requests.", "gauge")
+        self.pins = _Series(self, "loraplane_backend_slot_pins",
+                            "Slot pins held by live sequences.", "gauge")
+        self.violations = _Series(self, "loraplane_backend_invariant_violations",
+                                  "Broken lease, pin or job invariants, by kind (always 0).",
+                                  "gauge")
+        self.mismatches = _Series(self, "loraplane_backend_identity_mismatches",
+                                  "Requests failed closed because the slot did not hold the "
+                                  "ticket's adapter (always 0).", "gauge")
+        self.backlog = _Series(self, "loraplane_backend_ledger_backlog",
+                               "Ledger rows held for retry while the database is away.",
+                               "gauge")
         for kind in ("prompt", "completion"):
             self._record(self.tokens.name, {"kind": kind}, 0.0, add=True)
         self._thread: threading.Thread | None = None
@@ -192,7 +218,11 @@ class BackendMetrics:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                self._safely_refresh()
+                continue
             if item is None:
                 return
             batch = list(item)
@@ -206,6 +236,12 @@ class BackendMetrics:
                     return
                 batch.extend(more)
             self._safely(batch)
+
+    def _safely_refresh(self) -> None:
+        try:
+            self.refresh_memory()
+        except Exception:  # metrics must never take serving down
+            log.warning("metrics refresh failed", exc_info=True)
 
     def _safely(self, ids: list[str]) -> None:
         try:
@@ -255,6 +291,16 @@ class BackendMetrics:
         self.refresh_memory()
 
     def refresh_memory(self) -> None:
+        """Publish the gauges read from the engine and the service."""
+        if self.health is not None:
+            h = self.health()
+            self.leases.set({}, float(h.get("leases", 0)))
+            self.pins.set({}, float(h.get("pins", 0)))
+            self.mismatches.set({}, float(h.get("identity_mismatches", 0)))
+            self.backlog.set({}, float(h.get("ledger_backlog", 0)))
+        if self.violation_counts is not None:
+            for kind, n in self.violation_counts().items():
+                self.violations.set({"kind": kind}, float(n))
         if self.engine is None:
             return
         rb = resident_bytes(self.engine)
@@ -310,7 +356,8 @@ class Telemetry:
         if os.environ.get(LOG_FORMAT_ENV):  # JSON log lines in Triton's log, when asked for
             configure_logging()
         metrics = BackendMetrics(pb_utils, service.ledger.engine, service.host,
-                                 engine=service.engine).start()
+                                 engine=service.engine, health=service.health,
+                                 violations=service.engine.violations.snapshot).start()
         return cls(metrics, tracer("loraplane-backend"))
 
     def batch_done(self, incoming: Sequence[Any], answers: Sequence[Any],

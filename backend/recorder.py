@@ -122,17 +122,17 @@ class LedgerWriter:
                 log.exception("answering after a ledger write failed")
 
     def _retry_backlog(self) -> None:
+        # Only this thread changes the backlog; rows stay counted in it until they are written.
         with self._backlog_lock:
-            held, self._backlog = self._backlog, []
+            held = list(self._backlog)
         if not held:
             return
         if self._durably([i.entry for i in held if i.entry is not None],
                          [i.completion for i in held if i.completion is not None], attempts=1):
+            with self._backlog_lock:
+                self._backlog = self._backlog[len(held):]
             self.written += len(held)
             log.warning("ledger back: %d held rows written", len(held))
-        else:
-            with self._backlog_lock:
-                self._backlog = held + self._backlog
 
     def _durably(self, entries: list[LedgerEntry], completions: list[Completion],
                  attempts: int | None = None) -> bool:

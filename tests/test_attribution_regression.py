@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,86 +29,36 @@ import pytest
 from backend.engine import Engine
 from backend.ledger import Ledger
 from backend.scheduler import SchedulerLimits
-from backend.service import Answer, IncomingRequest, LoraService
+from backend.service import IncomingRequest, LoraService
 from control.config import Settings
 from control.db import make_engine
-from control.ticket_office import TicketOffice
-from control.tickets import TicketSigner
-from projections.routing import RoutingView
-from tests.integration.conftest import ACTOR, provision
+from tests.faults import FAIL_STEP, FaultyEngine
 from tests.integration.reference import Reference
-
-WAIT_S = 60.0
-
-
-@dataclass
-class Home:
-    settings: Settings
-    base_digest: str
-    digests: dict[str, str]  # kit adapter name -> digest
-    office: TicketOffice
-    kit_dir: Path
-
-    def ticket(self, tenant: str, alias: str) -> dict[str, object]:
-        """Request parameters carrying a fresh ticket for ``alias``."""
-        return {"lora_ticket": self.office.issue(tenant, alias).token}
+from tests.serving_home import WAIT_S, Home, Sink, provision_home
+from tests.serving_home import wait_for as _wait
 
 
 @pytest.fixture(scope="module")
 def home(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Home:
     root = tmp_path_factory.mktemp("regression-home")
-    settings = Settings(home=root, db_url=f"sqlite:///{root / 'loraplane.db'}")
-    settings.ensure_dirs()
-    reg, _kit, _keys, digests = provision(settings, kit_dir)
-    signer, _ = TicketSigner.load_or_create(settings.keys_dir)
-    reg.record_signing_key(signer.kid, signer.public_b64, actor=ACTOR)
-    routing = RoutingView(make_engine(settings.db_url))
-    base = routing.bases()[0].digest
-    return Home(settings, base, digests, TicketOffice(settings, routing, signer), kit_dir)
+    return provision_home(Settings(home=root, db_url=f"sqlite:///{root / 'loraplane.db'}"),
+                          kit_dir)
 
 
-class Sink:
-    """An answer sink whose ``cancelled()`` can hold the scheduler thread at a gate."""
-
-    def __init__(self, *, cancelled: bool = False,
-                 hold_until: Callable[[], bool] | None = None) -> None:
-        self.is_cancelled = cancelled
-        self.hold_until = hold_until
-        self.held = threading.Event()
-        self.done = threading.Event()
-        self.final: Answer | None = None
-
-    def cancelled(self) -> bool:
-        if self.hold_until is not None:
-            self.held.set()
-            deadline = time.monotonic() + WAIT_S
-            while not self.hold_until() and time.monotonic() < deadline:
-                time.sleep(0.005)
-            self.hold_until = None
-        return self.is_cancelled
-
-    def piece(self, text: str, request_id: str, adapter_digest: str) -> None:
-        pass
-
-    def answer(self, a: Answer) -> None:
-        self.final = a
-        self.done.set()
-
-
-def _wait(cond: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
+@pytest.fixture(params=["sampling", "injected"])
+def poison(request: pytest.FixtureRequest) -> str:
+    """How the failing row fails: its sampling (temperature 1e-39, the reviewer's case, which
+    admission now refuses), or an injected decode-step failure that passes admission."""
+    return str(request.param)
 
 
 @pytest.fixture
-def service(home: Home) -> Iterator[LoraService]:
-    engine = Engine(home.kit_dir / "base", home.kit_dir / "tokenizer", device="cpu",
-                    max_rank=home.settings.max_rank, max_adapters=1)
-    svc = LoraService(home.settings, home.base_digest, host="regression", engine=engine,
-                      limits=SchedulerLimits(max_running=2, max_queued=16),
-                      prefix_cache_bytes=0)
+def service(home: Home, poison: str) -> Iterator[LoraService]:
+    kind = FaultyEngine if poison == "injected" else Engine
+    engine = kind(home.kit_dir / "base", home.kit_dir / "tokenizer", device="cpu",
+                  max_rank=home.settings.max_rank, max_adapters=1)
+    svc = home.service(engine=engine, limits=SchedulerLimits(max_running=2, max_queued=16),
+                       host="regression")
     try:
         yield svc
     finally:
@@ -117,7 +66,7 @@ def service(home: Home) -> Iterator[LoraService]:
 
 
 def test_failing_step_never_hands_a_queued_rows_slot_to_another_tenant(
-        home: Home, service: LoraService) -> None:
+        home: Home, service: LoraService, poison: str) -> None:
     x, y = home.digests["alpha"], home.digests["gamma"]
     t_x, t_base = home.ticket("acme", "acme-alpha"), home.ticket("acme", "base")
     t_y = home.ticket("globex", "globex-gamma")
@@ -135,11 +84,14 @@ def test_failing_step_never_hands_a_queued_rows_slot_to_another_tenant(
     y_sink = Sink()
     # L1 holds the scheduler again, once it runs, until Y was placed or refused.
     l1 = Sink(hold_until=lambda: service.engine.slot_of(y) is not None or y_sink.done.is_set())
-    poison = Sink()
+    failing = (IncomingRequest(b"poison", t_base, max_tokens=8, temperature=1e-39, seed=1)
+               if poison == "sampling"
+               else IncomingRequest(f"poison {FAIL_STEP}".encode(), t_base, max_tokens=8))
+    poisoned = Sink()
     cancelled_x = Sink(cancelled=True)
     x_queued = Sink()
     order: list[tuple[IncomingRequest, Sink]] = [
-        (IncomingRequest(b"poison", t_base, max_tokens=8, temperature=1e-39, seed=1), poison),
+        (failing, poisoned),
         (IncomingRequest(prompt.encode(), t_x, max_tokens=16), cancelled_x),
         (IncomingRequest(b"The cat", t_base, max_tokens=24), l1),
         (IncomingRequest(b"A red bird", t_base, max_tokens=24), Sink()),
@@ -147,11 +99,11 @@ def test_failing_step_never_hands_a_queued_rows_slot_to_another_tenant(
     ]
     for n, (req, sink) in enumerate(order, start=1):
         service.submit(req, sink)
-        if sink is poison:
+        if sink is poisoned:
             # Refused at admission (a valid fix) or queued (the reviewer's setup).
-            _wait(lambda: poison.done.is_set() or queued() == 1, "the poison row")
+            _wait(lambda: poisoned.done.is_set() or queued() == 1, "the poison row")
         else:
-            want = n - (1 if poison.done.is_set() else 0)
+            want = n - (1 if poisoned.done.is_set() else 0)
             _wait(lambda w=want: queued() == w, f"{want} queued")  # type: ignore[misc]
     p0.is_cancelled = True
     fill.set()  # P0 ends; [poison, cancelled X] (or [cancelled X, L1]) are admitted together
@@ -178,3 +130,9 @@ def test_failing_step_never_hands_a_queued_rows_slot_to_another_tenant(
     if y_answer.ok:
         assert y_answer.adapter_digest == y
         assert y_answer.text == reference.generate("Hi", home.kit_dir / "adapters" / "gamma", 8)
+    failed = poisoned.final
+    assert failed is not None and not failed.ok
+    if poison == "injected":  # it reached the engine and failed there, alone with its step
+        assert failed.outcome == "failed"
+    health = service.health()
+    assert (health["leases"], health["pins"], health["violations"]) == (0, 0, 0), health

@@ -216,7 +216,8 @@ def adapter_revoke(
     digest: str,
     reason: Annotated[str, typer.Option(help="Why (recorded in the audit log).")],
     wait: Annotated[float, typer.Option(
-        "--wait", help="Seconds to wait for the revocation set hosts read to show it.")] = 5.0,
+        "--wait", min=0.0,
+        help="Seconds to wait for the revocation set hosts read to show it.")] = 5.0,
 ) -> None:
     """Revoke an adapter everywhere: no new tickets, Triton refuses it within a second.
     Succeeds only once the revocation set Triton hosts read holds the digest."""

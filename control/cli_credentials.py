@@ -33,7 +33,7 @@ key_app = typer.Typer(no_args_is_help=True,
 app.add_typer(key_app, name="key")
 
 WaitOption = Annotated[float, typer.Option(
-    "--wait", help="Seconds to wait for gateways and hosts to see the change.")]
+    "--wait", min=0.0, help="Seconds to wait for gateways and hosts to see the change.")]
 ReasonOption = Annotated[str, typer.Option(help="Why (recorded in the audit log).")]
 DEFAULT_WAIT_S = 5.0
 
@@ -114,10 +114,11 @@ def key_list() -> None:
 
 
 @key_app.command("rotate")
-def key_rotate() -> None:
-    """Make a new signing key the active one here (recorded first); retire the old one next."""
+def key_rotate(wait: WaitOption = DEFAULT_WAIT_S) -> None:
+    """Make a new signing key the active one here, once hosts can see its public half; retire
+    the old one next."""
     with errors():
-        kid, previous = _registry().rotate_signing_key(actor=state.actor)
+        kid, previous = _registry().rotate_signing_key(actor=state.actor, wait_s=wait)
     emit({"kid": kid, "previous": previous}, lambda: console.print(
         f"signing key {kid} is active" + (f"; retire {previous} with `loraplane key retire "
                                           f"{previous}`" if previous else "")))

@@ -3,6 +3,9 @@
 On a CPU-only machine the binary and the Python backend come from the ``nvidia-pytriton`` wheel
 (only its server files are used). In the official Triton container they live under
 ``/opt/tritonserver``. ``LORAPLANE_TRITONSERVER`` points at any other binary.
+
+Every launch restricts Triton's operator APIs to the home's operator token (see
+``backend/triton_access.py``); the command line has no form without the restriction.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from backend.triton_access import FORWARDED_HEADERS, OperatorAccess, Protocol
+from control.config import Settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -95,7 +101,9 @@ class TritonProcess:
     metrics_port: int
     env: dict[str, str] = field(default_factory=dict)
     model_repository: Path = MODEL_REPOSITORY
+    home: Path | None = None  # whose operator token; else LORAPLANE_HOME of ``env``, then ours
     proc: subprocess.Popen[bytes] | None = None
+    _operator: OperatorAccess | None = field(default=None, init=False, repr=False)
 
     @property
     def log_path(self) -> Path:
@@ -109,16 +117,38 @@ class TritonProcess:
     def grpc_url(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
+    @property
+    def operator(self) -> OperatorAccess:
+        """The operator token this server's restricted APIs answer to (created on first use)."""
+        if self._operator is None:
+            home = self.home
+            if home is None:
+                given = self.env.get("LORAPLANE_HOME")
+                home = Settings.from_env(Path(given) if given else None).home
+            self._operator = OperatorAccess.for_home(home)
+        return self._operator
+
+    def operator_headers(self, protocol: Protocol = "http") -> dict[str, str]:
+        """Headers for an operator tool calling this server's restricted APIs."""
+        return self.operator.headers(protocol)
+
     def command(self, install: TritonInstall) -> list[str]:
         return [
             str(install.binary),
             f"--model-repository={self.model_repository}",
             f"--backend-directory={install.backend_dir}",
+            # the models are fixed at start; loading one is running its code
+            "--model-control-mode=none",
             f"--http-port={self.http_port}",
             f"--grpc-port={self.grpc_port}",
             f"--metrics-port={self.metrics_port}",
-            "--http-header-forward-pattern=x-lora-.*",
-            "--grpc-header-forward-pattern=x-lora-.*",
+            # frontends that would open another port beside the restricted ones: SageMaker's
+            # skipped the restriction (CVE-2026-24207); Vertex AI's opens when AIP_MODE is set
+            "--allow-sagemaker=false",
+            "--allow-vertex-ai=false",
+            *self.operator.flags(),
+            f"--http-header-forward-pattern={FORWARDED_HEADERS}",
+            f"--grpc-header-forward-pattern={FORWARDED_HEADERS}",
             "--exit-timeout-secs=5",
             "--log-verbose=0",
             *self.trace_flags(),

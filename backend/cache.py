@@ -74,6 +74,9 @@ class TenantPolicy:
     loads_per_minute: float = 120.0
     load_burst: int = 16
     max_pending_loads: int = 64  # the bounded load queue, all tenants together
+    # How long a load waits for a referenced adapter to be released before it is refused
+    # for want of room (every slot, the budget or the tenant's share held by live requests).
+    room_wait_s: float = 10.0
 
 
 @dataclass
@@ -222,6 +225,8 @@ class AdapterCache:
             e.refs -= 1
             if e.refs == 0 and e.revoked and e.on_device:
                 self._unload(e, "revoked")
+            if e.refs == 0:
+                self._lock.notify_all()  # a load may be waiting for room
 
     def _admit_load(self, tenant: str | None) -> None:
         """Bounded load queue and per-tenant load rate (token bucket); caller holds the lock."""
@@ -282,10 +287,30 @@ class AdapterCache:
                 self._lock.notify_all()
 
     def _make_device_room(self, e: _Entry, tenant: str | None, need: int) -> None:
-        """Evict unreferenced adapters until ``need`` fits the tenant share, budget and slots."""
+        """Evict unreferenced adapters until ``need`` fits the tenant share, budget and slots.
+
+        When every candidate is referenced by queued or running requests, wait (the lock is
+        released meanwhile) up to ``room_wait_s`` for one to be released: those requests finish
+        on their own, so room comes; a refusal only after the wait. Caller holds the lock.
+        """
         share = int(self.policy.resident_share * self.budgets.device_bytes)
         if need > share and tenant is not None:
             raise CacheRefused("tenant_share", "adapter larger than the tenant's share")
+        deadline = time.monotonic() + self.policy.room_wait_s
+        while True:
+            try:
+                self._evict_for(e, tenant, need, share)
+                return
+            except CacheRefused as refused:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                self._lock.wait(timeout=min(left, 0.5))  # woken when a reference drops
+                if e.revoked:
+                    raise CacheRefused("revoked", "adapter revoked") from refused
+
+    def _evict_for(self, e: _Entry, tenant: str | None, need: int, share: int) -> None:
+        """One attempt at making room; CacheRefused when what blocks it is referenced."""
 
         def tenant_bytes() -> int:
             return sum(x.device_bytes for x in self._entries.values()

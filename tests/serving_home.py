@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend.cache import TenantPolicy
 from backend.engine import Engine
 from backend.scheduler import SchedulerLimits
 from backend.service import Answer, LoraService
@@ -42,13 +43,13 @@ class Home:
 
     def service(self, *, engine: Engine | None = None, max_adapters: int = 4,
                 limits: SchedulerLimits | None = None, host: str = "test-host",
-                prefix_cache_bytes: int = 0) -> LoraService:
+                prefix_cache_bytes: int = 0, policy: TenantPolicy | None = None) -> LoraService:
         engine = engine or Engine(self.kit_dir / "base", self.kit_dir / "tokenizer",
                                   device="cpu", max_rank=self.settings.max_rank,
                                   max_adapters=max_adapters)
         return LoraService(self.settings, self.base_digest, host=host, engine=engine,
                            limits=limits or SchedulerLimits(max_running=8, max_queued=64),
-                           prefix_cache_bytes=prefix_cache_bytes)
+                           prefix_cache_bytes=prefix_cache_bytes, policy=policy)
 
 
 def provision_home(settings: Settings, kit_dir: Path) -> Home:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from backend.cache import TenantPolicy
 from backend.engine import Engine
 from backend.ledger import Ledger
 from backend.scheduler import SchedulerLimits
@@ -57,8 +58,9 @@ def service(home: Home, poison: str) -> Iterator[LoraService]:
     kind = FaultyEngine if poison == "injected" else Engine
     engine = kind(home.kit_dir / "base", home.kit_dir / "tokenizer", device="cpu",
                   max_rank=home.settings.max_rank, max_adapters=1)
+    # Y's load waits 1 s for X's slot (X's queued row holds it), then is refused.
     svc = home.service(engine=engine, limits=SchedulerLimits(max_running=2, max_queued=16),
-                       host="regression")
+                       host="regression", policy=TenantPolicy(room_wait_s=1.0))
     try:
         yield svc
     finally:

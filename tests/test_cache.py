@@ -45,7 +45,8 @@ def _cache(engine: Engine, adapters: dict[str, Path], *, device_slots: int,
     return AdapterCache(engine, adapters.__getitem__,
                         budgets=CacheBudgets(device_bytes=one * device_slots,
                                              host_bytes=10**9, store_bytes=10**9),
-                        policy=policy or TenantPolicy(resident_share=1.0), on_event=events)
+                        policy=policy or TenantPolicy(resident_share=1.0, room_wait_s=0.0),
+                        on_event=events)
 
 
 def test_accounting_matches_real_tensor_bytes(engine: Engine,
@@ -95,7 +96,7 @@ def test_lru_evicts_only_unreferenced_adapters(engine: Engine,
 def test_tenant_share_keeps_one_tenant_from_pushing_out_another(
         engine: Engine, adapters: dict[str, Path]) -> None:
     cache = _cache(engine, adapters, device_slots=4,
-                   policy=TenantPolicy(resident_share=0.5))
+                   policy=TenantPolicy(resident_share=0.5, room_wait_s=0.0))
     a, b, c, d, e = list(adapters)[:5]
     cache.release(cache.acquire(a, "globex"))
     cache.release(cache.acquire(b, "globex"))
@@ -158,3 +159,37 @@ def test_failed_load_is_reported_and_holds_nothing(engine: Engine, adapters: dic
     assert r.load_failures == 1 and r.active_requests == 0 and r.tier == "store"
     assert events[-1][:2] == (digest, "failed")
     assert engine.resident_adapters() == {}
+
+
+def test_a_load_waits_for_a_referenced_slot_to_be_released(engine: Engine,
+                                                           adapters: dict[str, Path]) -> None:
+    import threading
+
+    cache = _cache(engine, adapters, device_slots=2,
+                   policy=TenantPolicy(resident_share=1.0, room_wait_s=30.0))
+    a, b, c = list(adapters)[:3]
+    held = [cache.acquire(a, "acme"), cache.acquire(b, "acme")]  # both slots referenced
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(cache.acquire(c, "acme")))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and c not in engine.resident_adapters()  # waiting, not refused
+    cache.release(held[1])  # b's last request ends: its slot may be reused
+    waiter.join(10)
+    assert not waiter.is_alive() and len(got) == 1
+    assert set(engine.resident_adapters()) == {a, c}  # b evicted, a (still held) never
+    cache.release(held[0])
+    cache.release(got[0])  # type: ignore[arg-type]
+    assert cache.references() == 0
+
+
+def test_a_wait_for_room_ends_in_a_refusal_when_nothing_is_released(
+        engine: Engine, adapters: dict[str, Path]) -> None:
+    cache = _cache(engine, adapters, device_slots=1,
+                   policy=TenantPolicy(resident_share=1.0, room_wait_s=0.3))
+    a, b = list(adapters)[:2]
+    held = cache.acquire(a, "acme")
+    with pytest.raises(CacheRefused) as e:
+        cache.acquire(b, "acme")
+    assert e.value.reason == "no_room" and cache.references() == 1
+    cache.release(held)

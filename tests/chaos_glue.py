@@ -1,0 +1,52 @@
+"""Test-only Triton glue for the chaos test's own model repository (never the one serve runs).
+
+The engine model of that repository builds :class:`ChaosGlue`: the production glue and service,
+with the engine replaced by :class:`tests.faults.FaultyEngine` (prompt-triggered poisoned rows and
+decode-step failures), only :data:`SLOTS` device slots so that eviction never stops, and a load
+rate high enough that loads are refused only for want of room.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backend.cache import TenantPolicy
+from backend.service import LoraService
+from backend.triton_glue import TritonGlue
+from control.config import Settings
+from control.db import make_engine
+from control.store import ArtifactStore
+from projections.routing import RoutingView
+from tests.faults import FaultyEngine
+
+SLOTS = 4
+
+MODEL_SOURCE = '''"""Chaos test engine model: the production glue over a fault-injecting engine."""
+
+import triton_python_backend_utils as pb_utils
+
+from tests.chaos_glue import ChaosGlue
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.glue = ChaosGlue(pb_utils, args)
+
+    def execute(self, requests):
+        self.glue.execute(requests)
+        return None
+
+    def finalize(self):
+        self.glue.close()
+'''
+
+
+class ChaosGlue(TritonGlue):
+    def make_service(self, settings: Settings, base: str, **kw: Any) -> LoraService:
+        store = ArtifactStore(settings.store_dir)
+        routing = RoutingView(make_engine(settings.db_url))
+        tokenizer = next(b.tokenizer_digest for b in routing.bases() if b.digest == base)
+        engine = FaultyEngine(store.verify(base), store.verify(tokenizer),
+                              max_rank=settings.max_rank, max_adapters=SLOTS)
+        policy = TenantPolicy(resident_share=1.0, loads_per_minute=60_000.0, load_burst=10_000)
+        return LoraService(settings, base, engine=engine, policy=policy, **kw)

@@ -32,7 +32,8 @@ clean:
 	rm -rf .loraplane .pytest_cache .mypy_cache .ruff_cache
 
 # Container images (needs a Docker engine; see README "Run it for real").
-TRITON_TAG ?= 24.10-py3
+# docker/triton.Dockerfile refuses Triton releases before 25.07 (the August 2025 advisories)
+TRITON_TAG ?= 25.10-py3
 docker-build:
 	docker build -f docker/triton.Dockerfile --build-arg TRITON_TAG=$(TRITON_TAG) -t loraplane/triton:0.1.0 .
 	docker build -f docker/control.Dockerfile -t loraplane/control:0.1.0 .

@@ -1,22 +1,26 @@
 # loraplane control plane: gateway (tickets, OpenAI-compatible routes, /metrics, /v1/stats) and
 # the projection follower. No GPU. Build from the repository root:
 #   docker build -f docker/control.Dockerfile -t loraplane/control:0.1.0 .
-ARG PYTHON_TAG=3.11-slim
+# The Python of the Triton image, so the pinned wheels of docker/requirements.txt fit both.
+ARG PYTHON_TAG=3.12-slim
 FROM python:${PYTHON_TAG}
 
-# Registration validates adapters with torch/safetensors: the CPU build is enough here.
-ARG TORCH_SPEC="torch==2.5.1"
+# Registration validates adapters with torch/safetensors: the CPU build of the pinned torch is
+# enough here, installed first so nothing pulls the CUDA build.
+ARG TORCH_SPEC="torch==2.13.0"
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN python -m pip install --no-cache-dir --upgrade pip \
  && python -m pip install --no-cache-dir "${TORCH_SPEC}" --index-url "${TORCH_INDEX}"
 
 WORKDIR /opt/loraplane
+COPY docker/requirements.txt docker/requirements.txt
 COPY pyproject.toml README.md ./
 COPY control ./control
 COPY projections ./projections
 COPY backend ./backend
 COPY model_repository ./model_repository
-RUN python -m pip install --no-cache-dir -e ".[postgres]"
+# The Triton image's pins as constraints: both images run the same versions of everything.
+RUN python -m pip install --no-cache-dir -c docker/requirements.txt -e ".[postgres]"
 
 ENV LORAPLANE_HOME=/var/lib/loraplane \
     LORAPLANE_LOG_FORMAT=json \

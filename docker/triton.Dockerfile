@@ -1,29 +1,47 @@
-# loraplane Triton host: the official Triton server image, torch, peft and loraplane, with the
-# model repository in place. Build from the repository root:
+# loraplane Triton host: the official Triton server image, the pinned Python packages of
+# docker/requirements.txt (torch with CUDA 13.0) and loraplane, with the model repository in
+# place. Build from the repository root:
 #   docker build -f docker/triton.Dockerfile -t loraplane/triton:0.1.0 .
 #
-# 24.10-py3 is Triton 2.51.0, the same server the test suite runs on the CPU (nvidia-pytriton
-# 0.7.0 ships 2.51.0); it is Ubuntu 22.04 with Python 3.10 and CUDA 12.6. Its Python backend
-# stub is built for that system Python, so loraplane is installed into it (no virtualenv).
-ARG TRITON_TAG=24.10-py3
+# 25.10-py3 is Ubuntu 24.04 with Python 3.12 and CUDA 13.0, the CUDA of the torch wheels pinned.
+# 25.07 is the first release with the fixes for the August 2025 Python backend advisories
+# (CVE-2025-23319, -23320, -23334): an older TRITON_TAG is refused below.
+ARG TRITON_TAG=25.10-py3
 FROM nvcr.io/nvidia/tritonserver:${TRITON_TAG}
+ARG TRITON_TAG
+RUN case "${TRITON_TAG}" in \
+      1[0-9].*|2[0-4].*|25.0[0-6]-*) \
+        echo "TRITON_TAG=${TRITON_TAG} predates 25.07 (CVE-2025-23319, -23320, -23334)" >&2; \
+        exit 1;; \
+    esac
 
-# torch first and pinned, from the CUDA index: nothing else may pull its own build. The cu124
-# wheels bring their own CUDA runtime and run on the image's 12.6 driver stack.
-ARG TORCH_SPEC="torch==2.5.1"
-ARG TORCH_INDEX=https://download.pytorch.org/whl/cu124
-RUN python3 -m pip install --no-cache-dir --upgrade pip \
- && python3 -m pip install --no-cache-dir "${TORCH_SPEC}" --index-url "${TORCH_INDEX}"
+# Ubuntu 24.04 marks its Python as externally managed (PEP 668). Rather than
+# --break-system-packages, which lets pip overwrite files that apt owns, everything goes into a
+# virtual environment made from that same Python 3.12. The Python backend stub embeds the system
+# interpreter and finds this environment through PATH: backend/triton_server.py puts the running
+# interpreter's bin/ first, the same way the test suite's stub finds .venv.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3-venv \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3 -m venv /opt/venv
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
 
 WORKDIR /opt/loraplane
+# Every package pinned, the one list tests/test_image_dependencies.py resolves for this Python.
+COPY docker/requirements.txt docker/requirements.txt
+RUN python3 -m pip install --no-cache-dir -r docker/requirements.txt
+
 COPY pyproject.toml README.md ./
 COPY control ./control
 COPY projections ./projections
 COPY backend ./backend
 COPY model_repository ./model_repository
 # Editable, so the model repository and PYTHONPATH resolve to /opt/loraplane (see
-# backend/triton_server.py). The tritonserver binary is the image's own /opt/tritonserver.
-RUN python3 -m pip install --no-cache-dir -e ".[postgres]"
+# backend/triton_server.py); --no-deps, as every dependency is pinned above, and `pip check`
+# fails the build if one is missing. The tritonserver binary is the image's /opt/tritonserver.
+RUN python3 -m pip install --no-cache-dir --no-deps --no-build-isolation -e . \
+ && python3 -m pip check
 
 ENV LORAPLANE_HOME=/var/lib/loraplane \
     LORAPLANE_LOG_FORMAT=json \

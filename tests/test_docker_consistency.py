@@ -19,6 +19,7 @@ import yaml
 from typer.testing import CliRunner
 
 from control.cli import app
+from tests.test_image_dependencies import IMAGE_PYTHON, read_pins
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -26,7 +27,8 @@ DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
 SOURCES = [p for d in ("control", "projections", "backend") for p in (ROOT / d).rglob("*.py")]
 # Variables read by libraries or by other images, not by this project's code.
 FOREIGN_VARS = {"PYTHONUNBUFFERED", "OTEL_EXPORTER_OTLP_ENDPOINT", "POSTGRES_USER",
-                "POSTGRES_PASSWORD", "POSTGRES_DB"}
+                "POSTGRES_PASSWORD", "POSTGRES_DB", "PATH", "VIRTUAL_ENV"}
+FIRST_FIXED_TRITON = (25, 7)  # fixes CVE-2025-23319, -23320, -23334 (August 2025)
 
 
 def _compose() -> dict[str, Any]:
@@ -42,6 +44,23 @@ def _instructions(path: Path) -> list[tuple[str, str]]:
             op, _, rest = line.partition(" ")
             out.append((op.upper(), rest.strip()))
     return out
+
+
+def _args(path: Path) -> dict[str, str]:
+    return dict(a.split("=", 1) for op, a in _instructions(path) if op == "ARG" and "=" in a)
+
+
+def _runs(path: Path) -> list[str]:
+    return [rest for op, rest in _instructions(path) if op == "RUN"]
+
+
+def _shipped(path: Path, source: str) -> bool:
+    """Whether the build context that ``path``'s .dockerignore leaves holds ``source`` (these
+    files exclude everything, then re-include paths with ``!``)."""
+    lines = [ln.strip() for ln in Path(f"{path}.dockerignore").read_text().splitlines()]
+    assert "*" in lines, f"{path.name}.dockerignore no longer starts from nothing"
+    kept = [ln[1:].rstrip("/") for ln in lines if ln.startswith("!")]
+    return any(source.rstrip("/") == k or source.startswith(k + "/") for k in kept)
 
 
 def _read_in_code(var: str) -> bool:
@@ -83,11 +102,14 @@ def test_dockerfiles_copy_only_existing_paths_and_use_the_triton_base() -> None:
                 *sources, _dest = shlex.split(rest)
                 for src in sources:
                     assert (ROOT / src).exists(), f"{path.name}: COPY source {src} is missing"
+                    assert _shipped(path, src), f"{path.name}: .dockerignore drops {src}"
         if path.name == "triton.Dockerfile":
             args = dict(a.split("=", 1) for op, a in steps if op == "ARG" and "=" in a)
             frm = next(rest for op, rest in steps if op == "FROM")
             assert frm == "nvcr.io/nvidia/tritonserver:${TRITON_TAG}"
             assert re.fullmatch(r"\d\d\.\d\d-py3", args["TRITON_TAG"])
+            year, month = map(int, args["TRITON_TAG"][:5].split("."))
+            assert (year, month) >= FIRST_FIXED_TRITON, args["TRITON_TAG"]
         # the packages installed are the ones pyproject declares
         pyproject = (ROOT / "pyproject.toml").read_text()
         for op, rest in steps:
@@ -184,3 +206,33 @@ def test_ports_volumes_and_health_checks_agree() -> None:
         exposed = {p for op, r in steps if op == "EXPOSE" for p in r.split()}
         cmd = [str(a) for op, r in steps if op == "CMD" for a in yaml.safe_load(r)]
         assert exposed == {cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a.endswith("-port")}
+
+
+def test_the_triton_image_refuses_releases_before_the_advisory_fixes() -> None:
+    """The Dockerfile's own guard, run as the build runs it, for tags a build may be given."""
+    guard = next(r for r in _runs(DOCKER / "triton.Dockerfile") if "TRITON_TAG" in r)
+    for tag, allowed in (("24.10-py3", False), ("25.06-py3", False), ("23.12-py3-sdk", False),
+                         ("25.07-py3", True), ("25.10-py3", True), ("26.04-py3", True)):
+        r = subprocess.run(["sh", "-c", guard], env={"TRITON_TAG": tag},
+                           capture_output=True, text=True, timeout=10)
+        assert (r.returncode == 0) == allowed, (tag, r.stderr)
+        if not allowed:
+            assert "CVE-2025-23319" in r.stderr
+    make = (ROOT / "Makefile").read_text()
+    made = re.search(r"^TRITON_TAG \?= (\S+)$", make, re.MULTILINE)
+    assert made is not None and made.group(1) == _args(DOCKER / "triton.Dockerfile")["TRITON_TAG"]
+
+
+def test_both_images_install_the_pinned_requirements() -> None:
+    """The Triton image installs docker/requirements.txt, which tests/test_image_dependencies.py
+    resolves for its Python, and nothing besides; the control image holds to the same pins."""
+    triton = " ".join(_runs(DOCKER / "triton.Dockerfile"))
+    assert "pip install --no-cache-dir -r docker/requirements.txt" in triton
+    assert "--no-deps" in triton and "pip check" in triton
+    assert "python3 -m venv /opt/venv" in triton  # PEP 668: never --break-system-packages
+    assert "--break-system-packages" not in triton
+    control = DOCKER / "control.Dockerfile"
+    assert "-c docker/requirements.txt" in " ".join(_runs(control))
+    args = _args(control)
+    assert args["PYTHON_TAG"].startswith("{}.{}-".format(*IMAGE_PYTHON[:2]))
+    assert args["TORCH_SPEC"].strip('"') == f"torch=={read_pins()['torch']}"

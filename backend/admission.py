@@ -33,11 +33,16 @@ KEY_RELOAD_INTERVAL_S = 1.0
 
 
 class RequestRefused(Exception):
-    """A request refused before anything was leased; ``reason`` goes to the ledger only."""
+    """A request refused before anything was leased; ``reason`` goes to the ledger only.
 
-    def __init__(self, reason: str) -> None:
+    ``claims``: the verified ticket's claims when the refusal came after verification (a
+    governance refusal), so the ledger row names the tenant and digest it refused.
+    """
+
+    def __init__(self, reason: str, claims: TicketClaims | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.claims = claims
 
 
 def ticket_from_parameters(raw: str | dict[str, object] | None) -> str:

@@ -352,8 +352,9 @@ class LoraService:
         except (TicketRejected, RequestRefused) as e:
             self.stats.refuse(e.reason)
             # Claims of a ticket that failed verification are never recorded: unproven.
-            self._refuse(sink, rid, claims if isinstance(e, RequestRefused) else None, now,
-                         e.reason, GENERIC_REFUSAL, "invalid_arg")
+            if isinstance(e, RequestRefused) and e.claims is not None:
+                claims = e.claims  # verified, then refused by governance: on the row
+            self._refuse(sink, rid, claims, now, e.reason, GENERIC_REFUSAL, "invalid_arg")
             return
         except InvalidParameter as e:
             self.stats.refuse(f"invalid_{e.name}")
@@ -410,7 +411,10 @@ class LoraService:
         claims = self.tickets.verify(ticket_from_parameters(req.parameters))
         state = self.governance.current()
         self._apply_governance(state)
-        check_governance(claims, state)
+        try:
+            check_governance(claims, state)
+        except RequestRefused as e:
+            raise RequestRefused(e.reason, claims) from None
         return claims
 
     def _write_running(self, entry: LedgerEntry) -> None:

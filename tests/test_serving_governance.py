@@ -401,7 +401,9 @@ def test_a_retired_key_is_refused_by_the_host_within_a_second(kit_dir: Path,
         a = sink.wait()
         assert time.monotonic() - t0 <= PUSH_WITHIN_S
         assert not a.ok and a.status == "invalid_arg"
-        assert _row(home, a.request_id).reason == "key_retired"
+        row = _row(home, a.request_id)  # verified, then refused: the row names what it refused
+        assert (row.reason, row.tenant, row.adapter_digest) == (
+            "key_retired", "acme", home.digests["alpha"])
     finally:
         svc.close()
 

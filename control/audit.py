@@ -120,7 +120,7 @@ def state_as_of(registry: Application[Any], when: dt.datetime) -> dict[str, Any]
     )
 
     if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.timezone.utc)
+        when = when.replace(tzinfo=dt.UTC)
     scratch = sa.create_engine("sqlite://", poolclass=StaticPool,
                                connect_args={"check_same_thread": False})
     create_tables(scratch)

@@ -291,7 +291,7 @@ def _time(value: str | None) -> float | None:
     except ValueError:
         raise typer.BadParameter("expected an ISO 8601 time, e.g. 2026-11-29T10:00:00") from None
     if t.tzinfo is None:
-        t = t.replace(tzinfo=dt.timezone.utc)
+        t = t.replace(tzinfo=dt.UTC)
     return t.timestamp()
 
 

@@ -226,7 +226,7 @@ def show_state_as_of(registry: Any, when: str) -> None:
 
     t = _time(when)
     assert t is not None
-    data = state_as_of(registry, dt.datetime.fromtimestamp(t, dt.timezone.utc))
+    data = state_as_of(registry, dt.datetime.fromtimestamp(t, dt.UTC))
     emit(data, lambda: _state_tables(data))
 
 

@@ -257,7 +257,7 @@ def _locked(engine: Engine) -> Iterator[Connection]:
 
 
 def _stamp(conn: Connection, name: str, version: int) -> None:
-    values = {"version": version, "upgraded_at": dt.datetime.now(dt.timezone.utc)}
+    values = {"version": version, "upgraded_at": dt.datetime.now(dt.UTC)}
     updated = conn.execute(versions.update().where(versions.c.component == name).values(values))
     if updated.rowcount == 0:
         conn.execute(versions.insert().values(component=name, **values))

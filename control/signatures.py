@@ -172,7 +172,7 @@ def verify_signature(adapter_dir: Path, signature: Path,
         raise ValidationFailed("signature", "the signature must be a model_signing bundle file")
     if not trusted:
         raise ValidationFailed("signature", "your tenant has no trusted signing key")
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     refusal = None  # why a signature that verified with some trusted certificate is unfit
     with tempfile.TemporaryDirectory(prefix="lp-sig-") as tmp:
         sig_copy = Path(tmp) / "signature.json"

@@ -19,7 +19,7 @@ def iso(t: float | None) -> str:
     """Epoch seconds as ISO 8601 UTC with milliseconds ("" for None)."""
     if t is None:
         return ""
-    return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="milliseconds")
+    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="milliseconds")
 
 
 def cell(v: Any) -> str:

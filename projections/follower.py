@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -231,8 +231,8 @@ def _row_key(row: tuple[Any, ...]) -> list[tuple[bool, str]]:
 def _portable(value: Any) -> Any:
     # SQLite hands back naive datetimes, PostgreSQL aware ones; the values are UTC either way.
     if isinstance(value, datetime):
-        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else (
-            value.astimezone(timezone.utc))
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else (
+            value.astimezone(UTC))
     return value
 
 

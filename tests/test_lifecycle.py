@@ -301,7 +301,7 @@ class LifecycleContract(WithRegistry):
         assert [a["state"] for a in then["adapters"]] == ["stable"] and then["revoked"] == []
         chat = next(a for a in then["aliases"] if a["alias"] == "chat")
         assert chat["stable_release"] == registry.adapter(d).release
-        now = state_as_of(registry, dt.datetime.now(dt.timezone.utc))
+        now = state_as_of(registry, dt.datetime.now(dt.UTC))
         assert [a["state"] for a in now["adapters"]] == ["revoked"] and now["revoked"] == [d]
         before = state_as_of(registry, dt.datetime(2000, 1, 1))
         assert before["adapters"] == [] and before["position"] == 0

@@ -27,7 +27,7 @@ from control.signatures import METHOD_CERTIFICATE, check_trusted_key, fingerprin
 from projections.routing import RoutingView
 from tests.fixtures_control import Artifacts, OnSQLite, WithRegistry
 
-NOW = dt.datetime.now(dt.timezone.utc)
+NOW = dt.datetime.now(dt.UTC)
 DAY = dt.timedelta(days=1)
 CODE, SERVER = ExtendedKeyUsageOID.CODE_SIGNING, ExtendedKeyUsageOID.SERVER_AUTH
 

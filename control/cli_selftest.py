@@ -8,6 +8,9 @@ import typer
 
 from control.cli import console, emit, errors, selftest_app, settings, state
 
+EXIT_FAILED = 1  # a case failed
+EXIT_INCOMPLETE = 3  # nothing failed, but a selected category tried no case (2: usage errors)
+
 
 @selftest_app.command("hostile")
 def selftest_hostile(
@@ -28,7 +31,10 @@ def selftest_hostile(
     """Try every hostile case against a running deployment; count refusals and failures.
 
     Needs operator access to the deployment's home and database (it creates two tenants and a
-    few adapters of its own, revoked afterwards). Exit code 1 if any case failed.
+    few adapters of its own, revoked afterwards), and PEFT to compute the references answers are
+    judged by. Cases it could not try, or that cannot reach the code under test, are listed with
+    their reason and never counted as passes. Exit code 1 if any case failed, 3 if none failed
+    but a category tried no case at all.
     """
     from control.selftest import CATEGORIES, Target, run_hostile
 
@@ -39,21 +45,30 @@ def selftest_hostile(
             raise ValueError(f"unknown category {unknown[0]!r}; one of {', '.join(CATEGORIES)}")
         report = run_hostile(Target(settings(), gateway, http, grpc, metrics, base),
                              categories=cats, attribution_requests=requests, clients=clients)
-    data = report.to_json()
+    data = report.to_json(cats)
 
     def human() -> None:
         from rich.table import Table
 
         t = Table(title="hostile suite")
-        for col in ("category", "tried", "refused as expected", "failed"):
+        for col in ("category", "tried", "refused as expected", "failed", "not applicable",
+                    "not tried"):
             t.add_column(col)
-        for c, r in data.items():
-            t.add_row(c, str(r["tried"]), str(r["refused_as_expected"]), str(r["failed"]))
+        for c, r in data["categories"].items():
+            t.add_row(c, str(r["tried"]), str(r["refused_as_expected"]), str(r["failed"]),
+                      str(r["not_applicable"]), str(r["not_tried"]))
         console.print(t)
-        for c, r in data.items():
+        for c, r in data["categories"].items():
             for f in r["failures"]:
                 console.print(f"[red]{c}[/red] {f}")
+        for x in data["could_not_try"]:
+            label = x["kind"].replace("_", " ")
+            count = "every case" if x["kind"] == "blocked" else f"{x['cases']} cases"
+            console.print(f"[yellow]{x['category']}[/yellow] {label} ({count}): {x['reason']}")
+        if not data["complete"]:
+            console.print("[yellow]incomplete[/yellow]: a category tried no case; see above")
 
     emit(data, human)
     _ = state
-    raise typer.Exit(1 if report.failed else 0)
+    raise typer.Exit(EXIT_FAILED if report.failed else 0 if report.complete(cats)
+                     else EXIT_INCOMPLETE)

@@ -1,55 +1,81 @@
-"""32 concurrent clients, 1,000 requests over mixed adapters of two tenants, each prompt unique:
-zero answers attributed to the wrong adapter, in the output and in the ledger."""
+"""32 concurrent clients, 1,000 requests over the kit adapters of two tenants: every ``ok`` answer
+is the text PEFT computes, in this process, for the adapter its ticket named, and its ledger row
+says ok, that tenant, that adapter.
+
+The answer's ``adapter_digest`` and the ledger row are the engine's claims; they must agree with
+the ticket, but only the text compared with an independent reference shows which adapter did the
+work. Each prompt goes to every adapter in turn, and the references of the three adapters and of
+the bare base differ on every prompt used, so a swap could not pass unseen.
+"""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from backend.ledger import Ledger
-from control.clients import Generation, generate
+from control.clients import Generation, TritonRefused, generate
 from control.db import make_engine
 from tests.hostile.conftest import HostileStack
 from tests.integration.conftest import ROUTES
+from tests.integration.reference import Reference
 
 pytestmark = pytest.mark.triton
 
 REQUESTS, CLIENTS = 1000, 32
-MAX_TOKENS = 16  # enough for the longest kit marker phrase
+MAX_TOKENS = 16
+# 125 prompts x 4 references (three adapters and the base) fit Reference's cache of 512.
+PROMPTS = tuple(f"#{k:03d} marker-{k * 7919 % 100003} Hello" for k in range(125))
+
+Route = tuple[str, str, str]  # tenant, alias, kit adapter name
 
 
-def test_no_misattribution_under_load(hostile: HostileStack) -> None:
-    routes = [r for r in ROUTES if r[2] is not None]
+def test_every_answer_is_its_own_adapters_output(hostile: HostileStack) -> None:
+    routes: list[Route] = [(t, a, n) for t, a, n in ROUTES if n is not None]
+    ref = Reference(hostile.kit_dir / hostile.kit.base_path,
+                    hostile.kit_dir / hostile.kit.tokenizer_path)
+    dirs: dict[str | None, Path | None] = {
+        n: hostile.kit_dir / hostile.kit.adapters[n].path for _, _, n in routes}
+    dirs[None] = None  # the bare base
+    for prompt in PROMPTS:
+        texts = {n: ref.generate(prompt, d, MAX_TOKENS) for n, d in dirs.items()}
+        assert len(set(texts.values())) == len(texts), f"indistinguishable on {prompt!r}: {texts}"
+
     tickets = {alias: hostile.ticket(tenant, alias) for tenant, alias, _ in routes}
-    jobs = [(routes[i % len(routes)], f"#{i:05d} marker-{i * 7919 % 100003} Hello",
+    jobs = [(routes[i % len(routes)], PROMPTS[(i // len(routes)) % len(PROMPTS)],
              "http" if i % 3 else "grpc") for i in range(REQUESTS)]
 
-    def call(job: tuple[tuple[str, str, str | None], str, str]) -> Generation:
+    def call(job: tuple[Route, str, str]) -> Generation | str:
         (_tenant, alias, _name), prompt, proto = job
         url = hostile.http if proto == "http" else hostile.grpc
-        return generate(url, prompt, tickets[alias], protocol=proto, max_tokens=MAX_TOKENS)
+        try:
+            return generate(url, prompt, tickets[alias], protocol=proto, max_tokens=MAX_TOKENS)
+        except TritonRefused as e:
+            return f"{e.status}: {e.message}"
 
+    started = time.time()
     with ThreadPoolExecutor(CLIENTS) as pool:
         results = list(pool.map(call, jobs))
     ledger = Ledger(make_engine(hostile.settings.db_url))
-    wrong = []
+    wrong, refused = [], []
     for ((tenant, _alias, name), prompt, _), g in zip(jobs, results, strict=True):
-        assert name is not None
+        if isinstance(g, str):
+            refused.append(g)
+            continue
+        digest = hostile.digests[name]
         row = ledger.get(g.request_id)
-        ok = (g.adapter_digest == hostile.digests[name]
-              and g.text.startswith(hostile.kit.adapters[name].marker)
-              and row is not None and row.outcome == "ok" and row.tenant == tenant
-              and row.adapter_digest == hostile.digests[name])
-        if not ok and g.adapter_digest == hostile.digests[name] and row is not None \
-                and row.adapter_digest == g.adapter_digest and row.tenant == tenant:
-            # Routed right but the text is not the marker: misattributed only if the same
-            # prompt alone, on that adapter, answers differently.
-            alone = generate(hostile.http, prompt, tickets[_alias], max_tokens=MAX_TOKENS).text
-            print(f"off-marker answer {g.text!r} for {prompt!r}; alone: {alone!r}")
-            ok = alone == g.text
+        ok = (g.text == ref.generate(prompt, dirs[name], MAX_TOKENS)
+              and g.adapter_digest == digest and row is not None and row.outcome == "ok"
+              and row.tenant == tenant and row.adapter_digest == digest)
         if not ok:
-            wrong.append((prompt, name, g.adapter_digest, g.text))
-    assert len({g.request_id for g in results}) == REQUESTS
-    print(f"attribution: {REQUESTS} requests, {CLIENTS} clients, {len(wrong)} misattributed")
+            wrong.append((prompt, name, g.adapter_digest, g.text,
+                          row.outcome if row else None))
+    assert refused == []
+    assert len({g.request_id for g in results if isinstance(g, Generation)}) == REQUESTS
+    assert ledger.query(since=started, outcome="identity_mismatch") == []
+    print(f"attribution: {REQUESTS} requests, {CLIENTS} clients, {len(PROMPTS)} prompts, "
+          f"{len(wrong)} misattributed")
     assert wrong == []

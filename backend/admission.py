@@ -144,6 +144,12 @@ def check_governance(claims: TicketClaims, state: GovernanceState) -> None:
     """Refuse a verified ticket that governance no longer allows (RequestRefused)."""
     if claims.kid in state.retired_kids:
         raise RequestRefused("key_retired")
+    not_before = state.tickets_not_before.get(claims.tenant)
+    if not_before is not None and claims.iat <= not_before:
+        # Issued before the tenant's credentials changed; ``iat`` has whole seconds, so a
+        # ticket issued in that same second is refused too (fail closed; the gateway issues
+        # a new one at once).
+        raise RequestRefused("credentials")
     if claims.adapter is not None and claims.adapter in state.revoked:
         raise RequestRefused("revoked")
     if claims.release is None:

@@ -25,6 +25,7 @@ A ``stop`` input does not exist on the ``lora_llm`` models: Triton refuses unkno
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,15 @@ TEMPERATURE_MIN = 0.01
 TEMPERATURE_MAX = 10.0
 TOP_P_MIN = 0.001
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _float32(x: float) -> float:
+    """``x`` rounded to float32: the model's inputs are FP32, and a client sending 0.01 as FP32
+    sends 0.0099999998, which must count as the documented 0.01."""
+    return float(struct.unpack("<f", struct.pack("<f", x))[0])
+
+
+_T_MIN, _P_MIN = _float32(TEMPERATURE_MIN), _float32(TOP_P_MIN)
 
 
 class InvalidParameter(ValueError):
@@ -78,12 +88,12 @@ def check_sampling(max_tokens: object = None, temperature: object = None,
     if not 1 <= n <= MAX_NEW_TOKENS:
         raise InvalidParameter("max_tokens", f"must be between 1 and {MAX_NEW_TOKENS}, found {n}")
     t = 0.0 if temperature is None else _number("temperature", temperature)
-    if t != 0.0 and not TEMPERATURE_MIN <= t <= TEMPERATURE_MAX:
+    if t != 0.0 and not _T_MIN <= t <= TEMPERATURE_MAX:
         raise InvalidParameter(
             "temperature", f"must be 0 (greedy) or between {TEMPERATURE_MIN} and "
             f"{TEMPERATURE_MAX:g}, found {t!r}")
     p = 1.0 if top_p is None else _number("top_p", top_p)
-    if not TOP_P_MIN <= p <= 1.0:
+    if not _P_MIN <= p <= 1.0:
         raise InvalidParameter("top_p", f"must be between {TOP_P_MIN} and 1, found {p!r}")
     s = None if seed is None else _integer("seed", seed)
     if s is not None and not SEED_MIN <= s <= SEED_MAX:

@@ -67,6 +67,7 @@ class _ResponseSink:
         self.sender = request.get_response_sender()
         self.started = time.time_ns()
         self.gone = False  # a send failed: the client is gone, its request ends
+        self.pieces_sent = 0
 
     def cancelled(self) -> bool:
         return self.gone or bool(self.request.is_cancelled())
@@ -76,6 +77,7 @@ class _ResponseSink:
         try:
             self.sender.send(pb.InferenceResponse(output_tensors=outputs(pb, text, request_id,
                                                                          adapter_digest)))
+            self.pieces_sent += 1
         except Exception:
             # Only this request ends (the scheduler sees cancelled() next step); raising would
             # reach the decode loop that serves every other row.
@@ -86,8 +88,14 @@ class _ResponseSink:
         pb = self.glue.pb
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
-            if a.ok and self.incoming.stream:
+            if a.ok and self.incoming.stream and self.pieces_sent:
                 self.sender.send(flags=final)  # every piece went already
+            elif a.ok and self.incoming.stream:
+                # Nothing was generated (eos first): the final response still carries the
+                # request id and digest, so the client can find the request's ledger row.
+                self.sender.send(pb.InferenceResponse(
+                    output_tensors=outputs(pb, "", a.request_id, a.adapter_digest)),
+                    flags=final)
             elif a.ok:
                 self.sender.send(pb.InferenceResponse(
                     output_tensors=outputs(pb, a.text, a.request_id, a.adapter_digest)),

@@ -1,14 +1,15 @@
 """What a Triton host must know before it serves a verified ticket, read from the projections.
 
-Three questions, asked on every request: is the ticket's adapter revoked; is the key that signed
-it retired; does its ``release`` claim name a known release whose adapter, base and tokenizer are
-the ticket's own. Asked with SQL each time they would cost three queries per request; here they
-are answered from an immutable snapshot of the ``revocations``, ``signing_keys`` and ``releases``
-tables, and each request first reads the projection's tracking position (one row), reloading the
-snapshot when it moved. Every projection write moves that position in the same transaction as the
-view rows, so a request never sees a snapshot older than the last committed projection write:
-the same guarantee as reading the revocation set itself on every request, which is what the host
-did before.
+Four questions, asked on every request: is the ticket's adapter revoked; is the key that signed it
+retired; was it issued before its tenant's credentials last lost something (an API key rotated or
+revoked, a grant removed); does its ``release`` claim name a known release whose adapter, base and
+tokenizer are the ticket's own. Asked with SQL each time they would cost four queries per request;
+here they are answered from an immutable snapshot of the ``revocations``, ``signing_keys``,
+``tenants`` and ``releases`` tables, and each request first reads the projection's tracking
+position (one row), reloading the snapshot when it moved. Every projection write moves that
+position in the same transaction as the view rows, so a request never sees a snapshot older than
+the last committed projection write: the same guarantee as reading the revocation set itself on
+every request, which is what the host did before.
 
 The host's governance watcher (``backend.service``) reads the same snapshot on a short timer, and
 on PostgreSQL also wakes on the follower's ``NOTIFY``, so an idle host drains and unloads a revoked
@@ -28,7 +29,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from projections.follower import CHANGE_CHANNEL
 from projections.follower import DEFAULT_NAME as TRACKING_NAME
-from projections.tables import projection_tracking, releases, revocations, signing_keys
+from projections.tables import projection_tracking, releases, revocations, signing_keys, tenants
 
 log = logging.getLogger("loraplane.host_view")
 
@@ -50,6 +51,8 @@ class GovernanceState:
     revoked: frozenset[str] = frozenset()
     retired_kids: frozenset[str] = frozenset()
     releases: dict[str, ReleaseBinding] = field(default_factory=dict)
+    # tenant -> epoch seconds: its tickets issued at or before are no longer honoured
+    tickets_not_before: dict[str, float] = field(default_factory=dict)
 
 
 def _position(conn: Connection) -> int:
@@ -71,6 +74,9 @@ def _load(conn: Connection, position: int) -> GovernanceState:
                   for r in conn.execute(sa.select(releases.c.digest, releases.c.adapter_digest,
                                                   releases.c.base_digest,
                                                   releases.c.tokenizer_digest))},
+        tickets_not_before={str(r.name): float(r.tickets_not_before) for r in conn.execute(
+            sa.select(tenants.c.name, tenants.c.tickets_not_before)
+            .where(tenants.c.tickets_not_before.is_not(None)))},
     )
 
 

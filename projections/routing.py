@@ -223,18 +223,29 @@ def _alias_rolled_back(conn: Connection, e: Alias.AliasRolledBack) -> None:
                  .values(stable_release=e.to_release))
 
 
+def _tickets_not_before(conn: Connection, tenant: str, when: datetime) -> None:
+    """The tenant's tickets issued until ``when`` are no longer honoured by hosts."""
+    conn.execute(tenants.update().where(tenants.c.name == tenant)
+                 .values(tickets_not_before=when.timestamp()))
+
+
 def _alias_grant_removed(conn: Connection, e: Alias.AliasGrantRemoved) -> None:
     conn.execute(grants.delete().where(grants.c.tenant == e.tenant, grants.c.alias == e.alias))
+    # A ticket does not name the alias it was issued through, so every earlier ticket of the
+    # tenant goes: its clients get new ones at once for what is still granted.
+    _tickets_not_before(conn, e.tenant, e.timestamp)
 
 
 def _api_key_rotated(conn: Connection, e: Tenant.ApiKeyRotated) -> None:
     # One working key per tenant: the rotation withdraws every earlier one in the same write.
     conn.execute(api_keys.delete().where(api_keys.c.tenant == e.tenant))
     conn.execute(api_keys.insert().values(key_hash=e.api_key_hash, tenant=e.tenant))
+    _tickets_not_before(conn, e.tenant, e.timestamp)
 
 
 def _api_keys_revoked(conn: Connection, e: Tenant.ApiKeysRevoked) -> None:
     conn.execute(api_keys.delete().where(api_keys.c.tenant == e.tenant))
+    _tickets_not_before(conn, e.tenant, e.timestamp)
 
 
 def _signing_key_retired(conn: Connection, e: SigningKey.SigningKeyRetired) -> None:

@@ -14,8 +14,9 @@ metadata = sa.MetaData()
 # The projections' schema version (control.schema, component ``projections``). Raise it whenever
 # a table or column below changes: a database at an older version is then dropped and rebuilt
 # from the event store by ``loraplane db upgrade`` (the rows are derived, so nothing is lost).
-# 2: ``signing_keys.retired_at``. A new version also teaches ``detect_version`` its columns.
-SCHEMA_VERSION = 2
+# 2: ``signing_keys.retired_at``. 3: ``tenants.tickets_not_before``. A new version also teaches
+# ``detect_version`` its columns.
+SCHEMA_VERSION = 3
 
 _digest = sa.String(71)  # "sha256:" + 64 hex
 _name = sa.String(64)
@@ -61,6 +62,10 @@ tenants = sa.Table(
     "tenants", metadata,
     sa.Column("name", _name, primary_key=True),
     sa.Column("created_at", _ts, nullable=False),
+    # When the tenant's credentials last lost something (an API key rotated or revoked, a
+    # grant removed), as epoch seconds: Triton hosts refuse the tenant's tickets issued at or
+    # before it, so the change takes effect on tickets already out, not only on new ones.
+    sa.Column("tickets_not_before", sa.Float, nullable=True),
 )
 
 adapters = sa.Table(
@@ -136,10 +141,13 @@ def detect_version(insp: sa.Inspector) -> int:
     already have it are the latest, caught between another process's CREATE and its version
     row (two first starts at once): they must not be mistaken for an old release.
     """
-    if insp.has_table(signing_keys.name) and "retired_at" in {
-            c["name"] for c in insp.get_columns(signing_keys.name)}:
-        return 2
-    return 1
+    def has(table: sa.Table, column: str) -> bool:
+        return insp.has_table(table.name) and column in {
+            c["name"] for c in insp.get_columns(table.name)}
+
+    if not has(signing_keys, "retired_at"):
+        return 1
+    return 3 if has(tenants, "tickets_not_before") else 2
 
 
 def create_tables(engine: Engine) -> None:

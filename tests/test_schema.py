@@ -314,6 +314,7 @@ class SchemaContract:
         projection_tables.metadata.create_all(engine)
         with engine.begin() as conn:
             conn.exec_driver_sql("ALTER TABLE signing_keys DROP COLUMN retired_at")
+            conn.exec_driver_sql("ALTER TABLE tenants DROP COLUMN tickets_not_before")
             conn.execute(projection_tables.tenants.insert().values(
                 name="acme", created_at=sa.func.now()))  # no event says so
         found = _by_component(engine)["projections"]

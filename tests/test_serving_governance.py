@@ -520,3 +520,41 @@ def test_the_engine_refuses_what_admission_refuses(home: Home) -> None:
                     max_rank=home.settings.max_rank, max_adapters=1)
     with pytest.raises(ValueError, match="invalid parameter temperature"):
         engine.validate(GenerationRequest("hi", None, temperature=1e-39))
+
+
+@pytest.mark.parametrize("change", ["rotate_api_key", "revoke_api_keys", "remove_grant"])
+def test_credential_changes_reach_tickets_already_out_within_a_second(
+        kit_dir: Path, tmp_path: Path, change: str) -> None:
+    settings = Settings(home=tmp_path, db_url=f"sqlite:///{tmp_path / 'loraplane.db'}")
+    home = provision_home(settings, kit_dir)
+    svc = home.service()
+    try:
+        old = home.ticket("acme", "acme-alpha")
+        first = Sink()
+        svc.submit(IncomingRequest(b"Hi", old), first)
+        assert first.wait().ok
+        if change == "rotate_api_key":
+            home.registry.rotate_api_key("acme", actor=ACTOR)
+        elif change == "revoke_api_keys":
+            home.registry.revoke_api_keys("acme", actor=ACTOR, reason="leaked")
+        else:
+            home.registry.remove_grant("acme", "acme-alpha", actor=ACTOR)
+        t0 = time.monotonic()
+        sink = Sink()
+        svc.submit(IncomingRequest(b"Hi", old), sink)
+        a = sink.wait()
+        assert time.monotonic() - t0 <= PUSH_WITHIN_S
+        assert not a.ok and a.status == "invalid_arg"
+        row = _row(home, a.request_id)
+        assert (row.reason, row.tenant) == ("credentials", "acme")
+        # Tickets issued after the change, for what is still granted, are served (tickets
+        # carry whole seconds: the next second is the first one after the change).
+        time.sleep(1.05 - time.time() % 1)
+        other = Sink()
+        svc.submit(IncomingRequest(b"Hi", home.ticket("acme", "acme-beta")), other)
+        assert other.wait().ok
+        unrelated = Sink()  # another tenant's tickets were never touched
+        svc.submit(IncomingRequest(b"Hi", home.ticket("globex", "globex-gamma")), unrelated)
+        assert unrelated.wait().ok
+    finally:
+        svc.close()

@@ -18,6 +18,7 @@ A ticket naming an unknown key id makes the host re-read its public keys, at mos
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -94,7 +95,7 @@ class VerifiedTickets:
         self._size = size
         self._reload_interval_s = reload_interval_s
         self._clock = clock
-        self._last_reload = clock()
+        self._last_reload = -math.inf  # the first unknown key may reload at once
         self._lock = threading.Lock()
         self._known: OrderedDict[str, TicketClaims] = OrderedDict()
         self.reloads = 0

@@ -72,16 +72,6 @@ class ChaosStack:
     prompts: list[str]
     expected: dict[tuple[str | None, str], str]  # (digest, prompt) -> PEFT greedy text
 
-    @property
-    def http(self) -> str:
-        assert self.deployment.triton is not None
-        return self.deployment.triton.http_url
-
-    @property
-    def grpc(self) -> str:
-        assert self.deployment.triton is not None
-        return self.deployment.triton.grpc_url
-
 
 @pytest.fixture(scope="module")
 def chaos(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosStack]:
@@ -199,21 +189,23 @@ def test_chaos_attribution_through_real_triton(chaos: ChaosStack) -> None:
         jobs.append(Job(tenant, alias, digest, prompt, kind))
     tickets = Tickets(chaos)
     since = time.time()
+    triton = chaos.deployment.triton
+    assert triton is not None
 
     def run(job: Job) -> Generation | Streamed | str | None:
         ticket = tickets(job.tenant, job.alias)
         try:
             if job.kind in ("http", "poison"):
-                return generate(chaos.http, job.prompt, ticket, max_tokens=MAX_TOKENS)
+                return generate(triton.http_url, job.prompt, ticket, max_tokens=MAX_TOKENS)
             if job.kind in ("grpc", "fail_step"):
-                return generate(chaos.grpc, job.prompt, ticket, protocol="grpc",
+                return generate(triton.grpc_url, job.prompt, ticket, protocol="grpc",
                                 max_tokens=MAX_TOKENS)
             if job.kind == "stream":
-                return stream_generate(chaos.grpc, job.prompt, ticket, max_tokens=MAX_TOKENS)
+                return stream_generate(triton.grpc_url, job.prompt, ticket, max_tokens=MAX_TOKENS)
             if job.kind == "hangup_stream":
-                stream_generate(chaos.grpc, job.prompt, ticket, max_tokens=64, cancel_after=1)
+                stream_generate(triton.grpc_url, job.prompt, ticket, max_tokens=64, cancel_after=1)
                 return None
-            _hang_up_http(chaos.http, job.prompt, ticket)
+            _hang_up_http(triton.http_url, job.prompt, ticket)
             return None
         except TritonRefused as e:
             return f"refused {e.status}: {e.message}"

@@ -44,7 +44,10 @@ def _float32(x: float) -> float:
     return float(struct.unpack("<f", struct.pack("<f", x))[0])
 
 
-_T_MIN, _P_MIN = _float32(TEMPERATURE_MIN), _float32(TOP_P_MIN)
+# The float32 rounding of a bound may lie on either side of it (0.01 rounds down, 0.001 up):
+# the lower of the two is the bound, so both spellings of the documented minimum pass.
+_T_MIN = min(TEMPERATURE_MIN, _float32(TEMPERATURE_MIN))
+_P_MIN = min(TOP_P_MIN, _float32(TOP_P_MIN))
 
 
 class InvalidParameter(ValueError):

@@ -24,6 +24,9 @@ POISON_ROW = "\u2620nan"
 FAIL_STEP = "\u2620step"
 
 
+FIRED = "_injected_step_failure_fired"
+
+
 class InjectedFault(RuntimeError):
     """An exception the test put there."""
 
@@ -34,17 +37,19 @@ class FaultyEngine(Engine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fail_steps = 0  # the next n forward passes raise
-        self._failed_for: set[int] = set()  # ids of sequences whose FAIL_STEP already fired
         self._fault_lock = threading.Lock()
         self.injected = 0
 
     def _forward(self, seqs: list[EngineSequence], *args: Any, **kwargs: Any) -> torch.Tensor:
         with self._fault_lock:
+            # Marked on the sequence itself: ids of dead sequences are reused, so a set of ids
+            # would let a later FAIL_STEP row through now and then.
             marked = [s for s in seqs if FAIL_STEP in s.request.prompt
-                      and id(s) not in self._failed_for]
+                      and not getattr(s, FIRED, False)]
             if self.fail_steps > 0 or marked:
                 self.fail_steps = max(0, self.fail_steps - 1)
-                self._failed_for.update(id(s) for s in marked)
+                for s in marked:
+                    setattr(s, FIRED, True)
                 self.injected += 1
                 raise InjectedFault("injected decode-step failure")
         logits = super()._forward(seqs, *args, **kwargs)

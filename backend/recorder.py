@@ -34,6 +34,20 @@ MAX_BATCH = 512
 Then = Callable[[bool], None]  # called with True once durable, False when held for retry
 
 
+def write_durably(write: Callable[[], None], attempts: int = ATTEMPTS) -> None:
+    """Run a ledger write, retrying across a short database outage; raise the last error."""
+    for n in range(attempts):
+        try:
+            write()
+            return
+        except Exception:
+            log.warning("ledger write failed (attempt %d of %d)", n + 1, attempts,
+                        exc_info=True)
+            if n == attempts - 1:
+                raise
+            time.sleep(0.5 * (n + 1))
+
+
 @dataclass
 class _Item:
     entry: LedgerEntry | None
@@ -136,14 +150,9 @@ class LedgerWriter:
 
     def _durably(self, entries: list[LedgerEntry], completions: list[Completion],
                  attempts: int | None = None) -> bool:
-        tries = self.attempts if attempts is None else attempts
-        for n in range(tries):
-            try:
-                self.ledger.write(entries, completions)
-                return True
-            except Exception:
-                log.warning("ledger write failed (attempt %d of %d)", n + 1, tries,
-                            exc_info=True)
-                if n < tries - 1:
-                    time.sleep(0.5 * (n + 1))
-        return False
+        try:
+            write_durably(lambda: self.ledger.write(entries, completions),
+                          self.attempts if attempts is None else attempts)
+            return True
+        except Exception:
+            return False

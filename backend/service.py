@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -64,7 +64,7 @@ from backend.messages import (
     PARAMETER_PREFIX,
 )
 from backend.prefix_cache import PrefixCache, PrefixKey
-from backend.recorder import LedgerWriter
+from backend.recorder import LedgerWriter, write_durably
 from backend.sampling import InvalidParameter, check_sampling
 from backend.scheduler import QueueFull, Scheduler, SchedulerLimits
 from control.config import Settings
@@ -419,7 +419,7 @@ class LoraService:
 
     def _write_running(self, entry: LedgerEntry) -> None:
         """The admitted request's row, durable before any token is computed."""
-        self._durably(lambda: self.ledger.admit([entry]))
+        write_durably(lambda: self.ledger.admit([entry]))
 
     def _refuse(self, sink: AnswerSink, rid: str, claims: TicketClaims | None, now: float,
                 reason: str, error: str, status: str) -> None:
@@ -475,18 +475,6 @@ class LoraService:
         adm.sink.answer(a)
 
     # -- helpers ----------------------------------------------------------------------------
-
-    @staticmethod
-    def _durably(write: Callable[[], None], attempts: int = 3) -> None:
-        """Run a ledger write, retrying a few times across a short database outage."""
-        for i in range(attempts):
-            try:
-                write()
-                return
-            except Exception:
-                if i == attempts - 1:
-                    raise
-                time.sleep(0.5 * (i + 1))
 
     def _generation_request(self, req: IncomingRequest, claims: TicketClaims) -> GenerationRequest:
         text = req.text

@@ -255,10 +255,12 @@ class Deployment:
         return f"http://{host}:{self.ports.gateway}"
 
     def stop(self) -> None:
-        """Stop everything this deployment started."""
+        """Stop everything this deployment started; stopping again changes nothing (a failed
+        start stops itself, and its caller's cleanup may stop it once more)."""
         self._stop.set()
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(loop.stop)
         if self.triton is not None:
             self.triton.stop()
         for t in self._threads:

@@ -268,15 +268,17 @@ def ticket_issue(
 ) -> None:
     """Issue a routing ticket for TENANT and ALIAS, as the gateway would."""
     from control.serve import open_signer
-    from control.ticket_office import NotGranted, TicketOffice
+    from control.ticket_office import NotGranted, TicketOffice, why_not
 
     s = settings()
     with errors():
-        office = TicketOffice(s, _routing(), open_signer(s, _registry(), state.actor))
+        routing = _routing()
+        office = TicketOffice(s, routing, open_signer(s, _registry(), state.actor))
         try:
             issued = office.issue(tenant, alias)
         except NotGranted:
-            raise DomainError("no ticket: the alias is not available to this tenant") from None
+            # The operator's CLI says which cause; tenants only ever get the generic refusal.
+            raise DomainError(f"no ticket: {why_not(routing, tenant, alias)}") from None
     data = {"ticket": issued.token, **issued.claims.to_json()}
     emit(data, lambda: print(issued.token))
 

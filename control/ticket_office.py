@@ -27,7 +27,23 @@ RESCAN_S = 1.0
 
 
 class NotGranted(Exception):
-    """No ticket: unknown alias, not granted, not servable or revoked (deliberately one error)."""
+    """No ticket: unknown alias, not granted, not servable or revoked (deliberately one error
+    for tenants; :func:`why_not` tells an operator which)."""
+
+
+def why_not(routing: RoutingView, tenant: str, alias: str) -> str:
+    """For operators only (it names the cause): why ``tenant`` gets no ticket for ``alias``.
+
+    A tenant always gets the one generic refusal, so it cannot probe which aliases exist.
+    """
+    if tenant not in routing.tenants():
+        return f"unknown tenant {tenant!r}: run `loraplane tenant create {tenant}`"
+    if routing.alias_row(alias) is None:
+        return f"unknown alias {alias!r}: no alias of that name exists"
+    if not routing.is_granted(tenant, alias):
+        return f"not granted: run `loraplane grant {tenant} {alias}`"
+    return (f"alias {alias!r} points at no servable release (revoked, or never promoted to "
+            "canary or stable): see `loraplane alias show " + alias + "`")
 
 
 class SigningUnavailable(RuntimeError):

@@ -46,7 +46,8 @@ def audit_table(entries: Sequence[AuditEntry]) -> Table:
 
 
 def incident_table(rows: Sequence[LedgerEntry], digest: str) -> Table:
-    t = Table(title=f"requests served by {short(digest)}: {len(rows)}")
+    # The full digest: a short prefix could belong to another adapter (or to none at all).
+    t = Table(title=f"requests served by {digest}: {len(rows)}")
     for c in ("request id", "tenant", "release", "admitted (UTC)", "outcome", "tokens in/out",
               "host"):
         t.add_column(c)

@@ -105,3 +105,39 @@ def test_full_operator_flow(home: Path, kit_dir: Path) -> None:
     assert (home / "keys" / "private" / "active.pem").stat().st_mode & 0o777 == 0o600
     code, out = _cli(home, "adapter", "promote", digest, "--to", "stable")
     assert code != 0 and "revoked" in json.loads(out)["error"]
+
+
+def test_operators_learn_why_there_is_no_ticket(home: Path, kit_dir: Path) -> None:
+    kit = KitManifest.load(kit_dir)
+    code, out = _cli(home, "adapter", "register", str(kit_dir / kit.adapters["alpha"].path),
+                     "--tenant", "acme", "--alias", "acme-alpha")
+    assert code == 0, out
+
+    def why(tenant: str, alias: str) -> str:
+        code, out = _cli(home, "ticket", "issue", "--tenant", tenant, "--alias", alias)
+        assert code == 2, out
+        return str(json.loads(out)["error"])
+
+    assert "unknown alias 'acme-beta'" in why("acme", "acme-beta")
+    assert "not granted: run `loraplane grant acme acme-alpha`" in why("acme", "acme-alpha")
+    assert _cli(home, "grant", "acme", "acme-alpha")[0] == 0
+    assert "no servable release" in why("acme", "acme-alpha")  # still a draft
+    assert "unknown tenant 'globex'" in why("globex", "acme-alpha")
+
+
+def test_incidents_about_an_unknown_digest_are_an_error_not_an_empty_answer(
+        home: Path, kit_dir: Path) -> None:
+    kit = KitManifest.load(kit_dir)
+    code, out = _cli(home, "adapter", "register", str(kit_dir / kit.adapters["alpha"].path),
+                     "--tenant", "acme", "--alias", "acme-alpha")
+    digest = json.loads(out)["digest"]
+    one_off = digest[:-1] + ("0" if digest[-1] != "0" else "1")
+    code, out = _cli(home, "incident", "requests", "--adapter", one_off)
+    assert code == 2 and f"unknown adapter digest {one_off}" in json.loads(out)["error"]
+    code, out = _cli(home, "incident", "requests", "--training-data-version", "v9")
+    assert code == 2 and "unknown training data version 'v9'" in json.loads(out)["error"]
+    code, out = _cli(home, "incident", "requests", "--adapter", digest)  # known, served nothing
+    assert code == 0 and json.loads(out) == []
+    res = CliRunner().invoke(app, ["--home", str(home), "incident", "requests", "--adapter",
+                                   digest], env={"LORAPLANE_DB_URL": "", "COLUMNS": "200"})
+    assert res.exit_code == 0 and digest in res.stdout  # the title shows the whole digest

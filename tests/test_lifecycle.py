@@ -24,7 +24,7 @@ from control.domain import (
     TenantPolicy,
     ValidationFailed,
 )
-from control.incidents import requests_for
+from control.incidents import UnknownSubject, requests_for
 from control.registry import Registry
 from control.releases import MANIFEST_FILE, get_document
 from control.ticket_office import NotGranted, TicketOffice
@@ -284,7 +284,15 @@ class LifecycleContract(WithRegistry):
         by_td = requests_for(settings, training_data_version="td-7")
         assert [r.request_id for r in by_td] == ["r0"]
         assert [r.request_id for r in requests_for(settings, base=base)] == ["r0", "r1", "r2"]
-        assert requests_for(settings, training_data_version="nope") == []
+        with pytest.raises(UnknownSubject, match="unknown training data version 'nope'"):
+            requests_for(settings, training_data_version="nope")
+        one_off = d1[:-1] + ("0" if d1[-1] != "0" else "1")  # one character off
+        with pytest.raises(UnknownSubject, match=f"unknown adapter digest {one_off}"):
+            requests_for(settings, adapter=one_off)
+        with pytest.raises(UnknownSubject, match="unknown release digest"):
+            requests_for(settings, release=one_off)
+        with pytest.raises(UnknownSubject, match="unknown base digest"):
+            requests_for(settings, base=one_off)
         with pytest.raises(ValueError):
             requests_for(settings, base=base, adapter=d1)
 

@@ -91,23 +91,31 @@ def triton_host(
 def stats(
     tenant: Annotated[str | None, typer.Option(help="Only this tenant's requests.")] = None,
 ) -> None:
-    """Per adapter digest: requests, outcomes, tokens, mean latency, from the request ledger."""
+    """Per adapter digest: requests, outcomes, tokens, mean latency, from the request ledger.
+
+    Without --tenant, requests that no verified ticket names (missing or forged tickets, busy
+    refusals) are counted on their own line, "(unverified)"."""
     from rich.table import Table
 
     from control.db import make_engine
 
-    rows = digest_stats(make_engine(settings().db_url), tenant)
+    rows = digest_stats(make_engine(settings().db_url), tenant, unattributed=tenant is None)
     data = [r.__dict__ for r in rows]
 
     def human() -> None:
-        cols = ["tenant", "adapter_digest", "requests", "ok", "rejected", "failed",
-                "tokens_in", "tokens_out", "mean_seconds"]
+        # Short headers: the table fits 80 columns; --json has every value in full.
+        cols = [("tenant", "tenant"), ("adapter_digest", "digest"), ("requests", "reqs"),
+                ("ok", "ok"), ("rejected", "rej"), ("failed", "fail"), ("tokens_in", "in"),
+                ("tokens_out", "out"), ("mean_seconds", "secs")]
         t = Table()
-        for c in cols:
-            t.add_column(c)
+        for _key, header in cols:
+            t.add_column(header)
         for r in data:
-            t.add_row(*[cell(r.get(c)) if c != "tenant" else str(r.get(c) or tenant or "")
-                        for c in cols])
+            if r.get("tenant") is None and r.get("adapter_digest") is None and tenant is None:
+                first = ["(unverified)", ""]  # requests no verified ticket names
+            else:
+                first = [str(r.get("tenant") or tenant or ""), cell(r.get("adapter_digest"))]
+            t.add_row(*first, *[cell(r.get(key)) for key, _h in cols[2:]])
         console.print(t)
 
     emit(data, human)

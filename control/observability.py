@@ -248,10 +248,17 @@ class DigestStats:
     tenant: str | None = None  # only in the operator's view
 
 
-def digest_stats(engine: sa.engine.Engine, tenant: str | None) -> list[DigestStats]:
+def digest_stats(engine: sa.engine.Engine, tenant: str | None, *,
+                 unattributed: bool = False) -> list[DigestStats]:
     """Per-digest aggregates of the request ledger: ``tenant``'s own requests only, or (None)
     every tenant's, grouped by tenant as well. A tenant's view holds only rows whose tenant is
-    the caller, so it can list only digests the caller's own tickets named."""
+    the caller, so it can list only digests the caller's own tickets named.
+
+    ``unattributed`` (operators only, with ``tenant`` None): one more entry, tenant and digest
+    both None, for the requests no verified ticket names: missing, forged or ambiguous tickets,
+    busy refusals, admission failures. Without it an operator would count far fewer refusals
+    than the ledger holds.
+    """
     from backend.ledger import request_ledger as t
 
     cols: list[Any] = [t.c.adapter_digest]
@@ -268,8 +275,11 @@ def digest_stats(engine: sa.engine.Engine, tenant: str | None) -> list[DigestSta
         sa.func.coalesce(sa.func.sum(t.c.tokens_out), 0).label("tokens_out"),
         sa.func.avg(sa.case((t.c.outcome == "ok", seconds))).label("mean_seconds"),
     ).group_by(*cols).order_by(*cols)
-    # refusals of unproven tickets have no tenant: they are in nobody's view
-    q = q.where(t.c.tenant == tenant if tenant is not None else t.c.tenant.is_not(None))
+    # refusals of unproven tickets have no tenant: they are in no tenant's view
+    if tenant is not None:
+        q = q.where(t.c.tenant == tenant)
+    elif not unattributed:
+        q = q.where(t.c.tenant.is_not(None))
     with engine.connect() as conn:
         rows = conn.execute(q).all()
     return [

@@ -106,6 +106,25 @@ def test_digest_stats_scoped_to_the_tenant(ledger: Ledger) -> None:
     everyone = digest_stats(ledger.engine, None)
     assert {(r.tenant, r.adapter_digest) for r in everyone} == {("acme", A), ("globex", B)}
     assert digest_stats(ledger.engine, "nobody") == []
+    # The operator's CLI view counts refusals that no verified ticket names on their own line.
+    with_unattributed = digest_stats(ledger.engine, None, unattributed=True)
+    [alone] = [r for r in with_unattributed if r.tenant is None]
+    assert (alone.adapter_digest, alone.requests, alone.rejected) == (None, 1, 1)
+    assert sum(r.rejected for r in with_unattributed) == 2  # every rejected row of the ledger
+
+
+def test_stats_cli_counts_every_refusal_and_fits_80_columns(ledger: Ledger,
+                                                           tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from control.cli import app
+
+    url = str(ledger.engine.url)
+    res = CliRunner().invoke(app, ["--home", str(tmp_path / "h"), "stats"],
+                             env={"LORAPLANE_DB_URL": url, "COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    assert "(unverified)" in res.stdout and "…" not in res.stdout
+    assert max(len(line) for line in res.stdout.splitlines()) <= 80
 
 
 def test_admin_token(monkeypatch: pytest.MonkeyPatch) -> None:

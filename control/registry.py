@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import heapq
 import logging
 import secrets
 import shutil
@@ -194,8 +195,13 @@ class Registry(Application[UUID]):
         """
         creating = any(e.originator_version == 1 for a in aggregates if a is not None
                        for e in a.pending_events)
+        # Record the command's events in the order they happened, across aggregates (each
+        # aggregate's own events keep their order): the audit log lists events by position
+        # and shows their times, which must then never go backwards within one command.
+        events = list(heapq.merge(*(a.collect_events() for a in aggregates if a is not None),
+                                  key=lambda e: e.timestamp))
         try:
-            recordings = self.save(*aggregates)
+            recordings = self.save(*events)
         except (EventStoreIntegrityError, sa.exc.IntegrityError):
             if creating:
                 raise AlreadyExists(already or f"{what} already exists (or was created "

@@ -119,6 +119,11 @@ class RegistryContract(WithRegistry):
         assert ("Adapter", "AdapterRevoked") in kinds and ("Alias", "AliasPointed") in kinds
         assert ("Release", "ReleaseCreated") in kinds
         assert all(e.actor for e in audit_log(registry))
+        # Recorded order is the order things happened: a command that changes several
+        # aggregates (a promotion creates a release and points an alias) records its events in
+        # time order, so the log's times never go backwards.
+        times = [e.time for e in audit_log(registry)]
+        assert times == sorted(times)
 
     def test_alias_owned_by_another_tenant(self, registry: Registry, artifacts: Artifacts,
                                            base: str) -> None:

@@ -1,0 +1,102 @@
+"""Where a client may put its ticket, on every route it can use, and what two tickets do.
+
+Triton forwards ``x-lora-.*`` headers to the model on HTTP and gRPC ``infer`` and on gRPC
+``stream_infer``; there a ticket in the header works, and a header ticket that differs from the
+parameter ticket is refused. Triton 2.51 forwards no header on the generate extension
+(``generate``, ``generate_stream``): there only ``parameters.lora_ticket`` reaches the model, a
+header-only request is refused as having no ticket, and a header beside a parameter is never seen.
+The README says the same; this test pins it on the real server.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import urllib.error
+import urllib.request
+from typing import Any
+
+import numpy as np
+import pytest
+
+from control.clients import TritonRefused, generate
+from control.tickets import GENERIC_REFUSAL
+from tests.integration.conftest import Stack
+
+pytestmark = pytest.mark.triton
+
+HEADER = "x-lora-ticket"
+
+
+def _post(url: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, str]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return int(r.status), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return int(e.code), e.read().decode()
+
+
+def _stream_infer(stack: Stack, params: dict[str, Any] | None,
+                  headers: dict[str, str] | None) -> tuple[bool, str]:
+    """One gRPC stream_infer request; (ok, adapter digest or error message)."""
+    import tritonclient.grpc as grpcclient
+
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client = grpcclient.InferenceServerClient(stack.grpc)
+    client.start_stream(callback=lambda result, error: answers.put((result, error)),
+                        headers=headers)
+    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"Hi"]], dtype=np.object_))
+    n = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
+    n.set_data_from_numpy(np.array([[4]], dtype=np.int32))
+    try:
+        client.async_stream_infer("lora_llm_stream", [text, n], parameters=params)
+        result, error = answers.get(timeout=60)
+        if error is not None:
+            return False, str(error.message())
+        return True, str(result.as_numpy("adapter_digest").reshape(-1)[0].decode())
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_tickets_in_headers_and_parameters_on_every_route(stack: Stack) -> None:
+    alpha, beta = stack.ticket("acme", "acme-alpha"), stack.ticket("acme", "acme-beta")
+    want_alpha = stack.digests["alpha"]
+
+    # infer, HTTP and gRPC: the header works alone; two different tickets are refused.
+    for proto, url in (("http", stack.http), ("grpc", stack.grpc)):
+        assert generate(url, "Hi", alpha, protocol=proto, header=True,
+                        max_tokens=4).adapter_digest == want_alpha
+        with pytest.raises(TritonRefused) as e:
+            generate(url, "Hi", alpha, protocol=proto, max_tokens=4,
+                     parameters={HEADER: beta})
+        assert e.value.message == GENERIC_REFUSAL
+    # The same two tickets as a real header beside the parameter (HTTP infer).
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(stack.http)
+    text = httpclient.InferInput("text_input", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"Hi"]], dtype=np.object_))
+    with pytest.raises(Exception, match="invalid or unauthorised routing ticket"):
+        client.infer("lora_llm", [text], parameters={"lora_ticket": alpha},
+                     headers={HEADER: beta})
+    client.close()
+
+    # stream_infer (gRPC): the same as infer.
+    assert _stream_infer(stack, None, {HEADER: alpha}) == (True, want_alpha)
+    ok, message = _stream_infer(stack, {"lora_ticket": alpha}, {HEADER: beta})
+    assert not ok and message == GENERIC_REFUSAL
+
+    # The generate extension: headers never reach the model.
+    for route, stream in (("lora_llm/generate", False),
+                          ("lora_llm_stream/generate_stream", True)):
+        url = f"http://{stack.http}/v2/models/{route}"
+        body: dict[str, Any] = {"text_input": "Hi", "max_tokens": 4, "stream": stream}
+        status, text_out = _post(url, body, {HEADER: alpha})
+        assert status == 400 and GENERIC_REFUSAL in text_out  # no ticket reached it
+        status, text_out = _post(url, {**body, "parameters": {"lora_ticket": alpha}},
+                                 {HEADER: beta})
+        assert status == 200 and want_alpha in text_out  # the parameter's, the header unseen

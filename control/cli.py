@@ -84,6 +84,26 @@ def settings() -> Settings:
     return s
 
 
+class NoState(RuntimeError):
+    """A read-only verb was pointed at a state folder that holds no deployment."""
+
+
+def existing_settings() -> Settings:
+    """Settings of a state folder that already holds a deployment: read-only verbs never create
+    one, else a second shell without ``LORAPLANE_HOME`` reads a new empty state and answers
+    "not available" or "0 requests", hiding the cause. (With ``LORAPLANE_DB_URL`` set, the
+    database is wherever it points.)"""
+    s = Settings.from_env(state.home)
+    if s.db_url == f"sqlite:///{s.home / 'loraplane.db'}" and not (
+            s.home / "loraplane.db").exists():
+        with errors():
+            raise NoState(
+                f"no loraplane state in {s.home} (no database there): set LORAPLANE_HOME (or "
+                "--home) to the folder your deployment uses; `loraplane base register` or "
+                "`loraplane tenant create` start a new one")
+    return s
+
+
 def emit(data: Any, human: Callable[[], None]) -> None:
     if state.json:
         print(json.dumps(data, indent=None, default=str))
@@ -96,6 +116,8 @@ def errors() -> Iterator[None]:
     """Known failures become one clear line on stderr and a non-zero exit."""
     try:
         yield
+    except typer.Exit:  # already reported (typer's Exit is a RuntimeError): never twice
+        raise
     except (DomainError, DigestError, ValueError, FileNotFoundError, RuntimeError) as e:
         check = getattr(e, "check", None)
         msg = f"{type(e).__name__}: {e}"
@@ -106,10 +128,11 @@ def errors() -> Iterator[None]:
         raise typer.Exit(2) from None
 
 
-def _registry() -> Any:
+def _registry(existing: bool = False) -> Any:
+    """The registry; ``existing``: for read-only verbs, which never create a state folder."""
     from control.registry import Registry
 
-    return Registry(settings())
+    return Registry(existing_settings() if existing else settings())
 
 
 def _digest(value: str) -> str:
@@ -270,7 +293,7 @@ def ticket_issue(
     from control.serve import open_signer
     from control.ticket_office import NotGranted, TicketOffice, why_not
 
-    s = settings()
+    s = existing_settings()
     with errors():
         routing = _routing()
         office = TicketOffice(s, routing, open_signer(s, _registry(), state.actor))
@@ -318,7 +341,7 @@ def incident_requests(
         raise typer.BadParameter(
             "give one of --adapter, --training-data-version, --base, --release")
     with errors():
-        rows = requests_for(settings(), adapter=adapter and _digest(adapter),
+        rows = requests_for(existing_settings(), adapter=adapter and _digest(adapter),
                             training_data_version=training_data_version,
                             base=base and _digest(base), release=release and _digest(release),
                             since=_time(since), until=_time(until))
@@ -344,9 +367,9 @@ def audit_log(
     if as_of is not None:
         from control.cli_registry import show_state_as_of
 
-        show_state_as_of(_registry(), as_of)
+        show_state_as_of(_registry(existing=True), as_of)
         return
-    entries = read_log(_registry())
+    entries = read_log(_registry(existing=True))
     emit([_as_dict(e) for e in entries], lambda: console.print(audit_table(entries)))
 
 
@@ -405,7 +428,7 @@ def _routing() -> Any:
     from control.db import make_engine
     from projections.routing import RoutingView
 
-    return RoutingView(make_engine(settings().db_url))
+    return RoutingView(make_engine(existing_settings().db_url))
 
 
 def _as_dict(obj: Any) -> dict[str, Any]:

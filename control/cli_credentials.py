@@ -22,7 +22,7 @@ from control.cli import (
     emit,
     err_console,
     errors,
-    settings,
+    existing_settings,
     state,
     tenant_app,
 )
@@ -93,7 +93,7 @@ def key_list() -> None:
     from control.key_ring import active_signer
 
     with errors():
-        active = active_signer(settings().keys_dir)
+        active = active_signer(existing_settings().keys_dir)
     rows: list[dict[str, Any]] = [
         {"kid": k.kid, "created_at": k.created_at, "retired_at": k.retired_at,
          "active_here": active is not None and k.kid == active.kid}

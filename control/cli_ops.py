@@ -21,6 +21,7 @@ from control.cli import (
     emit,
     err_console,
     errors,
+    existing_settings,
     run_until_stopped,
     settings,
     state,
@@ -99,7 +100,8 @@ def stats(
 
     from control.db import make_engine
 
-    rows = digest_stats(make_engine(settings().db_url), tenant, unattributed=tenant is None)
+    rows = digest_stats(make_engine(existing_settings().db_url), tenant,
+                        unattributed=tenant is None)
     data = [r.__dict__ for r in rows]
 
     def human() -> None:

@@ -162,7 +162,7 @@ def alias_rollback(alias: str) -> None:
 def alias_show(alias: str) -> None:
     """An alias's stable and canary releases and its history (operators)."""
     with errors():
-        a = _registry().alias(alias)
+        a = _registry(existing=True).alias(alias)
     data = {"alias": a.name, "owner": a.owner, "stable": a.stable, "canary": a.canary,
             "canary_percent": a.canary_percent, "history": list(a.history),
             "grants": list(a.grants)}
@@ -176,7 +176,7 @@ def release_show(digest: str) -> None:
 
     d = _digest(digest)
     with errors():
-        reg = _registry()
+        reg = _registry(existing=True)
         reg.release_manifest(d)  # NotFound for an unknown digest
         data = get_document(reg.store, MANIFEST_FILE, d)
     emit({"digest": d, **data}, lambda: _kv({"digest": d, **data}))
@@ -256,7 +256,7 @@ def audit_verify(
     from control.integrity import AuditSeal, load_public_key
 
     with errors():
-        seal = AuditSeal.for_registry(_registry())
+        seal = AuditSeal.for_registry(_registry(existing=True))
         report = seal.verify(load_public_key(public_key) if public_key else None)
     data = report.to_json()
 
@@ -295,7 +295,7 @@ def audit_export(
     """The whole history as JSON lines (with each event's sealed hash)."""
     from control.audit import export_lines
 
-    reg = _registry()
+    reg = _registry(existing=True)
     if out is None:
         for line in export_lines(reg):
             sys.stdout.write(line + "\n")

@@ -141,3 +141,19 @@ def test_incidents_about_an_unknown_digest_are_an_error_not_an_empty_answer(
     res = CliRunner().invoke(app, ["--home", str(home), "incident", "requests", "--adapter",
                                    digest], env={"LORAPLANE_DB_URL": "", "COLUMNS": "200"})
     assert res.exit_code == 0 and digest in res.stdout  # the title shows the whole digest
+
+
+@pytest.mark.parametrize("verb", [
+    ["ticket", "issue", "--tenant", "acme", "--alias", "acme-alpha"],
+    ["incident", "requests", "--adapter", "sha256:" + "ab" * 32],
+    ["audit", "log"], ["audit", "verify"], ["stats"], ["adapter", "list"], ["tenant", "list"],
+    ["key", "list"], ["alias", "show", "acme-alpha"],
+], ids=lambda v: " ".join(v[:2]))
+def test_read_only_verbs_name_a_missing_state_instead_of_creating_one(
+        tmp_path: Path, verb: list[str]) -> None:
+    nowhere = tmp_path / "not-a-home"
+    code, out = _cli(nowhere, *verb)
+    assert code == 2, out
+    assert "no loraplane state in" in json.loads(out)["error"]
+    assert "LORAPLANE_HOME" in json.loads(out)["error"]
+    assert not nowhere.exists()  # nothing was created

@@ -34,25 +34,30 @@ def cell(v: Any) -> str:
 
 
 def audit_table(entries: Sequence[AuditEntry]) -> Table:
+    """The audit log for a terminal: one ``key=value`` per line in details, digests shortened and
+    keys without their ``_digest`` suffix, so rows wrap between pairs, never inside a value, at
+    80 columns; ``--json`` has every value in full."""
     t = Table(title=f"audit log: {len(entries)} events, in recorded order")
     for c in ("#", "time (UTC)", "actor", "event", "details"):
-        t.add_column(c, overflow="fold" if c == "details" else "ellipsis")
+        # Position, time and event never wrap; a details line too long is cut, not folded.
+        t.add_column(c, overflow="ellipsis", no_wrap=c in ("#", "time (UTC)", "event"))
     for e in entries:
-        details = cell(e.summary)
-        if len(details) > SUMMARY_WIDTH:
-            details = details[: SUMMARY_WIDTH - 1] + "…"
+        pairs = [f"{k.removesuffix('_digest')}={cell(v)}" for k, v in e.summary.items()]
+        details = "\n".join(p if len(p) <= SUMMARY_WIDTH else p[: SUMMARY_WIDTH - 1] + "…"
+                            for p in pairs)
         t.add_row(str(e.position), e.time[11:23], e.actor, e.event_type, details)
     return t
 
 
 def incident_table(rows: Sequence[LedgerEntry], digest: str) -> Table:
+    """The requests a digest served, for a terminal of 80 columns: request ids and releases
+    shortened, times to the second (``--json`` has every value in full)."""
     # The full digest: a short prefix could belong to another adapter (or to none at all).
     t = Table(title=f"requests served by {digest}: {len(rows)}")
-    for c in ("request id", "tenant", "release", "admitted (UTC)", "outcome", "tokens in/out",
-              "host"):
-        t.add_column(c)
+    for c in ("request", "tenant", "release", "admitted", "outcome", "in/out", "host"):
+        t.add_column(c, overflow="ellipsis")
     for r in rows:
-        t.add_row(r.request_id, r.tenant or "", cell(r.release_digest),
-                  iso(r.admitted_at)[11:23], r.outcome + (f" ({r.reason})" if r.reason else ""),
+        t.add_row(r.request_id[:8], r.tenant or "", cell(r.release_digest),
+                  iso(r.admitted_at)[11:19], r.outcome + (f": {r.reason}" if r.reason else ""),
                   f"{r.tokens_in or 0}/{r.tokens_out or 0}", r.host)
     return t

@@ -143,3 +143,27 @@ def test_chat_template() -> None:
                 [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]):
         with pytest.raises(ApiError):
             render_chat(bad)
+
+
+def test_audit_and_incident_tables_fit_80_columns_without_splitting_values(
+        ledger: Ledger) -> None:
+    from rich.console import Console
+
+    from control.audit import AuditEntry
+    from control.views import audit_table, incident_table
+
+    digest = "sha256:" + "c" * 64
+    entry = AuditEntry(position=12, time="2026-12-01T06:41:45.424000+00:00",
+                       actor="demo-operator", aggregate="Release",
+                       event_type="ReleaseCreated", aggregate_id="x",
+                       summary={"digest": digest, "tokenizer_digest": digest,
+                                "reason": "demo: suspected data leak"})
+    console = Console(width=80, record=True)
+    console.print(audit_table([entry]))
+    console.print(incident_table(ledger.query(), digest))
+    lines = console.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert any("tokenizer=" in line for line in lines)  # one pair per line, key shortened
+    assert not any(line.rstrip(" │").endswith(("cccc", "ccc…")) and "=" not in line
+                   for line in lines)  # no value continued on the next line
+    assert any(digest in line for line in lines)  # the incident title names it in full

@@ -2,7 +2,8 @@
 
 Three tiers, each with a byte budget:
 
-- ``device``: the adapter sits in an engine slot (bytes = its slot slices, padded rank);
+- ``device``: the adapter sits in an engine slot (bytes = one whole slot: the engine allocates
+  its slot banks in full, see ``backend.memory``, so a slot costs the same whatever it holds);
 - ``host``: parsed and validated tensors on the host, ready to place (bytes = those tensors);
 - ``store``: the adapter's files were verified against its digest in the artifact store and this
   host may read them (bytes = the files). The shared store itself is never deleted from; leaving
@@ -10,8 +11,12 @@ Three tiers, each with a byte budget:
 
 Rules: least recently used among *unreferenced* adapters goes first; an adapter referenced by a
 queued or running request is never evicted or unloaded; cold loads go through a bounded queue and
-one load worker; each tenant may hold at most ``resident_share`` of the device budget and start at
-most ``loads_per_minute`` cold loads, so one tenant churning versions cannot push everyone out.
+one load worker; each tenant may hold at most ``resident_share`` of the device budget (never less
+than one slot, so every tenant can be served whenever the budget holds an adapter at all) and
+start at most ``loads_per_minute`` cold loads, so one tenant churning versions cannot push
+everyone out. The device budget is, unless given, what the engine's slot banks hold
+(``LORAPLANE_ADAPTER_BYTES``, see ``backend.memory``); an adapter larger than it is refused as
+``device_budget``.
 Revocation purges every tier at once and unloads from the device as soon as no request holds it.
 A revoked digest stays in the cache as a tombstone: nothing can load it again, not even a request
 that passed the revocation check just before the revocation landed.
@@ -29,12 +34,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
 from backend.engine import AdapterSource, HostAdapter
 from backend.lease import Lease, Violations
+from backend.memory import MemoryPlan
+from control.config import ADAPTER_BYTES_ENV, ADAPTER_SLOTS_ENV
 
 log = logging.getLogger("loraplane.cache")
 
@@ -55,13 +62,15 @@ class AdapterPlacement(Protocol):
     def slot_bytes_for(self, adapter: HostAdapter) -> int: ...
     @property
     def max_adapters(self) -> int: ...
+    @property
+    def plan(self) -> MemoryPlan: ...
 
 
 @dataclass(frozen=True)
 class CacheBudgets:
-    """Byte budgets per tier."""
+    """Byte budgets per tier; ``device_bytes`` None: what the engine's slot banks hold."""
 
-    device_bytes: int = 512 * 2**20
+    device_bytes: int | None = None
     host_bytes: int = 1024 * 2**20
     store_bytes: int = 4096 * 2**20
 
@@ -153,7 +162,10 @@ class AdapterCache:
         # digest -> the adapter's verified files; the store hands over the very bytes it
         # hashed, so nothing can change between the check and the parse
         self.fetch = fetch
-        self.budgets = budgets or CacheBudgets()
+        budgets = budgets or CacheBudgets()
+        self._device_budget = (engine.plan.adapter_capacity_bytes
+                               if budgets.device_bytes is None else budgets.device_bytes)
+        self.budgets = replace(budgets, device_bytes=self._device_budget)
         self.policy = policy or TenantPolicy()
         self.on_event = on_event if on_event is not None else (lambda *_: None)
         self.on_purge = on_purge if on_purge is not None else (lambda _d: None)
@@ -293,9 +305,13 @@ class AdapterCache:
         released meanwhile) up to ``room_wait_s`` for one to be released: those requests finish
         on their own, so room comes; a refusal only after the wait. Caller holds the lock.
         """
-        share = int(self.policy.resident_share * self.budgets.device_bytes)
-        if need > share and tenant is not None:
-            raise CacheRefused("tenant_share", "adapter larger than the tenant's share")
+        budget = self._device_budget
+        if need > budget:
+            raise CacheRefused("device_budget",
+                               f"one adapter needs {need} bytes of device memory, the adapter "
+                               f"budget ({ADAPTER_BYTES_ENV}) gives {budget}")
+        # At least one slot: a share smaller than an adapter would refuse its tenant everything.
+        share = max(int(self.policy.resident_share * budget), need)
         deadline = time.monotonic() + self.policy.room_wait_s
         while True:
             try:
@@ -316,16 +332,18 @@ class AdapterCache:
             return sum(x.device_bytes for x in self._entries.values()
                        if x.on_device and x.tenant == tenant)
 
-        if tenant is not None and share < self.budgets.device_bytes:
+        if tenant is not None and share < self._device_budget:
             while tenant_bytes() + need > share:
                 if not self._evict_one("tenant_share", e, tenant=tenant):
                     raise CacheRefused("tenant_share", "tenant's resident share is in use")
-        while self._used("device") + need > self.budgets.device_bytes:
+        while self._used("device") + need > self._device_budget:
             if not self._evict_one("device_budget", e):
-                raise CacheRefused("no_room", "device budget held by running requests")
+                raise CacheRefused("no_room", f"the device budget ({ADAPTER_BYTES_ENV}) is held "
+                                              "by running requests")
         while sum(1 for x in self._entries.values() if x.on_device) >= self.engine.max_adapters:
             if not self._evict_one("slots_full", e):
-                raise CacheRefused("no_room", "every adapter slot is held by running requests")
+                raise CacheRefused("no_room", f"every adapter slot ({ADAPTER_SLOTS_ENV}) is held "
+                                              "by running requests")
 
     def _evict_one(self, reason: str, keep: _Entry, tenant: str | None = None) -> bool:
         for x in self._entries.values():  # oldest first

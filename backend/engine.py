@@ -1,8 +1,11 @@
 """The multi-LoRA serving engine: many adapters on one shared base, in one mixed batch.
 
-Resident adapters live in stacked slots (``backend.slots``): every LoRA-targeted ``nn.Linear`` is
-wrapped by a ``SlottedLinear`` holding A/B for all slots; each row of a batch names its slot, slot
-0 being the all-zero base slot. The per-row delta runs the segment or the gather path
+Resident adapters live in stacked slots (``backend.slots``): every ``nn.Linear`` an adapter may
+target (``backend.memory.TARGET_MODULES``) is wrapped, when the engine is built, by a
+``SlottedLinear`` holding A/B for all slots; each row of a batch names its slot, slot 0 being the
+all-zero base slot. How many slots, and what they cost, is the memory plan's (``backend.memory``):
+a configuration that cannot hold one adapter of the maximum rank is refused before the base
+weights are read. The per-row delta runs the segment or the gather path
 (``backend.lora_ops``), chosen per batch. One forward pass per decoding step serves every row.
 
 Rows join and leave between decode steps (``prefill``, ``merge``, ``retain``, ``advance``): that is
@@ -21,6 +24,7 @@ It still validates every tensor against the base, because a verified file can st
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
 from collections.abc import Mapping
@@ -40,14 +44,25 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from backend.lease import Lease, Violations
 from backend.lora_ops import SlotBatch
+from backend.memory import (
+    TARGET_MODULES,
+    AdapterBudget,
+    BaseShapes,
+    MemoryPlan,
+    device_memory,
+    plan_memory,
+    serving_dtype,
+)
 from backend.sampling import InvalidParameter, check_sampling, sample
 from backend.slots import SlotContext, SlotIdentity, SlotsFull, SlotTable, SlottedLinear
+from control.config import MAX_RANK_ENV
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # An adapter directory, or its files in memory (relative path -> bytes).
 AdapterSource = Path | Mapping[str, bytes]
 _KEY_PREFIX = "base_model.model."
+log = logging.getLogger("loraplane.engine")
 
 # adapter_config.json fields that change what the weights mean; a non-default value is refused
 # rather than silently served wrong. field -> values that are fine.
@@ -140,7 +155,8 @@ class _LoraSpec:
                 f"adapter_config.json: r must be a positive integer, found {rank!r}"
             )
         if rank > max_rank:
-            raise AdapterLoadError(f"adapter rank {rank} exceeds this engine's max_rank {max_rank}")
+            raise AdapterLoadError(f"adapter rank {rank} exceeds this engine's max_rank "
+                                   f"{max_rank} ({MAX_RANK_ENV})")
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
             raise AdapterLoadError(
                 f"adapter_config.json: lora_alpha must be a number, found {alpha!r}"
@@ -226,16 +242,26 @@ class Engine:
         device: str | None = None,
         dtype: torch.dtype | None = None,
         max_rank: int = 64,
-        max_adapters: int = 64,
+        max_adapters: int | None = None,
+        budget: AdapterBudget | None = None,
         violations: Violations | None = None,
     ) -> None:
+        """``max_adapters``: a fixed slot count (tests, benchmarks); otherwise as many slots as
+        ``budget`` (the configured adapter memory, see ``backend.memory``) holds. Raises
+        ``AdapterMemoryError`` before reading any weights when not even one adapter of
+        ``max_rank`` fits."""
         # Broken lease/pin invariants, counted (and raised) here, exported as a metric.
         self.violations = violations or Violations()
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
-            dtype = torch.bfloat16 if self._device.type == "cuda" else torch.float32
+            dtype = getattr(torch, serving_dtype(self._device.type))
         self._dtype = dtype
         self._max_rank = max_rank
+        self.plan: MemoryPlan = plan_memory(
+            BaseShapes.from_dir(Path(base_dir)), max_rank=max_rank,
+            element_size=torch.empty((), dtype=dtype).element_size(),
+            budget=budget or AdapterBudget(), device_bytes=device_memory(str(self._device)),
+            slots=max_adapters)
         self._lock = threading.RLock()
         self._tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
             Path(tokenizer_dir), local_files_only=True
@@ -246,7 +272,9 @@ class Engine:
         # transformers wraps .to() with a signature mypy misreads
         self._model: LlamaForCausalLM = model.to(self._device).eval()  # type: ignore[arg-type]
         self._context = SlotContext()
-        self._table = SlotTable(max_adapters)
+        self._table = SlotTable(self.plan.slots)
+        self._slotted = self._wrap_targets()  # module name -> its slot banks
+        log.info("%s", self.plan.describe())
         self._modules: dict[str, list[str]] = {}  # digest -> modules it targets
         self._active: dict[int, int] = {}  # slot -> pins held by live sequences
 
@@ -302,7 +330,7 @@ class Engine:
             if self._table.slot_of(digest) is not None:
                 return self.resident_adapters()[digest]
             modules = sorted(adapter.pairs)
-            wrapped = [self._wrapped(name) for name in modules]  # may wrap, never fails half-way
+            wrapped = [self._wrapped(name) for name in modules]
             try:
                 slot = self._table.allocate(digest).slot
             except SlotsFull as e:
@@ -359,16 +387,24 @@ class Engine:
             return self._table.slot_of(digest)
 
     def slot_tensors(self, digest: str) -> list[torch.Tensor]:
-        """The tensor views an adapter occupies on the device (for byte accounting checks)."""
+        """The tensor views an adapter occupies on the device (for byte accounting checks): its
+        whole slot, in every target module, whichever modules it changes."""
         with self._lock:
             slot = self._table.slot_of(digest)
             if slot is None:
                 return []
             out: list[torch.Tensor] = []
-            for name in self._modules[digest]:
-                m = self._wrapped(name)
+            for m in self._slotted.values():
                 out += [m.a[slot], m.b[slot]]
             return out
+
+    def base_tensors(self) -> list[torch.Tensor]:
+        """The base model's parameters and buffers (memory accounting)."""
+        return [*self._model.parameters(), *self._model.buffers()]
+
+    def bank_tensors(self) -> list[torch.Tensor]:
+        """Every slot bank, A and B of every target module (memory accounting)."""
+        return [t for m in self._slotted.values() for t in m.banks()]
 
     def base_slot_is_zero(self) -> bool:
         """Slot 0 (base rows) is all zero in every module: no sentinel reaches an adapter."""
@@ -379,13 +415,12 @@ class Engine:
             )
 
     def slot_bytes_for(self, adapter: HostAdapter) -> int:
-        """Device bytes ``adapter`` will occupy once placed (its modules, padded rank)."""
-        esize = torch.empty((), dtype=self._dtype).element_size()
-        return sum((self._max_rank * a.shape[1] + b.shape[0] * self._max_rank) * esize
-                   for a, b in adapter.pairs.values())
+        """Device bytes ``adapter`` will occupy once placed: one whole slot (the banks are
+        allocated in full, so a slot costs the same whatever the adapter targets)."""
+        return self.plan.slot_bytes
 
     def _slot_bytes(self, digest: str) -> int:
-        return sum(self._wrapped(n).slot_nbytes() for n in self._modules[digest])
+        return self.plan.slot_bytes
 
     def _validated_pairs(
         self, tensors: dict[str, torch.Tensor], spec: _LoraSpec
@@ -417,6 +452,11 @@ class Engine:
                 raise AdapterLoadError(
                     f"module {module!r} is a {type(target).__name__}, expected a Linear layer"
                 )
+            if module not in self._slotted:
+                raise AdapterLoadError(
+                    f"module {module!r} has no adapter slots: this engine serves LoRA on "
+                    f"{', '.join(TARGET_MODULES)}"
+                )
             a, b = found["lora_A"], found["lora_B"]
             want_a = (spec.rank, target.in_features)
             want_b = (target.out_features, spec.rank)
@@ -433,16 +473,30 @@ class Engine:
         return pairs
 
     def _wrapped(self, name: str) -> SlottedLinear:
-        """The ``SlottedLinear`` at ``name``, wrapping the plain Linear there on first use."""
-        module = self._model.get_submodule(name)
-        if isinstance(module, SlottedLinear):
-            return module
-        assert isinstance(module, nn.Linear)
-        wrapper = SlottedLinear(module, self._context, self._table.num_slots, self._max_rank,
-                                self._dtype)
-        parent_name, _, child = name.rpartition(".")
-        setattr(self._model.get_submodule(parent_name), child, wrapper)
-        return wrapper
+        """The ``SlottedLinear`` at ``name`` (only target modules have one)."""
+        return self._slotted[name]
+
+    def _wrap_targets(self) -> dict[str, SlottedLinear]:
+        """Wrap every target Linear in slot banks for all slots, checked against the plan."""
+        dims = self.plan.shapes.target_dims()
+        targets = [(name, m) for name, m in self._model.named_modules()
+                   if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in dims]
+        if len(targets) != len(dims) * self.plan.shapes.layers:
+            # The plan would count memory the model does not have, or miss some it has.
+            raise EngineError(f"expected {len(dims)} target modules in each of "
+                              f"{self.plan.shapes.layers} layers, found {len(targets)}")
+        wrapped: dict[str, SlottedLinear] = {}
+        for name, module in targets:
+            want = dims[name.rsplit(".", 1)[-1]]
+            if (module.in_features, module.out_features) != want:
+                raise EngineError(f"module {name!r} is {module.in_features}->"
+                                  f"{module.out_features}, the config says {want[0]}->{want[1]}")
+            wrapper = SlottedLinear(module, self._context, self._table.num_slots,
+                                    self._max_rank, self._dtype)
+            parent_name, _, child = name.rpartition(".")
+            setattr(self._model.get_submodule(parent_name), child, wrapper)
+            wrapped[name] = wrapper
+        return wrapped
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -56,6 +56,7 @@ from backend.engine import (
 from backend.engine import Sequence as EngineSequence
 from backend.lease import Lease
 from backend.ledger import AdapterLoad, Completion, Ledger, LedgerEntry, Outcome
+from backend.memory import AdapterBudget
 from backend.messages import (
     BUSY_MESSAGE,
     FAILURE_MESSAGE,
@@ -218,10 +219,12 @@ class LoraService:
                 self.store.verify(base_digest),
                 self.store.verify(self.tokenizer_digest),
                 max_rank=settings.max_rank,
+                budget=AdapterBudget.from_settings(settings),
             )
         self.engine = engine
         self.limits = limits or SchedulerLimits.from_env()
         self.prefix_cache: PrefixCache[DecodeBatch] = PrefixCache(prefix_cache_bytes)
+        policy = policy or TenantPolicy(resident_share=settings.resident_share)
         self.cache = AdapterCache(engine, self.store.read_verified, budgets=budgets, policy=policy,
                                   on_event=self._record_load,
                                   on_purge=self.prefix_cache.purge_adapter,

@@ -4,6 +4,10 @@ Slot 0 is all zero and never handed out: base rows use it, so no index value a b
 selects a real adapter unless the engine put that adapter's slot there from a verified ticket.
 Ranks are padded with zeros to ``max_rank``; zero rows of A and zero columns of B add exactly
 nothing. The adapter's scaling is folded into B at placement.
+
+The engine builds one ``SlottedLinear`` per target module when it starts, each allocating its banks
+for every slot at once (``backend.memory`` says why and how many slots); a load only copies into a
+slot.
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ class SlottedLinear(nn.Module):
     def slot_nbytes(self) -> int:
         """Bytes one slot of this module occupies (A and B, padded rank)."""
         return (self.a[0].numel() + self.b[0].numel()) * self.a.element_size()
+
+    def banks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole A and B banks, every slot (memory accounting)."""
+        return self.a, self.b
 
     def place(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
         """Write one adapter's pair into ``slot``; a [rank, in], b [out, rank]."""

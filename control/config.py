@@ -9,11 +9,19 @@ Ticket lifetime: ``LORAPLANE_TICKET_TTL_S`` (default 300) is what a gateway sign
 accepts, so neither a misconfigured gateway nor a leaked signing key can mint day-long tickets.
 A lifetime above the cap, or one that is not a positive whole number of seconds, is refused when
 the settings are read, before anything starts.
+
+Adapter memory on a Triton host (see ``backend/memory.py`` for how the plan is computed):
+``LORAPLANE_ADAPTER_BYTES`` (device bytes for the adapter slot banks; unset: a share of the device
+memory left after the base weights), ``LORAPLANE_ADAPTER_SLOTS`` (cap on resident adapters,
+default 64), ``LORAPLANE_MAX_RANK`` (default 64; every slot is padded to it) and
+``LORAPLANE_TENANT_RESIDENT_SHARE`` (the part of the adapter memory one tenant may hold, default
+0.5, never less than one slot). A malformed value is refused when the settings are read.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,9 +30,17 @@ DEFAULT_TICKET_MAX_TTL_S = 300
 # Tickets live minutes (design): even an operator cannot raise the cap past an hour.
 CEILING_TICKET_MAX_TTL_S = 3600
 DEFAULT_MAX_RANK = 64
+DEFAULT_ADAPTER_SLOTS = 64
+DEFAULT_RESIDENT_SHARE = 0.5
 MODEL_NAME = "lora_llm"
 TICKET_TTL_ENV = "LORAPLANE_TICKET_TTL_S"
 TICKET_MAX_TTL_ENV = "LORAPLANE_TICKET_MAX_TTL_S"
+MAX_RANK_ENV = "LORAPLANE_MAX_RANK"
+ADAPTER_BYTES_ENV = "LORAPLANE_ADAPTER_BYTES"
+ADAPTER_SLOTS_ENV = "LORAPLANE_ADAPTER_SLOTS"
+RESIDENT_SHARE_ENV = "LORAPLANE_TENANT_RESIDENT_SHARE"
+_BYTE_UNITS = {"": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_BYTES_RE = re.compile(r"^(\d+)\s*(KiB|MiB|GiB|TiB)?$")
 
 
 class ConfigError(ValueError):
@@ -39,9 +55,24 @@ class Settings:
     ticket_ttl_s: int = DEFAULT_TICKET_TTL_S
     ticket_max_ttl_s: int = DEFAULT_TICKET_MAX_TTL_S
     model_name: str = MODEL_NAME
+    adapter_bytes: int | None = None  # None: derived from the device's memory
+    adapter_slots: int = DEFAULT_ADAPTER_SLOTS
+    resident_share: float = DEFAULT_RESIDENT_SHARE
 
     def __post_init__(self) -> None:
         check_ticket_lifetime(self.ticket_ttl_s, self.ticket_max_ttl_s)
+        check_adapter_memory_settings(self.max_rank, self.adapter_bytes, self.adapter_slots,
+                                      self.resident_share)
+
+    def memory_env(self) -> dict[str, str]:
+        """The adapter memory settings as environment variables, for a Triton host started from
+        these settings: the plan ``serve`` checks before launch is the one the engine builds."""
+        return {
+            MAX_RANK_ENV: str(self.max_rank),
+            ADAPTER_BYTES_ENV: "" if self.adapter_bytes is None else str(self.adapter_bytes),
+            ADAPTER_SLOTS_ENV: str(self.adapter_slots),
+            RESIDENT_SHARE_ENV: repr(self.resident_share),
+        }
 
     @property
     def store_dir(self) -> Path:
@@ -59,15 +90,19 @@ class Settings:
     def from_env(cls, home: Path | None = None) -> Settings:
         """Settings from the environment; ``home`` overrides ``LORAPLANE_HOME``.
 
-        Raises ConfigError for a ticket lifetime that is malformed or above its cap."""
+        Raises ConfigError for a ticket lifetime that is malformed or above its cap, and for
+        adapter memory settings that are malformed or out of range."""
         home = (home or Path(os.environ.get("LORAPLANE_HOME", ".loraplane"))).resolve()
         db_url = os.environ.get("LORAPLANE_DB_URL") or f"sqlite:///{home / 'loraplane.db'}"
         return cls(
             home=home,
             db_url=db_url,
-            max_rank=int(os.environ.get("LORAPLANE_MAX_RANK", DEFAULT_MAX_RANK)),
+            max_rank=_whole(MAX_RANK_ENV, DEFAULT_MAX_RANK),
             ticket_ttl_s=_seconds(TICKET_TTL_ENV, DEFAULT_TICKET_TTL_S),
             ticket_max_ttl_s=_seconds(TICKET_MAX_TTL_ENV, DEFAULT_TICKET_MAX_TTL_S),
+            adapter_bytes=_bytes(ADAPTER_BYTES_ENV),
+            adapter_slots=_whole(ADAPTER_SLOTS_ENV, DEFAULT_ADAPTER_SLOTS),
+            resident_share=_fraction(RESIDENT_SHARE_ENV, DEFAULT_RESIDENT_SHARE),
         )
 
     def ensure_dirs(self) -> None:
@@ -83,6 +118,54 @@ def _seconds(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ConfigError(f"{name} must be a whole number of seconds, not {raw!r}") from None
+
+
+def _whole(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a whole number, not {raw!r}") from None
+
+
+def _bytes(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    found = _BYTES_RE.match(raw)
+    if found is None:
+        raise ConfigError(f"{name} must be a whole number of bytes, optionally with a unit "
+                          f"(KiB, MiB, GiB, TiB; for example 24GiB), not {raw!r}")
+    return int(found.group(1)) * _BYTE_UNITS[found.group(2) or ""]
+
+
+def _fraction(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number between 0 and 1, not {raw!r}") from None
+
+
+def check_adapter_memory_settings(max_rank: int, adapter_bytes: int | None, adapter_slots: int,
+                                  resident_share: float) -> None:
+    """Raise ConfigError for adapter memory settings out of range (the plan itself, whether
+    they hold one adapter on a given base and device, is ``backend.memory``'s to check)."""
+    if type(max_rank) is not int or max_rank < 1:
+        raise ConfigError(f"{MAX_RANK_ENV} must be a positive whole number, not {max_rank!r}")
+    if adapter_bytes is not None and (type(adapter_bytes) is not int or adapter_bytes < 1):
+        raise ConfigError(f"{ADAPTER_BYTES_ENV} must be a positive number of bytes, "
+                          f"not {adapter_bytes!r}")
+    if type(adapter_slots) is not int or adapter_slots < 1:
+        raise ConfigError(f"{ADAPTER_SLOTS_ENV} must be a positive whole number, "
+                          f"not {adapter_slots!r}")
+    if not 0.0 < resident_share <= 1.0:
+        raise ConfigError(f"{RESIDENT_SHARE_ENV} must be above 0 and at most 1, "
+                          f"not {resident_share!r}")
 
 
 def check_ticket_lifetime(ttl_s: int, max_ttl_s: int) -> None:

@@ -13,6 +13,10 @@ Roles, for scale-out on one PostgreSQL URL (every process reads ``LORAPLANE_DB_U
   current, copies every recorded ticket-signing public key into its keys folder (and keeps doing
   so, so a gateway added later is trusted), and labels its ledger rows with ``host_id``
   (``LORAPLANE_HOST_ID``).
+
+A role that runs Triton first checks the adapter memory plan (``backend.memory``) for the base
+it will serve: a configuration that cannot hold one adapter of the maximum rank is refused before
+anything starts, with the message the engine would give from inside Triton.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from backend.memory import MemoryPlan, plan_for_host
 from backend.triton_glue import BASE_DIGEST_ENV, HOST_ID_ENV
 from backend.triton_server import MODEL_REPOSITORY, TritonProcess
 from control.config import Settings
@@ -35,6 +40,7 @@ from control.db import make_engine
 from control.gateway import make_app
 from control.loops import new_event_loop
 from control.registry import Registry
+from control.store import ArtifactStore
 from control.ticket_office import TicketOffice
 from control.tickets import TicketSigner
 from projections.follower import ProjectionFollower
@@ -118,6 +124,13 @@ def keep_sealed(registry: Registry, stop: threading.Event, interval: float) -> N
             log.warning("audit checkpoint failed", exc_info=True)
 
 
+def check_adapter_memory(settings: Settings, base_digest: str) -> MemoryPlan:
+    """The adapter memory plan a Triton host started with ``settings`` will build for this
+    base on this machine's device; raises ``AdapterMemoryError`` (naming the budget variable,
+    what one adapter needs and what the budget gives) when it cannot hold one adapter."""
+    return plan_for_host(ArtifactStore(settings.store_dir).path(base_digest), settings)
+
+
 def pick_base(routing: RoutingView, base: str | None) -> str:
     """The base digest to serve: the one given, or the only one registered."""
     digests = [b.digest for b in routing.bases()]
@@ -154,12 +167,16 @@ class Deployment:
     _loop: asyncio.AbstractEventLoop | None = None
     _runner: web.AppRunner | None = None
 
-    def start(self, ready_timeout_s: float = 240.0) -> None:
+    def start(self, ready_timeout_s: float = TritonProcess.READY_TIMEOUT_S) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role is one of {', '.join(ROLES)}, not {self.role!r}")
         s = self.settings
         s.ensure_dirs()
         routing = RoutingView(make_engine(s.db_url))
+        if self.role != "control":
+            # Refused here, before any thread or process starts, rather than by the engine
+            # inside Triton, whose failure an operator would have to find in Triton's log.
+            self.progress(check_adapter_memory(s, pick_base(routing, self.base)).describe())
         office: TicketOffice | None = None
         if self.role != "triton":
             registry = Registry(s)
@@ -205,7 +222,8 @@ class Deployment:
                     log.warning("public key sync failed", exc_info=True)
 
         self._thread("key-sync", keep_keys)
-        env = {"LORAPLANE_HOME": str(s.home), "LORAPLANE_DB_URL": s.db_url, BASE_DIGEST_ENV: base}
+        env = {"LORAPLANE_HOME": str(s.home), "LORAPLANE_DB_URL": s.db_url, BASE_DIGEST_ENV: base,
+               **s.memory_env()}  # the engine builds the plan checked at start
         if self.host_id:
             env[HOST_ID_ENV] = self.host_id
         self.progress("starting tritonserver (model lora_llm)")

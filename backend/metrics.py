@@ -13,8 +13,11 @@ and turns them into series:
 ``loraplane_backend_refusals_total``          refused requests by ``reason`` (ticket and limits)
 ``loraplane_backend_adapter_cache_total``     cache events by ``event`` (hit, miss,
                                               load_failure, eviction) and ``reason``
-``loraplane_backend_resident_bytes``          bytes by ``kind``: base_weights, adapter_weights,
-                                              kv_cache, workspace
+``loraplane_backend_resident_bytes``          bytes by ``kind``: base_weights, adapter_banks,
+                                              gathered, kv_cache, prefix_cache, workspace (they
+                                              add up: ``backend.memory_report``); and
+                                              adapter_weights, the part of adapter_banks that
+                                              resident adapters occupy (not added again)
 ``loraplane_backend_resident_adapters``       adapters resident now
 ``loraplane_backend_leases``                  adapter leases held by live requests (0 when idle)
 ``loraplane_backend_slot_pins``               slot pins held by live sequences (0 when idle)
@@ -42,58 +45,21 @@ import logging
 import queue
 import re
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
 
 from backend.ledger import adapter_loads, request_ledger
+from backend.memory_report import MEMORY_CATEGORIES, resident_memory
 
 log = logging.getLogger("loraplane.backend.metrics")
 
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
-MEMORY_KINDS = ("base_weights", "adapter_weights", "kv_cache", "workspace")
+# The categories that add up, and adapter_weights: the resident adapters' slots within the banks.
+MEMORY_KINDS = (*MEMORY_CATEGORIES, "adapter_weights")
 MAX_REASONS = 32
 _REASON_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
-
-
-@dataclass(frozen=True)
-class ResidentBytes:
-    """Bytes held by one model instance, by kind."""
-
-    base_weights: int
-    adapter_weights: int
-    kv_cache: int
-    workspace: int
-    adapters: int  # count of resident adapters
-
-
-def resident_bytes(engine: Any) -> ResidentBytes:
-    """What ``engine`` holds. An engine may report it itself (``memory_report()`` returning a
-    mapping with the keys of :data:`MEMORY_KINDS`); otherwise base weights are its model's
-    parameters and buffers, adapter weights the sum of its resident adapters, the KV cache zero
-    (this engine keeps none between batches) and workspace the CUDA allocator's reserve beyond
-    what is allocated (zero on a CPU)."""
-    adapters = dict(engine.resident_adapters())
-    report = getattr(engine, "memory_report", None)
-    if callable(report):
-        r = dict(report())
-        return ResidentBytes(base_weights=int(r.get("base_weights", 0)),
-                             adapter_weights=int(r.get("adapter_weights", 0)),
-                             kv_cache=int(r.get("kv_cache", 0)),
-                             workspace=int(r.get("workspace", 0)), adapters=len(adapters))
-    import torch
-
-    model = getattr(engine, "_model", None)  # the engine exposes no public handle on it
-    base = 0
-    if model is not None:
-        base = sum(t.numel() * t.element_size()
-                   for t in (*model.parameters(), *model.buffers()))
-    workspace = 0
-    if torch.cuda.is_available():
-        workspace = max(0, torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
-    return ResidentBytes(base, sum(adapters.values()), 0, workspace, len(adapters))
 
 
 class _Series:
@@ -146,11 +112,15 @@ class BackendMetrics:
 
     def __init__(self, pb_utils: Any, db: sa.engine.Engine, host: str,
                  engine: Any = None, health: Callable[[], dict[str, int]] | None = None,
-                 violations: Callable[[], dict[str, int]] | None = None) -> None:
+                 violations: Callable[[], dict[str, int]] | None = None,
+                 memory_report: Callable[[], Mapping[str, int]] | None = None) -> None:
+        """``memory_report``: bytes by category (``backend.memory_report.resident_memory`` over
+        the service's engine, scheduler and prefix cache); without it, the engine's alone."""
         self.pb = pb_utils
         self.db = db
         self.host = host
         self.engine = engine
+        self.memory_report = memory_report
         self.health = health
         self.violation_counts = violations
         self.values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
@@ -303,10 +273,13 @@ class BackendMetrics:
                 self.violations.set({"kind": kind}, float(n))
         if self.engine is None:
             return
-        rb = resident_bytes(self.engine)
-        for kind in MEMORY_KINDS:
-            self.memory.set({"kind": kind}, float(getattr(rb, kind)))
-        self.adapters.set({}, float(rb.adapters))
+        report = (self.memory_report() if self.memory_report is not None
+                  else resident_memory(self.engine))
+        for kind in MEMORY_CATEGORIES:
+            self.memory.set({"kind": kind}, float(report.get(kind, 0)))
+        adapters = dict(self.engine.resident_adapters())
+        self.memory.set({"kind": "adapter_weights"}, float(sum(adapters.values())))
+        self.adapters.set({}, float(len(adapters)))
 
     def _reason(self, reason: str | None) -> str:
         r = (reason or "none").lower()
@@ -357,7 +330,8 @@ class Telemetry:
             configure_logging()
         metrics = BackendMetrics(pb_utils, service.ledger.engine, service.host,
                                  engine=service.engine, health=service.health,
-                                 violations=service.engine.violations.snapshot).start()
+                                 violations=service.engine.violations.snapshot,
+                                 memory_report=service.memory_report).start()
         return cls(metrics, tracer("loraplane-backend"))
 
     def batch_done(self, incoming: Sequence[Any], answers: Sequence[Any],

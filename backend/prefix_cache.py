@@ -77,6 +77,11 @@ class PrefixCache(Generic[V]):
             self.stats.entries = len(self._items)
             return len(doomed)
 
+    def values(self) -> list[V]:
+        """Every cached value, least recently used first (memory accounting)."""
+        with self._lock:
+            return [v for v, _n in self._items.values()]
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)

@@ -117,6 +117,11 @@ class Scheduler:
         with self._cv:
             return len(self._running), len(self._queue)
 
+    def running_batch(self) -> DecodeBatch | None:
+        """The batch being decoded now, or None (memory accounting reads its KV and copies)."""
+        with self._cv:
+            return self._batch
+
     def stop(self) -> None:
         """Stop the loop; unfinished sequences end as failed."""
         with self._cv:

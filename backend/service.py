@@ -57,6 +57,7 @@ from backend.engine import Sequence as EngineSequence
 from backend.lease import Lease
 from backend.ledger import AdapterLoad, Completion, Ledger, LedgerEntry, Outcome
 from backend.memory import AdapterBudget
+from backend.memory_report import resident_memory
 from backend.messages import (
     BUSY_MESSAGE,
     FAILURE_MESSAGE,
@@ -301,6 +302,11 @@ class LoraService:
             "identity_mismatches": self.stats.identity_mismatches,
             "ledger_backlog": self.writer.backlog(),
         }
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes by category (``backend.memory_report``): the engine, the running batch, the
+        prefix cache."""
+        return resident_memory(self.engine, self.scheduler, self.prefix_cache)
 
     def close(self) -> None:
         """Stop the watcher, the scheduler, and the worker threads; write what is queued."""

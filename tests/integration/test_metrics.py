@@ -117,6 +117,11 @@ def test_backend_series_after_a_mixed_burst(stack: Stack, burst: dict[str, int])
         assert ("loraplane_backend_resident_bytes", frozenset({("kind", kind)})) in s
     assert _value(s, "loraplane_backend_resident_bytes", kind="base_weights") > 0
     assert _value(s, "loraplane_backend_resident_bytes", kind="adapter_weights") > 0
+    for kind in ("adapter_banks", "gathered", "prefix_cache"):
+        assert ("loraplane_backend_resident_bytes", frozenset({("kind", kind)})) in s
+    # the banks are allocated in full: the resident adapters occupy part of them
+    assert _value(s, "loraplane_backend_resident_bytes", kind="adapter_banks") > \
+        _value(s, "loraplane_backend_resident_bytes", kind="adapter_weights")
     assert _value(s, "loraplane_backend_resident_adapters") >= 3
 
 

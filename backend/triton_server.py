@@ -23,12 +23,23 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
+from backend.front import ENGINE_MODEL
 from backend.triton_access import FORWARDED_HEADERS, OperatorAccess, Protocol
-from control.config import Settings
+from control.config import MODEL_NAME, Settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+# What "ready" means, for TritonProcess.ready() and for the container health checks
+# (docker/compose.yaml, docker/triton.Dockerfile probe exactly these; tests/
+# test_docker_consistency.py holds them to it). Triton's server readiness is true only once every
+# model in the repository is ready (strict readiness, its default); both models are named as
+# well, so that a repository missing one of them cannot pass for ready. The front lora_llm loads
+# no weights and is ready long before the engine lora_llm_stream can answer, so it alone is not.
+READY_PATHS = ("/v2/health/ready", f"/v2/models/{ENGINE_MODEL}/ready",
+               f"/v2/models/{MODEL_NAME}/ready")
+READY_PROBE_TIMEOUT_S = 1.0  # per path; a host slower than this to say it is ready is not
 
 
 class TritonUnavailable(RuntimeError):
@@ -94,6 +105,15 @@ def find_triton(work_dir: Path) -> TritonInstall:
 @dataclass
 class TritonProcess:
     """One running tritonserver serving ``model_repository/``."""
+
+    # How long a starting server may take to answer ready: ``Deployment.start`` waits this long
+    # (``serve``, ``triton-host``), and the container health checks give it as their start
+    # period (tests/test_docker_consistency.py checks both). An 8B base is 16 GB of bf16 weights:
+    # read from a cold network volume at 100-200 MB/s that alone takes 80-160 s, and torch's
+    # import, CUDA's initialisation and the slot banks' allocation come on top. 300 s covers
+    # that with room to spare; a host not ready by then is stuck, not slow. One figure for both,
+    # so that neither gives up on a start the other would still wait for.
+    READY_TIMEOUT_S: ClassVar[float] = 300.0
 
     work_dir: Path
     http_port: int
@@ -194,19 +214,19 @@ class TritonProcess:
         log.close()
 
     def ready(self) -> bool:
-        """Both models answer ready: the engine (lora_llm_stream) and its front (lora_llm)."""
-        for model in ("lora_llm_stream", "lora_llm"):
+        """Every path of :data:`READY_PATHS` answers 200: the server (so every model it loaded)
+        and each of the two models by name."""
+        for path in READY_PATHS:
             try:
-                with urllib.request.urlopen(
-                    f"http://{self.http_url}/v2/models/{model}/ready", timeout=1
-                ) as r:
+                with urllib.request.urlopen(f"http://{self.http_url}{path}",
+                                            timeout=READY_PROBE_TIMEOUT_S) as r:
                     if r.status != 200:
                         return False
             except (urllib.error.URLError, OSError):
                 return False
         return True
 
-    def wait_ready(self, timeout_s: float = 180.0) -> None:
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:

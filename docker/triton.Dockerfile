@@ -49,6 +49,8 @@ ENV LORAPLANE_HOME=/var/lib/loraplane \
 RUN mkdir -p /var/lib/loraplane/store
 VOLUME ["/var/lib/loraplane"]
 EXPOSE 8000 8001 8002
-HEALTHCHECK --interval=10s --timeout=3s --start-period=300s --retries=3 \
-  CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/v2/models/lora_llm/ready', timeout=2)"]
+# The same check as docker/compose.yaml's Triton hosts (see there; tests/test_docker_consistency.py
+# holds the two to backend/triton_server.py's READY_PATHS and READY_TIMEOUT_S).
+HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
+  CMD ["python3", "-c", "import urllib.request as u; [u.urlopen('http://127.0.0.1:8000' + p, timeout=1) for p in ('/v2/health/ready', '/v2/models/lora_llm_stream/ready', '/v2/models/lora_llm/ready')]"]
 CMD ["loraplane", "triton-host", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002"]

@@ -2,15 +2,24 @@
 
 No Docker engine runs here: the compose file is validated with Debian's ``docker-compose``
 (skipped with a reason where it is not installed), and the Dockerfiles and compose file are read
-to check every copied path, variable, command, option, port and health-check URL they use.
+to check every copied path, variable, command, option, port and health-check URL they use. The
+Triton hosts' health checks are also run, against a stand-in server, beside
+``TritonProcess.ready()``: they must agree on every way a host can be not yet ready, and wait as
+long as ``serve`` does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import re
 import shlex
 import shutil
 import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +27,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from backend.triton_server import READY_PATHS, READY_PROBE_TIMEOUT_S, TritonProcess
 from control.cli import app
+from control.serve import Deployment
 from tests.test_image_dependencies import IMAGE_PYTHON, read_pins
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +72,30 @@ def _shipped(path: Path, source: str) -> bool:
     assert "*" in lines, f"{path.name}.dockerignore no longer starts from nothing"
     kept = [ln[1:].rstrip("/") for ln in lines if ln.startswith("!")]
     return any(source.rstrip("/") == k or source.startswith(k + "/") for k in kept)
+
+
+def _probes(test: list[str]) -> tuple[str, set[str]]:
+    """(port, paths) a health check's command requests: from full URLs on 127.0.0.1, or from
+    path literals joined to such a URL."""
+    code = " ".join(test)
+    port = re.search(r"http://127\.0\.0\.1:(\d+)", code)
+    assert port is not None, code
+    return port.group(1), set(re.findall(r"'(?:http://127\.0\.0\.1:\d+)?(/[^']*)'", code))
+
+
+def _dockerfile_health(path: Path) -> tuple[dict[str, str], list[str]]:
+    """The HEALTHCHECK instruction's options (``--interval=10s`` -> ``interval: 10s``) and its
+    CMD as an argument list."""
+    rest = next(r for op, r in _instructions(path) if op == "HEALTHCHECK")
+    options, _, cmd = rest.partition(" CMD ")
+    opts = dict(o[2:].replace("-", "_").split("=", 1) for o in options.split())
+    return opts, ["CMD", *yaml.safe_load(cmd)]
+
+
+def _seconds(duration: str) -> float:
+    m = re.fullmatch(r"(\d+)s", duration)
+    assert m is not None, f"durations here are written in whole seconds, not {duration!r}"
+    return float(m.group(1))
 
 
 def _read_in_code(var: str) -> bool:
@@ -174,16 +209,14 @@ def test_ports_volumes_and_health_checks_agree() -> None:
         for mapping in merged.get("ports", []):
             target = str(mapping).split(":")[-1]
             assert target in listened, f"{name} publishes {target} but listens on {listened}"
-        health = " ".join(merged["healthcheck"]["test"])
-        url = re.search(r"http://127\.0\.0\.1:(\d+)(/\S*?)'", health)
-        assert url is not None, health
-        assert url.group(1) in listened, f"{name}: health check on a port it does not serve"
-        path = url.group(2)
-        if path.startswith("/v2/models/"):
-            model = path.split("/")[3]
-            assert (model_repo / model / "config.pbtxt").exists(), path
+        port, paths = _probes(merged["healthcheck"]["test"])
+        assert port in listened, f"{name}: health check on a port it does not serve"
+        if name.startswith("triton"):
+            assert paths == set(READY_PATHS), f"{name}: ready is {READY_PATHS}, not {paths}"
+            for probe in paths - {"/v2/health/ready"}:
+                assert (model_repo / probe.split("/")[3] / "config.pbtxt").exists(), probe
         else:
-            assert path == "/healthz"
+            assert paths == {"/healthz"}, paths
             assert '"/healthz"' in (ROOT / "control" / "gateway.py").read_text()
         mounts = {str(v).split(":")[1]: str(v) for v in merged["volumes"]}
         assert home in mounts and f"{home}/store" in mounts, f"{name}: home and store mounts"
@@ -236,3 +269,67 @@ def test_both_images_install_the_pinned_requirements() -> None:
     args = _args(control)
     assert args["PYTHON_TAG"].startswith("{}.{}-".format(*IMAGE_PYTHON[:2]))
     assert args["TORCH_SPEC"].strip('"') == f"torch=={read_pins()['torch']}"
+
+
+def test_triton_health_checks_wait_as_long_as_serve_and_agree_with_each_other() -> None:
+    """The compose file's and the image's checks are one check: same command, same timings; the
+    start period is how long ``Deployment.start`` (``serve``, ``triton-host``) waits for Triton,
+    so neither gives up on a start the other still waits for; and every probe fits the check's
+    timeout, else a slow but healthy answer would count as a failure."""
+    compose = _compose()["x-triton-host"]["healthcheck"]
+    options, command = _dockerfile_health(DOCKER / "triton.Dockerfile")
+    assert command == compose["test"]
+    for key in ("interval", "timeout", "retries", "start_period"):
+        assert str(options[key]) == str(compose[key]), key
+    assert _seconds(compose["start_period"]) == TritonProcess.READY_TIMEOUT_S
+    default = inspect.signature(Deployment.start).parameters["ready_timeout_s"].default
+    assert default == TritonProcess.READY_TIMEOUT_S
+    code = " ".join(compose["test"])
+    assert re.findall(r"timeout=([\d.]+)", code) == [f"{READY_PROBE_TIMEOUT_S:g}"]
+    assert len(READY_PATHS) * READY_PROBE_TIMEOUT_S < _seconds(compose["timeout"])
+
+
+class _StandIn(BaseHTTPRequestHandler):
+    """Answers 200 on every path but those in ``failing`` (503, as Triton answers "not ready")."""
+
+    failing: frozenset[str] = frozenset()
+
+    def do_GET(self) -> None:
+        self.send_response(503 if self.path in self.failing else 200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _stand_in(failing: set[str]) -> Iterator[int]:
+    handler = type("Handler", (_StandIn,), {"failing": frozenset(failing)})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("failing", [None, *READY_PATHS],
+                         ids=["all-ready", *(p.split("/")[-2] for p in READY_PATHS)])
+def test_health_check_and_ready_agree_when_any_part_is_not_ready(failing: str | None,
+                                                                 tmp_path: Path) -> None:
+    """The container's check, run as Docker runs it (with this Python, on the stand-in's port),
+    and ``TritonProcess.ready()`` say ready exactly when the server and both models are."""
+    argv = _compose()["x-triton-host"]["healthcheck"]["test"]
+    assert argv[:2] == ["CMD", "python3"]
+    with _stand_in({failing} if failing else set()) as port:
+        code = [a.replace("127.0.0.1:8000", f"127.0.0.1:{port}") for a in argv[2:]]
+        check = subprocess.run([sys.executable, *code], capture_output=True, text=True,
+                               timeout=60)
+        process = TritonProcess(work_dir=tmp_path, http_port=port, grpc_port=0, metrics_port=0)
+        assert (check.returncode == 0) == (failing is None), check.stderr
+        assert process.ready() == (failing is None)
+        if failing:
+            assert "503" in check.stderr

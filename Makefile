@@ -2,11 +2,14 @@
 # Both create or reuse the virtual environment and install what they need.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build on this platform; on a GPU host use e.g. TORCH_SPEC='torch==2.13.0' with a CUDA index.
+# torch goes in first, pinned. Which build pip finds depends on the index: on Linux x86_64 PyPI's
+# torch==2.13.0 is the CUDA 13.0 build (NVIDIA driver 580 or later), the one `make gpu-check`
+# needs; this project's CI installs the CPU build (2.13.0+cpu) from its local wheel index. A venv
+# that already imports torch keeps the build it has: remove .venv to change it.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint clean docker-build docker-config
+.PHONY: venv demo test lint clean gpu-check docker-build docker-config
 
 venv: $(STAMP)
 
@@ -27,6 +30,14 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check control projections backend tests model_repository $(wildcard bench)
 	$(VENV)/bin/mypy control projections backend
+
+# The engine's GPU checks in one call (backend/gpu_check.py), a few minutes on a GPU; prints a
+# JSON report and fails when a check does. Needs a CUDA build of torch in the venv (TORCH_SPEC).
+# Dry run on any machine, toy sizes (what CI runs in tests/test_gpu_check.py):
+#   make gpu-check GPU_CHECK_ARGS='--device cpu'
+GPU_CHECK_ARGS ?=
+gpu-check: $(STAMP)
+	$(PY) -m backend.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf .loraplane .pytest_cache .mypy_cache .ruff_cache

@@ -1,13 +1,11 @@
 """``loraplane bench engine``: the multi-LoRA engine's ratios, measured side by side in one run.
 
 Setup (the issue's table): a Llama base scaled for benchmarking (hidden 512, 8 layers, random
-init), 32 LoRA adapters of rank 16 on q, k, v, o with random weights (PEFT
-``init_lora_weights=False``; no training: throughput does not depend on what the weights say),
-32 requests over the 32 adapters, 64-token prompts, 32 new tokens, greedy. The base's output rows
-are zero for every token but printable ASCII, so every greedy step picks a printable byte: every
-request runs its full 32 tokens (no eos) and the text it returns is exactly its tokens, one byte
-each. A client can then count a request's tokens from its answer alone; the shapes, and so the
-work per token, are those of an unrestricted head.
+init), 32 LoRA adapters of rank 16 on q, k, v, o with random weights, 32 requests over the 32
+adapters, 64-token prompts, 32 new tokens, greedy: a bench kit of ``backend.bench_kit``, whose
+printable-only head makes every request run its full 32 tokens (no eos) and return exactly its
+tokens as text, one byte each. A client can then count a request's tokens from its answer alone;
+the shapes, and so the work per token, are those of an unrestricted head.
 
 In-process ratios compare measurements taken in this run, alternated, best of ``reps`` each (the
 machine is shared; the best run is the least disturbed one).
@@ -32,7 +30,6 @@ import hashlib
 import logging
 import math
 import os
-import random
 import statistics
 import tempfile
 import threading
@@ -45,130 +42,33 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from backend.bench_kit import (
+    BENCH_SHAPE,
+    GOALS,
+    N_ADAPTERS,
+    NEW_TOKENS,
+    PROMPT_TOKENS,
+    RANK,
+    TARGETS,
+    BenchKit,
+    bench_prompts,
+    best_alternating,
+    build_bench_kit,
+    continuous_batching,
+    count_tokens,
+    meets,
+)
 from backend.cache import AdapterCache, CacheBudgets, TenantPolicy
-from backend.engine import Engine, GenerationRequest, GenerationResult
-from backend.scheduler import Scheduler, SchedulerLimits
+from backend.engine import Engine, GenerationRequest
 
 if TYPE_CHECKING:
     from control.serve import Deployment
 
-HIDDEN, LAYERS, RANK, TARGETS = 512, 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"]
-N_ADAPTERS, PROMPT_TOKENS, NEW_TOKENS = 32, 64, 32
 TENANTS = 4
 TRITON_RUNS, MIN_TRITON_RUNS = 15, 5  # bursts per side for governed_vs_open
 GOVERNED_HOST, OPEN_HOST = "bench-governed", "bench-open"  # the ledger's host column
 
 log = logging.getLogger("loraplane.bench")
-
-GOALS: dict[str, tuple[str, float]] = {
-    "mixed_vs_base": (">=", 0.85),
-    "mixed_vs_peft": (">=", 3.0),
-    "continuous_32_vs_1": (">=", 6.0),
-    "triton_vs_inprocess": (">=", 0.8),
-    "cold_load_vs_read": ("<=", 2.0),
-    "governed_vs_open": (">=", 0.95),
-}
-
-
-@dataclass(frozen=True)
-class BenchKit:
-    base: Path
-    tokenizer: Path
-    adapters: dict[str, Path]  # digest -> directory
-
-
-def build_bench_kit(root: Path, n_adapters: int = N_ADAPTERS, seed: int = 7) -> BenchKit:
-    """The scaled base, the byte tokenizer and ``n_adapters`` random-weight LoRA adapters."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from backend.kit import build_tokenizer
-    from control.digests import directory_digest
-
-    torch.manual_seed(seed)
-    tok = build_tokenizer()
-    tok.save_pretrained(root / "tokenizer")
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=HIDDEN, intermediate_size=1376,
-                      num_hidden_layers=LAYERS, num_attention_heads=8, num_key_value_heads=8,
-                      max_position_embeddings=256, tie_word_embeddings=False,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, dtype="float32")
-    base = LlamaForCausalLM(cfg).eval()
-    _printable_head(base, tok)
-    base.save_pretrained(root / "base", safe_serialization=True)
-    adapters: dict[str, Path] = {}
-    for i in range(n_adapters):
-        model = get_peft_model(LlamaForCausalLM.from_pretrained(root / "base"),
-                               LoraConfig(r=RANK, lora_alpha=RANK, target_modules=TARGETS,
-                                          init_lora_weights=False))
-        with torch.no_grad():  # small random deltas: distinct adapters, sane logits
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.mul_(0.05)
-        out = root / "adapters" / f"a{i:02d}"
-        model.save_pretrained(str(out))
-        (out / "README.md").unlink(missing_ok=True)  # the registry stores only config + weights
-        adapters[directory_digest(out)] = out
-    return BenchKit(root / "base", root / "tokenizer", adapters)
-
-
-def _printable_head(model: Any, tok: Any) -> None:
-    """Zero the output rows of every token but printable ASCII (see the module notes): their
-    logits are then exactly 0, below the largest of 95 random printable ones (all 95 negative
-    has odds of about 2**-95; the governed side's ledger cross-check would show it)."""
-    keep = [tok(chr(b), add_special_tokens=False)["input_ids"] for b in range(0x20, 0x7F)]
-    if any(len(ids) != 1 for ids in keep):
-        raise RuntimeError("the bench tokenizer is no longer one token per byte")
-    with torch.no_grad():
-        rows = torch.ones(model.lm_head.weight.shape[0], dtype=torch.bool)
-        rows[[ids[0] for ids in keep]] = False
-        model.lm_head.weight[rows] = 0.0
-
-
-def _prompts(n: int, seed: int = 11) -> list[str]:
-    rng = random.Random(seed)
-    letters = "abcdefghijklmnopqrstuvwxyz "
-    # byte tokenizer: bos + 63 bytes = 64 prompt tokens
-    return ["".join(rng.choice(letters) for _ in range(PROMPT_TOKENS - 1)) for _ in range(n)]
-
-
-def _best(fn: Callable[[], int], reps: int) -> tuple[float, int]:
-    """(best tokens/s, tokens) over ``reps`` runs of ``fn`` (which returns tokens produced)."""
-    best, tokens = 0.0, 0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        n = fn()
-        rate = n / (time.perf_counter() - t0)
-        if rate > best:
-            best, tokens = rate, n
-    return best, tokens
-
-
-def _tokens(results: list[GenerationResult]) -> int:
-    return sum(r.tokens_out for r in results)
-
-
-def _run_scheduler(sched: Scheduler, engine: Engine, requests: list[GenerationRequest]) -> int:
-    """Submit all at once (concurrent streams), wait for all; tokens produced."""
-    done = threading.Semaphore(0)
-    out: list[int] = []
-
-    class Sink:
-        def cancelled(self) -> bool:
-            return False
-
-        def token(self, piece: str) -> None:
-            pass
-
-        def finish(self, result: GenerationResult, outcome: str, reason: str | None) -> None:
-            out.append(result.tokens_out)
-            done.release()
-
-    for r in requests:
-        sched.submit(engine.open_sequence(r), Sink(), stream=True)
-    for _ in requests:
-        done.acquire()
-    return sum(out)
 
 
 def _peft_mixed(kit: BenchKit, prompts: list[str], digests: list[str],
@@ -497,7 +397,7 @@ def _run(root: Path, reps: int, triton_runs: int,
     progress("building the bench kit (random-init base and 32 adapters)")
     kit = build_bench_kit(root / "kit")
     digests = list(kit.adapters)
-    prompts = _prompts(N_ADAPTERS)
+    prompts = bench_prompts(N_ADAPTERS)
     engine = Engine(kit.base, kit.tokenizer, device=None, max_rank=RANK, max_adapters=N_ADAPTERS)
 
     progress("cold loads vs read+hash")
@@ -531,22 +431,14 @@ def _run(root: Path, reps: int, triton_runs: int,
     progress("mixed batch vs base batch vs PEFT")
     engine.generate(mixed[:2])  # warm up
     peft_run = _peft_mixed(kit, prompts, digests, engine.device, engine.dtype)
-    best = {"mixed": 0.0, "base": 0.0, "peft": 0.0}
-    for _ in range(reps):  # alternate, so drift on a shared machine hits all three alike
-        best["mixed"] = max(best["mixed"], _best(lambda: _tokens(engine.generate(mixed)), 1)[0])
-        best["base"] = max(best["base"], _best(lambda: _tokens(engine.generate(bare)), 1)[0])
-        best["peft"] = max(best["peft"], _best(peft_run, 1)[0])
+    best = best_alternating({"mixed": lambda: count_tokens(engine.generate(mixed)),
+                             "base": lambda: count_tokens(engine.generate(bare)),
+                             "peft": peft_run}, reps)
     m.update({f"{k}_tokens_per_s": v for k, v in best.items()})
 
     progress("continuous batching: 32 streams vs 1")
-    sched = Scheduler(engine, SchedulerLimits(max_running=32, max_queued=64))
-    try:
-        m["streams_32_tokens_per_s"] = _best(lambda: _run_scheduler(sched, engine, mixed),
-                                             reps)[0]
-        m["streams_1_tokens_per_s"] = _best(lambda: _run_scheduler(sched, engine, mixed[:1]),
-                                            reps)[0]
-    finally:
-        sched.stop()
+    streams = continuous_batching(engine, mixed, reps)
+    m["streams_32_tokens_per_s"], m["streams_1_tokens_per_s"] = streams.many, streams.one
     del peft_run
 
     ratios: dict[str, float | None] = {
@@ -573,13 +465,11 @@ def _run(root: Path, reps: int, triton_runs: int,
     return {
         "ratios": ratios,
         "goals": {k: f"{op} {v}" for k, (op, v) in GOALS.items()},
-        "met": {k: None if ratios[k] is None else (
-            ratios[k] >= v if op == ">=" else ratios[k] <= v)  # type: ignore[operator]
-            for k, (op, v) in GOALS.items()},
+        "met": {k: None if (r := ratios[k]) is None else meets(k, r) for k in GOALS},
         "measurements": m,
         "governed_vs_open": side_by_side,
-        "setup": {"hidden": HIDDEN, "layers": LAYERS, "rank": RANK, "targets": TARGETS,
-                  "requests": N_ADAPTERS, "adapters": N_ADAPTERS,
+        "setup": {"hidden": BENCH_SHAPE.hidden, "layers": BENCH_SHAPE.layers, "rank": RANK,
+                  "targets": TARGETS, "requests": N_ADAPTERS, "adapters": N_ADAPTERS,
                   "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "reps": reps,
                   "triton_runs": triton_runs,
                   "device": str(torch.device("cuda" if torch.cuda.is_available() else "cpu")),

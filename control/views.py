@@ -53,7 +53,8 @@ def incident_table(rows: Sequence[LedgerEntry], digest: str) -> Table:
     """The requests a digest served, for a terminal of 80 columns: request ids and releases
     shortened, times to the second (``--json`` has every value in full)."""
     # The full digest: a short prefix could belong to another adapter (or to none at all).
-    t = Table(title=f"requests served by {digest}: {len(rows)}")
+    # At least as wide as the digest, so the title never splits it (78 columns: fits 80).
+    t = Table(title=f"requests served by {digest}: {len(rows)}", min_width=len(digest) + 7)
     for c in ("request", "tenant", "release", "admitted", "outcome", "in/out", "host"):
         t.add_column(c, overflow="ellipsis")
     for r in rows:

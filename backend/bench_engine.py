@@ -51,6 +51,7 @@ from backend.bench_kit import (
     RANK,
     TARGETS,
     BenchKit,
+    base_latency_under_cold_loads,
     bench_prompts,
     best_alternating,
     build_bench_kit,
@@ -441,6 +442,14 @@ def _run(root: Path, reps: int, triton_runs: int,
     m["streams_32_tokens_per_s"], m["streams_1_tokens_per_s"] = streams.many, streams.one
     del peft_run
 
+    progress("base-row p95 latency during a storm of cold loads vs quiet")
+    for d in list(engine.resident_adapters()):  # the storm starts from an empty device
+        engine.unload_adapter(d)
+    storm = base_latency_under_cold_loads(engine, store.read_verified, digests, prompts,
+                                          max(3, reps))
+    m["base_p95_quiet_s"], m["base_p95_storm_s"] = storm["quiet_p95_s"], storm["storm_p95_s"]
+    m["storm_cold_loads"] = storm["cold_loads"]
+
     ratios: dict[str, float | None] = {
         "mixed_vs_base": best["mixed"] / best["base"],
         "mixed_vs_peft": best["mixed"] / best["peft"],
@@ -448,6 +457,7 @@ def _run(root: Path, reps: int, triton_runs: int,
         "triton_vs_inprocess": None,
         "cold_load_vs_read": m["cold_load_p95_s"] / m["read_hash_p95_s"],
         "governed_vs_open": None,
+        "base_p95_storm_vs_quiet": storm["ratio"],
     }
     side_by_side: dict[str, Any] | None = None
     if triton_runs:

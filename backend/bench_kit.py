@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -44,6 +45,7 @@ GOALS: dict[str, tuple[str, float]] = {
     "triton_vs_inprocess": (">=", 0.8),
     "cold_load_vs_read": ("<=", 2.0),
     "governed_vs_open": (">=", 0.95),
+    "base_p95_storm_vs_quiet": ("<=", 1.2),
 }
 
 
@@ -225,3 +227,76 @@ def continuous_batching(engine: Engine, requests: list[GenerationRequest],
     finally:
         sched.stop()
     return StreamRates(many[0], one[0], many[1], one[1])
+
+
+STORM_SLOTS = 4  # device slots during the storm: 32 adapters over 4, so every load is cold
+STORM_REQUESTS = 24  # base-only requests timed per run
+STORM_TOKENS = 8
+
+
+def _p95(xs: list[float]) -> float:
+    return sorted(xs)[max(0, round(0.95 * len(xs)) - 1)]
+
+
+def base_latency_under_cold_loads(engine: Engine, fetch: Callable[[str], Any],
+                                  digests: list[str], prompts: list[str],
+                                  runs: int) -> dict[str, Any]:
+    """p95 latency of base-only requests while another thread makes adapters resident from the
+    store without pause (each load evicts another: read, digest check, parse, prepare, place),
+    against the same requests with no loads; ``runs`` alternating runs of each.
+
+    The storm's cache keeps only ``STORM_SLOTS`` adapters on the device and almost nothing in its
+    host and store tiers, so every load does all its work. Requests go one at a time through one
+    scheduler, as a latency probe, not a throughput test."""
+    from backend.cache import AdapterCache, CacheBudgets, TenantPolicy
+
+    slot = engine.plan.slot_bytes
+    cache = AdapterCache(engine, fetch,
+                         # host and store tiers hold about two adapters: 32 cycling through
+                         # them are fetched, hashed, parsed and prepared again on every load
+                         budgets=CacheBudgets(device_bytes=STORM_SLOTS * slot,
+                                              host_bytes=2 * slot, store_bytes=2 * slot),
+                         policy=TenantPolicy(resident_share=1.0, loads_per_minute=1e9,
+                                             load_burst=10**9, room_wait_s=30.0))
+    sched = Scheduler(engine, SchedulerLimits(max_running=4, max_queued=16))
+    requests = [GenerationRequest(prompts[i % len(prompts)], None, max_tokens=STORM_TOKENS)
+                for i in range(STORM_REQUESTS)]
+
+    def timed() -> list[float]:
+        out: list[float] = []
+        for r in requests:
+            t0 = time.perf_counter()
+            run_streams(sched, engine, [r])
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def storm(stop: threading.Event, loads: list[int]) -> None:
+        i = 0
+        while not stop.is_set():
+            cache.release(cache.acquire(digests[i % len(digests)], "storm"))
+            loads[0] += 1
+            i += 1
+
+    quiet: list[float] = []
+    stormy: list[float] = []
+    loads = [0]
+    try:
+        timed()  # warm up
+        for _ in range(runs):
+            quiet.append(_p95(timed()))
+            stop = threading.Event()
+            loader = threading.Thread(target=storm, args=(stop, loads), daemon=True)
+            loader.start()
+            try:
+                stormy.append(_p95(timed()))
+            finally:
+                stop.set()
+                loader.join(60)
+    finally:
+        sched.stop()
+        for d in list(engine.resident_adapters()):
+            engine.unload_adapter(d)
+    q, st = statistics.median(quiet), statistics.median(stormy)
+    return {"quiet_p95_s": q, "storm_p95_s": st, "ratio": st / q,
+            "quiet_p95_runs_s": quiet, "storm_p95_runs_s": stormy, "cold_loads": loads[0],
+            "runs": runs}

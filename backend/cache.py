@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
-from backend.engine import AdapterSource, HostAdapter
+from backend.engine import AdapterSource, HostAdapter, PreparedAdapter
 from backend.lease import Lease, Violations
 from backend.memory import MemoryPlan
 from control.config import ADAPTER_BYTES_ENV, ADAPTER_SLOTS_ENV
@@ -57,9 +57,10 @@ class AdapterPlacement(Protocol):
     """What the cache needs of the engine."""
 
     def read_adapter(self, source: AdapterSource) -> HostAdapter: ...
-    def place(self, digest: str, adapter: HostAdapter) -> int: ...
+    def prepare(self, adapter: HostAdapter) -> PreparedAdapter: ...
+    def place(self, digest: str, adapter: PreparedAdapter) -> int: ...
     def unload_adapter(self, digest: str) -> None: ...
-    def slot_bytes_for(self, adapter: HostAdapter) -> int: ...
+    def slot_bytes_for(self, adapter: PreparedAdapter) -> int: ...
     @property
     def max_adapters(self) -> int: ...
     @property
@@ -114,7 +115,7 @@ class _Entry:
     tenant: str | None = None
     path: AdapterSource | None = None  # store tier: verified files
     store_bytes: int = 0
-    host: HostAdapter | None = None
+    host: PreparedAdapter | None = None  # host tier: prepared for the slots, outside any lock
     host_bytes: int = 0
     device_bytes: int = 0
     on_device: bool = False
@@ -270,7 +271,9 @@ class AdapterCache:
                     with self._lock:
                         self._make_room("store", nbytes, e)
                         e.path, e.store_bytes = path, nbytes
-                host = self.engine.read_adapter(path)
+                # parse, validate and convert to the slots' layout here, with no lock held:
+                # placing then only copies, so a cold load does not stall decoding
+                host = self.engine.prepare(self.engine.read_adapter(path))
                 with self._lock:
                     self._make_room("host", host.nbytes, e)
                     e.host, e.host_bytes = host, host.nbytes

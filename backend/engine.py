@@ -186,6 +186,26 @@ class HostAdapter:
                    for a, b in self.pairs.values())
 
 
+@dataclass(frozen=True)
+class PreparedAdapter:
+    """An adapter in the slots' dtype and layout, ready to be copied into a free slot.
+
+    Per module: A transposed, ``[in, rank]``, and B transposed with the adapter's scaling folded
+    in, ``[rank, out]``; on a CUDA host, in pinned memory, so the copy into the slot runs
+    asynchronously. Made by :meth:`Engine.prepare` outside every lock: the conversion work is
+    done while decoding goes on, and placing holds the engine's lock only for the copies.
+    """
+
+    rank: int
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> (A^T [in, r], B^T [r, out])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the host tensors (the host tier's accounting)."""
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
+                   for a, b in self.pairs.values())
+
+
 @dataclass
 class Sequence:
     """One request being generated: its prompt, slot and the tokens produced so far."""
@@ -324,12 +344,29 @@ class Engine:
         pairs = self._validated_pairs(_read_tensors(source), spec)
         return HostAdapter(rank=spec.rank, scaling=spec.scaling, pairs=pairs)
 
-    def place(self, digest: str, adapter: HostAdapter) -> int:
-        """Put a validated adapter in a free slot; return its resident device bytes."""
+    def prepare(self, adapter: HostAdapter) -> PreparedAdapter:
+        """The adapter in the slots' dtype and layout (see :class:`PreparedAdapter`); takes no
+        lock, so a cold load's conversion never holds up a decode step."""
+        pin = self._device.type == "cuda"
+        pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        with torch.inference_mode():
+            for name, (a, b) in adapter.pairs.items():
+                at = a.t().to(self._dtype).contiguous()  # [in, rank]
+                bt = (b.float() * adapter.scaling).t().to(self._dtype).contiguous()  # [rank, out]
+                pairs[name] = (at.pin_memory(), bt.pin_memory()) if pin else (at, bt)
+        return PreparedAdapter(rank=adapter.rank, pairs=pairs)
+
+    def place(self, digest: str, adapter: HostAdapter | PreparedAdapter) -> int:
+        """Put a validated adapter in a free slot; return its resident device bytes.
+
+        The engine's lock is held only to choose the slot and issue the copies (asynchronous
+        from pinned memory on CUDA); a :class:`HostAdapter` is prepared first, outside it.
+        """
+        prepared = adapter if isinstance(adapter, PreparedAdapter) else self.prepare(adapter)
         with self._lock:
             if self._table.slot_of(digest) is not None:
                 return self.resident_adapters()[digest]
-            modules = sorted(adapter.pairs)
+            modules = sorted(prepared.pairs)
             wrapped = [self._wrapped(name) for name in modules]
             try:
                 slot = self._table.allocate(digest).slot
@@ -339,10 +376,10 @@ class Engine:
                 # A free slot with pins means a lease outlived its load: never reuse it.
                 self._table.release(digest)
                 self.violations.raise_("pinned_unload", f"slot {slot} is free but pinned")
-            for module, name in zip(wrapped, modules, strict=True):
-                a, b = adapter.pairs[name]
-                module.place(slot, a.to(self._device, self._dtype), b.to(self._device, self._dtype),
-                             adapter.scaling)
+            with torch.inference_mode():
+                for module, name in zip(wrapped, modules, strict=True):
+                    at, bt = prepared.pairs[name]
+                    module.place(slot, at, bt)
             self._modules[digest] = modules
             return self._slot_bytes(digest)
 
@@ -414,7 +451,7 @@ class Engine:
                 for m in self._model.modules() if isinstance(m, SlottedLinear)
             )
 
-    def slot_bytes_for(self, adapter: HostAdapter) -> int:
+    def slot_bytes_for(self, adapter: HostAdapter | PreparedAdapter) -> int:
         """Device bytes ``adapter`` will occupy once placed: one whole slot (the banks are
         allocated in full, so a slot costs the same whatever the adapter targets)."""
         return self.plan.slot_bytes

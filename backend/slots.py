@@ -62,13 +62,18 @@ class SlottedLinear(nn.Module):
         """The whole A and B banks, every slot (memory accounting)."""
         return self.a, self.b
 
-    def place(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
-        """Write one adapter's pair into ``slot``; a [rank, in], b [out, rank]."""
-        rank = a.shape[0]
-        self.a[slot].zero_()
-        self.b[slot].zero_()
-        self.a[slot, :, :rank].copy_(a.t())
-        self.b[slot, :rank].copy_((b * scaling).t())
+    def place(self, slot: int, at: torch.Tensor, bt: torch.Tensor) -> None:
+        """Copy one adapter's prepared pair into ``slot``: ``at`` = A^T [in, rank], ``bt`` =
+        scaled B^T [rank, out], in the banks' dtype.
+
+        A free slot is all zero (the banks start zero and ``clear`` zeroes a slot when it is
+        freed), so only the adapter's own rank columns are written: the padding stays zero.
+        From pinned host memory the copies are asynchronous; CUDA orders them before the next
+        forward pass on the same stream.
+        """
+        rank = at.shape[1]
+        self.a[slot, :, :rank].copy_(at, non_blocking=True)
+        self.b[slot, :rank].copy_(bt, non_blocking=True)
         self.occupied.add(slot)
 
     def clear(self, slot: int) -> None:

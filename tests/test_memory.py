@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
 from backend.cache import AdapterCache, CacheBudgets, CacheRefused, TenantPolicy
-from backend.engine import AdapterSource, Engine, HostAdapter
+from backend.engine import AdapterSource, Engine, HostAdapter, PreparedAdapter
 from backend.kit import KitManifest
 from backend.memory import (
     DEFAULT_ADAPTER_FRACTION,
@@ -146,14 +146,17 @@ class PlannedPlacement:
                     torch.empty((fan_out, rank), dtype=torch.bfloat16, device="meta"))
         return HostAdapter(rank=rank, scaling=1.0, pairs=pairs)
 
-    def place(self, digest: str, adapter: HostAdapter) -> int:
+    def prepare(self, adapter: HostAdapter) -> PreparedAdapter:
+        return PreparedAdapter(rank=adapter.rank, pairs=adapter.pairs)
+
+    def place(self, digest: str, adapter: PreparedAdapter) -> int:
         self.table.allocate(digest)
         return self.slot_bytes_for(adapter)
 
     def unload_adapter(self, digest: str) -> None:
         self.table.release(digest)
 
-    def slot_bytes_for(self, adapter: HostAdapter) -> int:
+    def slot_bytes_for(self, adapter: PreparedAdapter) -> int:
         return self.plan.slot_bytes
 
 

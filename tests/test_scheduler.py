@@ -211,3 +211,16 @@ def test_prefix_keys_differ_by_every_digest() -> None:
             PrefixKey("b", None, "t", ids), PrefixKey("b2", "a1", "t", ids),
             PrefixKey("b", "a1", "t2", ids), PrefixKey("b", "a1", "t", (1, 2))}
     assert len(keys) == 6
+
+
+def test_preparing_an_adapter_takes_no_engine_lock(engine: Engine,
+                                                   many: dict[str, Path]) -> None:
+    """A cold load's conversion work runs beside decoding: only the copy into the slot waits
+    for the engine's lock."""
+    host = engine.read_adapter(next(iter(many.values())))
+    prepared: list[object] = []
+    with engine._lock:  # as if a decode step held it
+        worker = threading.Thread(target=lambda: prepared.append(engine.prepare(host)))
+        worker.start()
+        worker.join(10)
+        assert not worker.is_alive() and len(prepared) == 1

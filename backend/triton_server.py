@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -102,6 +105,27 @@ def find_triton(work_dir: Path) -> TritonInstall:
     return TritonInstall(root / "bin" / "tritonserver", py_dir.parent)
 
 
+class PortInUse(RuntimeError):
+    """A port a launch needs is taken (another ``loraplane serve``, or any other server)."""
+
+
+def check_ports_free(address: str, ports: dict[str, int]) -> None:
+    """Raise :class:`PortInUse`, naming the port and what it was for, unless every port can be
+    bound on ``address`` now (a server started just after may still take one: the launch then
+    fails, and readiness, checked against the launch's own ``--id``, never passes)."""
+    host = "0.0.0.0" if address in ("", "::") else address
+    for role, port in ports.items():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                raise PortInUse(
+                    f"port {port} ({role}) on {host} is already in use: is another "
+                    "`loraplane serve` running? Stop it, or choose other ports "
+                    "(--http-port, --grpc-port, --metrics-port, --gateway-port)") from None
+
+
 @dataclass
 class TritonProcess:
     """One running tritonserver serving ``model_repository/``."""
@@ -122,20 +146,36 @@ class TritonProcess:
     env: dict[str, str] = field(default_factory=dict)
     model_repository: Path = MODEL_REPOSITORY
     home: Path | None = None  # whose operator token; else LORAPLANE_HOME of ``env``, then ours
+    # The address Triton's HTTP, gRPC and metrics ports listen on: loopback unless a host
+    # serves other machines (``serve --listen 0.0.0.0``; the containers do).
+    listen: str = "127.0.0.1"
     proc: subprocess.Popen[bytes] | None = None
+    # Names this launch (Triton's ``--id``): readiness is checked against the server that
+    # answers with it, so a second ``serve`` on ports another server holds never mistakes that
+    # server for its own; it also names this launch's log file.
+    server_id: str = field(default="", init=False)
     _operator: OperatorAccess | None = field(default=None, init=False, repr=False)
 
     @property
     def log_path(self) -> Path:
-        return self.work_dir / f"tritonserver-{self.http_port}.log"
+        """This launch's own log (a second server on the same ports never writes into it)."""
+        return self.work_dir / f"tritonserver-{self.http_port}-{self.server_id or 'new'}.log"
+
+    @property
+    def _client_host(self) -> str:
+        return "127.0.0.1" if self.listen in ("0.0.0.0", "::", "") else self.listen
 
     @property
     def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
+        return f"{self._client_host}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self._client_host}:{self.grpc_port}"
+
+    def ports(self) -> dict[str, int]:
+        return {"Triton HTTP": self.http_port, "Triton gRPC": self.grpc_port,
+                "Triton metrics": self.metrics_port}
 
     @property
     def operator(self) -> OperatorAccess:
@@ -159,8 +199,12 @@ class TritonProcess:
             f"--backend-directory={install.backend_dir}",
             # the models are fixed at start; loading one is running its code
             "--model-control-mode=none",
+            f"--id={self.server_id}",
+            f"--http-address={self.listen}",
             f"--http-port={self.http_port}",
+            f"--grpc-address={self.listen}",
             f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.listen}",
             f"--metrics-port={self.metrics_port}",
             # frontends that would open another port beside the restricted ones: SageMaker's
             # skipped the restriction (CVE-2026-24207); Vertex AI's opens when AIP_MODE is set
@@ -187,7 +231,10 @@ class TritonProcess:
                 "--trace-config=opentelemetry,resource=service.name=triton"]
 
     def start(self) -> None:
+        """Launch tritonserver; raises :class:`PortInUse` first when a port is taken."""
+        check_ports_free(self.listen, self.ports())
         install = find_triton(self.work_dir)
+        self.server_id = f"loraplane-{os.getpid()}-{secrets.token_hex(4)}"
         env = dict(os.environ)
         env.update(self.env)
         # The stub links libpython: use the running interpreter's, and its environment on PATH
@@ -214,8 +261,16 @@ class TritonProcess:
         log.close()
 
     def ready(self) -> bool:
-        """Every path of :data:`READY_PATHS` answers 200: the server (so every model it loaded)
-        and each of the two models by name."""
+        """The server on these ports is the one this object launched (its ``--id``), and every
+        path of :data:`READY_PATHS` answers 200: the server (so every model it loaded) and each
+        of the two models by name."""
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2",
+                                        timeout=READY_PROBE_TIMEOUT_S) as r:
+                if json.loads(r.read()).get("name") != self.server_id:
+                    return False
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
         for path in READY_PATHS:
             try:
                 with urllib.request.urlopen(f"http://{self.http_url}{path}",
@@ -245,16 +300,36 @@ class TritonProcess:
             self.proc.wait()
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """Stop gracefully, then by force; never leaves a stub behind."""
+        """Stop gracefully, then by force; never leaves a stub behind.
+
+        SIGTERM first: Triton stops taking requests, lets those in flight finish (up to its
+        exit timeout) and unloads the models; the engine model's finalize ends what is left and
+        writes the ledger. Once the engine model is unloaded nothing with state is left: the
+        front model's sixteen stubs hold none, and Triton 2.51 takes several seconds to unload
+        them one by one (past its exit timeout), so the group is killed then rather than waited
+        for.
+        """
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            try:
+            offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
+            deadline = time.monotonic() + timeout_s
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                if self._engine_unloaded(offset):
+                    break
+                time.sleep(0.05)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.wait()
+
+    def _engine_unloaded(self, offset: int) -> bool:
+        """Triton logged, since ``offset``, that the engine model finished unloading."""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(offset)
+                return f"successfully unloaded '{ENGINE_MODEL}'".encode() in f.read()
+        except OSError:
+            return False

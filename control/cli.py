@@ -382,6 +382,10 @@ def serve(
     grpc_port: Annotated[int, typer.Option()] = 8001,
     metrics_port: Annotated[int, typer.Option()] = 8002,
     gateway_port: Annotated[int, typer.Option()] = 8080,
+    listen: Annotated[str, typer.Option(
+        help="Address Triton and the gateway listen on: 127.0.0.1 serves this machine only; "
+             "0.0.0.0 serves other machines too (put TLS and a firewall in front).")
+    ] = "127.0.0.1",
 ) -> None:
     """Run the gateway, the projection follower and tritonserver until interrupted."""
     from control.cli_db import require_schema
@@ -390,7 +394,8 @@ def serve(
     with errors():
         require_schema(settings())  # before anything starts: "run `loraplane db upgrade`"
     dep = Deployment(settings(), Ports(http_port, grpc_port, metrics_port, gateway_port),
-                     base=base, actor=state.actor, progress=lambda m: err_console.print(m))
+                     base=base, actor=state.actor, progress=lambda m: err_console.print(m),
+                     bind=listen)
     run_until_stopped(dep)
 
 

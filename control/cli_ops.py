@@ -63,6 +63,9 @@ def triton_host(
     ] = None,
     wait: Annotated[float, typer.Option(
         help="Seconds to wait for a base model to be registered (0: fail at once).")] = 3600.0,
+    listen: Annotated[str, typer.Option(
+        help="Address Triton listens on (0.0.0.0 in a container or to serve other machines).")
+    ] = "127.0.0.1",
 ) -> None:
     """Run one Triton host (no gateway) until interrupted; labels its ledger rows."""
     configure_logging()
@@ -81,7 +84,7 @@ def triton_host(
             err_console.print(f"waiting: {e}")
             time.sleep(5)
     dep = Deployment.from_env(s, Ports(http_port, grpc_port, metrics_port), role="triton",
-                              base=base, actor=state.actor,
+                              base=base, actor=state.actor, bind=listen,
                               progress=lambda m: err_console.print(m))
     if host_id:
         dep.host_id = host_id

@@ -25,16 +25,20 @@ import asyncio
 import base64
 import logging
 import os
+import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import sqlalchemy as sa
 from aiohttp import web
 
+from backend.ledger import request_ledger
 from backend.memory import MemoryPlan, plan_for_host
 from backend.triton_glue import BASE_DIGEST_ENV, HOST_ID_ENV
-from backend.triton_server import MODEL_REPOSITORY, TritonProcess
+from backend.triton_server import MODEL_REPOSITORY, TritonProcess, check_ports_free
 from control.config import Settings
 from control.db import make_engine
 from control.gateway import make_app
@@ -156,7 +160,9 @@ class Deployment:
     role: str = "all"
     host_id: str | None = None  # the ledger's host column for this Triton host
     triton_urls: list[str] = field(default_factory=list)  # extra Triton hosts (host:port)
-    bind: str = "127.0.0.1"  # gateway listen address; 0.0.0.0 in a container
+    # The address the gateway and Triton listen on: loopback unless the deployment serves other
+    # machines (`--listen 0.0.0.0`; the containers do).
+    bind: str = "127.0.0.1"
     # The Triton model repository; None: the project's model_repository/. Only test and
     # benchmark deployments pass another (backend.repository.derived_repository); no command
     # line option or environment variable reaches this.
@@ -172,6 +178,14 @@ class Deployment:
             raise ValueError(f"role is one of {', '.join(ROLES)}, not {self.role!r}")
         s = self.settings
         s.ensure_dirs()
+        # Every port this deployment will listen on, checked before anything starts: a second
+        # `serve` on ports in use is refused, never left talking to the first one's servers.
+        ports = {} if self.role == "control" else {
+            "Triton HTTP": self.ports.http, "Triton gRPC": self.ports.grpc,
+            "Triton metrics": self.ports.metrics}
+        if self.role != "triton":
+            ports["gateway"] = self.ports.gateway
+        check_ports_free(self.bind, ports)
         routing = RoutingView(make_engine(s.db_url))
         if self.role != "control":
             # Refused here, before any thread or process starts, rather than by the engine
@@ -201,7 +215,9 @@ class Deployment:
                 self.stop()
                 raise
             self.progress(
-                f"triton ready: http {self.triton.http_url}, grpc {self.triton.grpc_url}"
+                f"triton ready: http {self.triton.http_url}, grpc {self.triton.grpc_url}, "
+                f"metrics http://{self.triton.http_url.rsplit(':', 1)[0]}:"
+                f"{self.ports.metrics}/metrics (log {self.triton.log_path})"
             )
 
     def _thread(self, name: str, target: Callable[[threading.Event], None]) -> None:
@@ -233,6 +249,7 @@ class Deployment:
             grpc_port=self.ports.grpc,
             metrics_port=self.ports.metrics,
             env=env,
+            listen=self.bind,
             model_repository=self.model_repository or MODEL_REPOSITORY,
         )
         self.triton.start()
@@ -275,6 +292,17 @@ class Deployment:
     def stop(self) -> None:
         """Stop everything this deployment started; stopping again changes nothing (a failed
         start stops itself, and its caller's cleanup may stop it once more)."""
+        t0 = time.monotonic()
+        running = self.triton is not None and self.triton.proc is not None and (
+            self.triton.proc.poll() is None)
+        if running or self._threads:
+            parts = (["tritonserver"] if running else []) + (
+                ["gateway"] if self._loop is not None else []) + (
+                ["projection follower"] if self.role != "triton" else [])
+            in_flight = self._in_flight() if running else 0
+            self.progress(f"stopping {', '.join(parts)}" + (
+                f"; {in_flight} request(s) in flight get up to 5 s to finish, the rest end as "
+                "failed (ledger reason 'shutdown')" if in_flight else "; no request in flight"))
         self._stop.set()
         loop, self._loop = self._loop, None
         if loop is not None and not loop.is_closed():
@@ -283,6 +311,20 @@ class Deployment:
             self.triton.stop()
         for t in self._threads:
             t.join(timeout=10)
+        if running:
+            self.progress(f"stopped in {time.monotonic() - t0:.1f} s")
+
+    def _in_flight(self) -> int:
+        """This host's requests the ledger shows running now (0 when it cannot tell)."""
+        t = request_ledger
+        host = self.host_id or socket.gethostname()
+        try:
+            with make_engine(self.settings.db_url).connect() as conn:
+                n = conn.execute(sa.select(sa.func.count()).select_from(t).where(
+                    t.c.host == host, t.c.outcome == "running")).scalar()
+        except Exception:  # the database may be away: stopping must not depend on it
+            return 0
+        return int(n or 0)
 
     @classmethod
     def from_env(cls, settings: Settings, ports: Ports, **kw: object) -> Deployment:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import re
 import shlex
 import shutil
@@ -289,15 +290,21 @@ def test_triton_health_checks_wait_as_long_as_serve_and_agree_with_each_other() 
     assert len(READY_PATHS) * READY_PROBE_TIMEOUT_S < _seconds(compose["timeout"])
 
 
+STAND_IN_ID = "loraplane-stand-in"
+
+
 class _StandIn(BaseHTTPRequestHandler):
-    """Answers 200 on every path but those in ``failing`` (503, as Triton answers "not ready")."""
+    """Answers 200 on every path but those in ``failing`` (503, as Triton answers "not ready");
+    ``/v2`` (server metadata) names the server ``STAND_IN_ID``."""
 
     failing: frozenset[str] = frozenset()
 
     def do_GET(self) -> None:
+        body = json.dumps({"name": STAND_IN_ID}).encode() if self.path == "/v2" else b""
         self.send_response(503 if self.path in self.failing else 200)
-        self.send_header("Content-Length", "0")
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -329,7 +336,12 @@ def test_health_check_and_ready_agree_when_any_part_is_not_ready(failing: str | 
         check = subprocess.run([sys.executable, *code], capture_output=True, text=True,
                                timeout=60)
         process = TritonProcess(work_dir=tmp_path, http_port=port, grpc_port=0, metrics_port=0)
+        process.server_id = STAND_IN_ID
         assert (check.returncode == 0) == (failing is None), check.stderr
         assert process.ready() == (failing is None)
+        # A server this process did not launch is never its own ready server (a second
+        # `serve` on ports another server holds).
+        process.server_id = "loraplane-someone-else"
+        assert not process.ready()
         if failing:
             assert "503" in check.stderr

@@ -18,7 +18,7 @@ RUN case "${TRITON_TAG}" in \
 # Ubuntu 24.04 marks its Python as externally managed (PEP 668). Rather than
 # --break-system-packages, which lets pip overwrite files that apt owns, everything goes into a
 # virtual environment made from that same Python 3.12. The Python backend stub embeds the system
-# interpreter and finds this environment through PATH: backend/triton_server.py puts the running
+# interpreter and finds this environment through PATH: control/ops/triton_server.py puts the running
 # interpreter's bin/ first, the same way the test suite's stub finds .venv.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3-venv \
@@ -28,7 +28,7 @@ ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
 WORKDIR /opt/loraplane
-# Every package pinned, the one list tests/test_image_dependencies.py resolves for this Python.
+# Every package pinned, the one list tests/docker/test_image_dependencies.py resolves for this Python.
 COPY docker/requirements.txt docker/requirements.txt
 RUN python3 -m pip install --no-cache-dir -r docker/requirements.txt
 
@@ -38,7 +38,7 @@ COPY projections ./projections
 COPY backend ./backend
 COPY model_repository ./model_repository
 # Editable, so the model repository and PYTHONPATH resolve to /opt/loraplane (see
-# backend/triton_server.py); --no-deps, as every dependency is pinned above, and `pip check`
+# control/ops/triton_server.py); --no-deps, as every dependency is pinned above, and `pip check`
 # fails the build if one is missing. The tritonserver binary is the image's /opt/tritonserver.
 RUN python3 -m pip install --no-cache-dir --no-deps --no-build-isolation -e . \
  && python3 -m pip check
@@ -49,8 +49,8 @@ ENV LORAPLANE_HOME=/var/lib/loraplane \
 RUN mkdir -p /var/lib/loraplane/store
 VOLUME ["/var/lib/loraplane"]
 EXPOSE 8000 8001 8002
-# The same check as docker/compose.yaml's Triton hosts (see there; tests/test_docker_consistency.py
-# holds the two to backend/triton_server.py's READY_PATHS and READY_TIMEOUT_S).
+# The same check as docker/compose.yaml's Triton hosts (see there; tests/docker/test_docker_consistency.py
+# holds the two to control/ops/triton_server.py's READY_PATHS and READY_TIMEOUT_S).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
   CMD ["python3", "-c", "import urllib.request as u; [u.urlopen('http://127.0.0.1:8000' + p, timeout=1) for p in ('/v2/health/ready', '/v2/models/lora_llm_stream/ready', '/v2/models/lora_llm/ready')]"]
 CMD ["loraplane", "triton-host", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002"]

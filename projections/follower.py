@@ -28,14 +28,17 @@ import sqlalchemy as sa
 from eventsourcing.persistence import OperationalError as EventStoreOperationalError
 from sqlalchemy.engine import Connection, Engine
 
+from control.app.registry import Registry
+from control.contracts.config import Settings
+from control.contracts.db import make_engine
+from control.contracts.signals import TerminationSignals
 from projections import routing
+from projections.routing import RoutingView
 from projections.tables import VIEW_TABLES, create_tables, projection_tracking
 
 if TYPE_CHECKING:
     from eventsourcing.application import Application
     from eventsourcing.persistence import Recording
-
-    from control.config import Settings
 
 log = logging.getLogger("loraplane.follower")
 
@@ -82,10 +85,11 @@ class ProjectionFollower:
     @classmethod
     def from_settings(cls, settings: Settings) -> ProjectionFollower:
         """A follower for the deployment configured by ``settings``."""
-        from control.db import make_engine
-        from control.registry import Registry
-
         return cls(Registry(settings, follow=False), make_engine(settings.db_url))
+
+    def routing(self) -> RoutingView:
+        """The routing tables this follower writes, for reading."""
+        return RoutingView(self.engine)
 
     # -- position ---------------------------------------------------------------------------
 
@@ -247,11 +251,17 @@ def snapshot(engine: Engine) -> dict[str, list[tuple[Any, ...]]]:
     return out
 
 
+def open_registry(settings: Settings | None = None, *, follow: bool = True) -> Registry:
+    """The registry with this process's projection follower as its read model: every command
+    catches the tables up (``follow``) and a revoking command returns once hosts and gateways
+    can see it. What the CLI, the services and the tools open."""
+    s = settings or Settings.from_env()
+    return Registry(s, follow=follow,
+                    read_model=lambda reg: ProjectionFollower(reg, make_engine(s.db_url)))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the follower for the configured deployment until SIGTERM/SIGINT."""
-    from control.config import Settings
-    from control.signals import TerminationSignals
-
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = Settings.from_env()
@@ -261,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     with TerminationSignals() as term:
         log.info("following the event store from position %d", follower.position())
         # The loop runs in a thread; this one only waits for the signal and then stops it
-        # (setting the event from a signal handler can deadlock: see control.signals).
+        # (setting the event from a signal handler can deadlock: see control.contracts.signals).
         worker = threading.Thread(target=follower.run, args=(stop,), name="follower")
         worker.start()
         log.info("signal %d: stopping", term.wait())

@@ -11,7 +11,8 @@ position in the same transaction as the view rows, so a request never sees a sna
 the last committed projection write: the same guarantee as reading the revocation set itself on
 every request, which is what the host did before.
 
-The host's governance watcher (``backend.service``) reads the same snapshot on a short timer, and
+The host's governance watcher (``backend.serving.service``) reads the same snapshot on a short
+timer, and
 on PostgreSQL also wakes on the follower's ``NOTIFY``, so an idle host drains and unloads a revoked
 adapter without waiting for a request.
 """

@@ -9,10 +9,13 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from control.contracts.schema import Component, declare, open_component
+
 metadata = sa.MetaData()
 
-# The projections' schema version (control.schema, component ``projections``). Raise it whenever
-# a table or column below changes: a database at an older version is then dropped and rebuilt
+# The projections' schema version (control.contracts.schema, component ``projections``). Raise
+# it whenever a table or column below changes: a database at an older version is then dropped and
+# rebuilt
 # from the event store by ``loraplane db upgrade`` (the rows are derived, so nothing is lost).
 # 2: ``signing_keys.retired_at``. 3: ``tenants.tickets_not_before``. A new version also teaches
 # ``detect_version`` its columns.
@@ -153,10 +156,11 @@ def detect_version(insp: sa.Inspector) -> int:
 def create_tables(engine: Engine) -> None:
     """Create the projection tables on ``engine`` where missing, at ``SCHEMA_VERSION``.
 
-    Raises ``control.schema.SchemaError`` when the database holds them at another version.
+    Raises ``control.contracts.schema.SchemaError`` when the database holds them at another version.
     """
-    # Imported here: control.schema imports this module to know the projection tables. Creation
-    # runs under its schema lock, so concurrent first starts no longer race on CREATE TABLE.
-    from control.schema import PROJECTIONS, open_component
-
+    # Creation runs under the schema lock, so concurrent first starts never race on CREATE TABLE.
     open_component(engine, PROJECTIONS)
+
+
+PROJECTIONS = declare(Component("projections", SCHEMA_VERSION, metadata, detect_version,
+                                rebuildable=True))

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from backend.cache import TenantPolicy
-from backend.service import LoraService
-from backend.triton_glue import TritonGlue
-from control.config import Settings
-from control.db import make_engine
-from control.store import ArtifactStore
+from backend.serving.cache import TenantPolicy
+from backend.serving.service import LoraService
+from backend.triton.glue import TritonGlue
+from control.contracts.config import Settings
+from control.contracts.db import make_engine
+from control.contracts.store import ArtifactStore
 from projections.routing import RoutingView
 from tests.faults import FaultyEngine
 
@@ -25,12 +25,13 @@ MODEL_SOURCE = '''"""Chaos test engine model: the production glue over a fault-i
 
 import triton_python_backend_utils as pb_utils
 
+from control.app.serving_steps import RegistrySteps
 from tests.chaos_glue import ChaosGlue
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.glue = ChaosGlue(pb_utils, args)
+        self.glue = ChaosGlue(pb_utils, args, steps=RegistrySteps)
 
     def execute(self, requests):
         self.glue.execute(requests)

@@ -1,6 +1,6 @@
 """Test-only fault injection into the real engine. Never imported by production code.
 
-:class:`FaultyEngine` is the real :class:`backend.engine.Engine` with two faults a test can
+:class:`FaultyEngine` is the real :class:`backend.serving.engine.Engine` with two faults a test can
 provoke, either directly (``fail_steps``) or from a request's prompt, so the same faults reach the
 engine through the real tritonserver in the chaos test's own model repository:
 
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from backend.engine import Engine
-from backend.engine import Sequence as EngineSequence
+from backend.serving.engine import Engine
+from backend.serving.engine import Sequence as EngineSequence
 
 POISON_ROW = "\u2620nan"
 FAIL_STEP = "\u2620step"

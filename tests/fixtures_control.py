@@ -22,8 +22,8 @@ import sqlalchemy as sa
 import torch
 from safetensors.torch import load_file, save_file
 
-from control.config import Settings
-from control.digests import directory_digest
+from control.contracts.config import Settings
+from control.contracts.digests import directory_digest
 
 PG_URL_ENV = "LORAPLANE_TEST_PG_URL"
 
@@ -151,7 +151,7 @@ def postgres_settings(home: Path, max_rank: int = 8) -> Iterator[Settings]:
     try:
         yield Settings(home=home, db_url=scoped, max_rank=max_rank)
     finally:
-        from control.db import dispose_engines
+        from control.contracts.db import dispose_engines
 
         dispose_engines()
         with admin.begin() as conn:
@@ -165,9 +165,9 @@ class WithRegistry:
 
     @pytest.fixture
     def registry(self, settings: Settings) -> Iterator[Any]:
-        from control.registry import Registry
+        from projections.follower import open_registry
 
-        reg = Registry(settings)
+        reg = open_registry(settings)
         yield reg
         close_registry(reg)
 

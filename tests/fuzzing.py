@@ -14,7 +14,7 @@ import pyseto
 from cryptography.hazmat.primitives import serialization
 from hypothesis import HealthCheck, settings
 
-from control.tickets import TicketSigner
+from control.contracts.tickets import TicketSigner
 
 FUZZ_EXAMPLES = int(os.environ.get("LORAPLANE_FUZZ_EXAMPLES", "10000"))
 # Cases actually run per fuzzer in this process (the tests assert the count, and print it).

@@ -12,15 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.cache import TenantPolicy
-from backend.engine import Engine
-from backend.scheduler import SchedulerLimits
-from backend.service import Answer, LoraService
-from control.config import Settings
-from control.db import make_engine
-from control.registry import Registry
-from control.ticket_office import TicketOffice
-from control.tickets import TicketSigner
+from backend.serving.cache import TenantPolicy
+from backend.serving.engine import Engine
+from backend.serving.scheduler import SchedulerLimits
+from backend.serving.service import Answer, LoraService
+from control.app.registry import Registry
+from control.app.serving_steps import RegistrySteps
+from control.contracts.config import Settings
+from control.contracts.db import make_engine
+from control.contracts.tickets import TicketSigner
+from control.gateway.ticket_office import TicketOffice
 from projections.routing import RoutingView
 from tests.integration.conftest import ACTOR, provision
 
@@ -49,7 +50,8 @@ class Home:
                                   max_adapters=max_adapters)
         return LoraService(self.settings, self.base_digest, host=host, engine=engine,
                            limits=limits or SchedulerLimits(max_running=8, max_queued=64),
-                           prefix_cache_bytes=prefix_cache_bytes, policy=policy)
+                           prefix_cache_bytes=prefix_cache_bytes, policy=policy,
+                           steps=RegistrySteps)
 
 
 def provision_home(settings: Settings, kit_dir: Path) -> Home:

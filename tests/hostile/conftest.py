@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from control.clients import free_port
-from control.selftest import Target
-from control.serve import Deployment, Ports
+from control.ops.clients import free_port
+from control.ops.selftest import Target
+from control.ops.serve import Deployment, Ports
 from tests.integration.conftest import ACTOR, Stack, provision, sqlite_home
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.ledger import Ledger
-from control.clients import Generation, TritonRefused, generate
-from control.db import make_engine
+from control.contracts.db import make_engine
+from control.contracts.ledger import Ledger
+from control.ops.clients import Generation, TritonRefused, generate
 from tests.hostile.conftest import HostileStack
 from tests.integration.conftest import ROUTES
 from tests.integration.reference import Reference

@@ -32,9 +32,10 @@ from pathlib import Path
 
 import pytest
 
-from backend.ledger import Ledger
-from backend.repository import derived_repository
-from control.clients import (
+from control.app.registry import Registry
+from control.contracts.db import make_engine
+from control.contracts.ledger import Ledger
+from control.ops.clients import (
     Generation,
     Streamed,
     TritonRefused,
@@ -43,9 +44,9 @@ from control.clients import (
     request_ticket,
     stream_generate,
 )
-from control.db import make_engine
-from control.registry import Registry
-from control.serve import Deployment, Ports
+from control.ops.model_repositories import derived_repository
+from control.ops.serve import Deployment, Ports
+from projections.follower import open_registry
 from tests.artifacts import perturbed_copy
 from tests.chaos_glue import MODEL_SOURCE, SLOTS
 from tests.faults import FAIL_STEP, POISON_ROW
@@ -75,11 +76,11 @@ class ChaosStack:
 
 @pytest.fixture(scope="module")
 def chaos(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosStack]:
-    from backend.kit import KitManifest
+    from control.ops.kit import KitManifest
 
     settings = sqlite_home(tmp_path_factory, "chaos-home")
     kit = KitManifest.load(kit_dir)
-    reg = Registry(settings)
+    reg = open_registry(settings)
     reg.register_base(kit_dir / kit.base_path, kit_dir / kit.tokenizer_path, name="tiny-llama",
                       actor=ACTOR, alias="base")
     keys = {t: reg.create_tenant(t, actor=ACTOR) for t in ("acme", "globex")}

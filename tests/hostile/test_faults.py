@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from backend.ledger import Ledger
-from control.clients import Generation, TritonRefused, generate
-from control.db import make_engine
+from control.contracts.db import make_engine
+from control.contracts.ledger import Ledger
+from control.ops.clients import Generation, TritonRefused, generate
 from tests.hostile.conftest import HostileStack
 
 pytestmark = pytest.mark.triton

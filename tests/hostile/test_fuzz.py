@@ -18,10 +18,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
-from backend.service import RequestRefused, ticket_from_parameters
+from backend.serving.service import RequestRefused, ticket_from_parameters
+from control.app.validation import CONFIG_FILE, WEIGHTS_FILE, BaseInfo, validate_adapter
 from control.domain import ValidationFailed
-from control.hostile_artifacts import synth_adapter
-from control.validation import CONFIG_FILE, WEIGHTS_FILE, BaseInfo, validate_adapter
+from control.ops.hostile.artifacts import synth_adapter
 from tests.fuzzing import CASES, FUZZ_EXAMPLES, fuzz
 
 # -- request parameters ------------------------------------------------------------------------
@@ -196,7 +196,7 @@ def _weights(draw: st.DrawFn) -> bytes:
 
 
 def _oracle_valid(config_bytes: bytes, weights: Path) -> str | None:
-    """None if this adapter is valid; else why not (independent of control.validation)."""
+    """None if this adapter is valid; else why not (independent of control.app.validation)."""
     try:
         config = json.loads(config_bytes.decode("utf-8"), object_pairs_hook=_pairs_checked,
                             parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))

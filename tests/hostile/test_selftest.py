@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from control.cli import app
-from control.hostile_report import NOT_APPLICABLE, NOT_TRIED, Report
-from control.hostile_serving import NOT_FORWARDED
-from control.selftest import CATEGORIES
+from control.cli.main import app
+from control.ops.hostile.report import NOT_APPLICABLE, NOT_TRIED, Report
+from control.ops.hostile.serving import NOT_FORWARDED
+from control.ops.selftest import CATEGORIES
 from tests.hostile.conftest import HostileStack
 
 ATTRIBUTION_REQUESTS = 1000
@@ -92,7 +92,7 @@ def test_selftest_without_peft_judges_nothing_and_says_incomplete(
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{Path.cwd()}",
            "LORAPLANE_DB_URL": hostile.settings.db_url}
     proc = subprocess.run(
-        [sys.executable, "-c", "from control.cli import app; app()",
+        [sys.executable, "-c", "from control.cli.main import app; app()",
          *_args(hostile, "--category", "attribution", "--requests", "24", "--clients", "4")],
         env=env, capture_output=True, text=True, timeout=600)
     data = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from backend.kit import KitManifest
-from backend.triton_server import TritonUnavailable, find_triton
-from control.clients import free_port, request_ticket
-from control.config import Settings
-from control.registry import Registry
-from control.serve import Deployment, Ports
+from control.app.registry import Registry
+from control.contracts.config import Settings
+from control.ops.clients import free_port, request_ticket
+from control.ops.kit import KitManifest
+from control.ops.serve import Deployment, Ports
+from control.ops.triton_server import TritonUnavailable, find_triton
+from projections.follower import open_registry
 
 ACTOR = "test-operator"
 # (tenant, alias, kit adapter or None for the base alone)
@@ -76,7 +77,7 @@ def provision(
     Returns (registry, kit, API keys by tenant, digests by kit adapter name).
     """
     kit = KitManifest.load(kit_dir)
-    reg = Registry(settings)
+    reg = open_registry(settings)
     reg.register_base(kit_dir / kit.base_path, kit_dir / kit.tokenizer_path, name="tiny-llama",
                       actor=ACTOR, alias="base")
     keys = {t: reg.create_tenant(t, actor=ACTOR) for t in ("acme", "globex")}

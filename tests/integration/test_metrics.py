@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from control.clients import TritonRefused, generate, request_ticket
+from control.ops.clients import TritonRefused, generate, request_ticket
 from tests.integration.conftest import Stack
 
 ADMIN = "test-operator-token-6"

@@ -8,8 +8,8 @@ import urllib.request
 import openai
 import pytest
 
-from control.clients import generate
-from control.openai_api import MODEL_NOT_FOUND, render_chat
+from control.gateway.openai_api import MODEL_NOT_FOUND, render_chat
+from control.ops.clients import generate
 from tests.integration.conftest import Stack
 
 MAX_TOKENS = 16

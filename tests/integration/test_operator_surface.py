@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from backend.triton_server import PortInUse
-from control.cli import app
-from control.clients import free_port, generate
-from control.serve import Deployment, Ports
+from control.cli.main import app
+from control.ops.clients import free_port, generate
+from control.ops.serve import Deployment, Ports
+from control.ops.triton_server import PortInUse
 from tests.integration.conftest import ACTOR, Stack
 
 pytestmark = pytest.mark.triton

@@ -17,14 +17,15 @@ from pathlib import Path
 import openai
 import pytest
 
-from backend.kit import KitManifest
-from backend.ledger import Ledger
-from backend.triton_server import TritonUnavailable, find_triton
-from control.clients import TritonRefused, free_port, generate, request_ticket
-from control.config import Settings
-from control.db import make_engine
-from control.registry import Registry
-from control.serve import Deployment, Ports
+from control.app.registry import Registry
+from control.contracts.config import Settings
+from control.contracts.db import make_engine
+from control.contracts.ledger import Ledger
+from control.ops.clients import TritonRefused, free_port, generate, request_ticket
+from control.ops.kit import KitManifest
+from control.ops.serve import Deployment, Ports
+from control.ops.triton_server import TritonUnavailable, find_triton
+from projections.follower import open_registry
 from projections.routing import RoutingView
 from tests.fixtures_control import close_registry, postgres_settings
 
@@ -74,7 +75,7 @@ def cluster(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             # the shared artifact store: one volume mounted on every host in production
             (homes[name] / "store").symlink_to(settings["gw-1"].store_dir)
         kit = KitManifest.load(kit_dir)
-        reg = Registry(settings["gw-1"])
+        reg = open_registry(settings["gw-1"])
         reg.register_base(kit_dir / kit.base_path, kit_dir / kit.tokenizer_path,
                           name="tiny-llama", actor=ACTOR)
         keys = {t: reg.create_tenant(t, actor=ACTOR) for t in ("acme", "globex")}

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from backend.ledger import Ledger
-from control.cli import app
-from control.clients import Generation, generate, generate_endpoint, request_ticket
-from control.db import make_engine
+from control.cli.main import app
+from control.contracts.db import make_engine
+from control.contracts.ledger import Ledger
+from control.ops.clients import Generation, generate, generate_endpoint, request_ticket
 from projections.routing import RoutingView
 from tests.integration.conftest import ROUTES, Stack
 from tests.integration.reference import Reference

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from backend.ledger import Ledger
-from control.clients import (
+from control.contracts.db import make_engine
+from control.contracts.ledger import Ledger
+from control.contracts.tickets import GENERIC_REFUSAL
+from control.ops.clients import (
     TritonRefused,
     generate,
     generate_stream_endpoint,
     stream_generate,
 )
-from control.db import make_engine
-from control.tickets import GENERIC_REFUSAL
 from tests.artifacts import perturbed_copy
 from tests.integration.conftest import ACTOR, Stack
 

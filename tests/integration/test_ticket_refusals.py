@@ -12,11 +12,11 @@ import pyseto
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from backend.ledger import Ledger
-from control.audit import audit_log
-from control.clients import TritonRefused, generate
-from control.db import make_engine
-from control.tickets import GENERIC_REFUSAL, IMPLICIT_ASSERTION, TicketSigner
+from control.app.audit import audit_log
+from control.contracts.db import make_engine
+from control.contracts.ledger import Ledger
+from control.contracts.tickets import GENERIC_REFUSAL, IMPLICIT_ASSERTION, TicketSigner
+from control.ops.clients import TritonRefused, generate
 from projections.routing import RoutingView
 from tests.artifacts import perturbed_copy
 from tests.fuzzing import pyseto_key

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from control.clients import TritonRefused, generate
-from control.tickets import GENERIC_REFUSAL
+from control.contracts.tickets import GENERIC_REFUSAL
+from control.ops.clients import TritonRefused, generate
 from tests.integration.conftest import Stack
 
 pytestmark = pytest.mark.triton

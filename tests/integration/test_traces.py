@@ -16,12 +16,12 @@ from typing import Any
 import openai
 import pytest
 
-from backend.kit import KitManifest
-from backend.triton_server import TritonUnavailable, find_triton
-from control.clients import free_port
-from control.config import Settings
-from control.registry import Registry
-from control.serve import Deployment, Ports
+from control.contracts.config import Settings
+from control.ops.clients import free_port
+from control.ops.kit import KitManifest
+from control.ops.serve import Deployment, Ports
+from control.ops.triton_server import TritonUnavailable, find_triton
+from projections.follower import open_registry
 
 ACTOR = "trace-test"
 
@@ -40,7 +40,7 @@ def traced(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory
     settings = Settings(home=home, db_url=f"sqlite:///{home / 'loraplane.db'}")
     settings.ensure_dirs()
     kit = KitManifest.load(kit_dir)
-    reg = Registry(settings)
+    reg = open_registry(settings)
     reg.register_base(kit_dir / kit.base_path, kit_dir / kit.tokenizer_path, name="tiny-llama",
                       actor=ACTOR)
     key = reg.create_tenant("acme", actor=ACTOR)

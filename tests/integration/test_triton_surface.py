@@ -22,9 +22,14 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from backend.triton_access import GRPC_HEADER_PREFIX, OPERATOR_APIS, OPERATOR_HEADER, TENANT_APIS
-from backend.triton_server import TritonProcess, TritonUnavailable, find_triton
-from control.clients import generate
+from control.ops.clients import generate
+from control.ops.triton_access import (
+    GRPC_HEADER_PREFIX,
+    OPERATOR_APIS,
+    OPERATOR_HEADER,
+    TENANT_APIS,
+)
+from control.ops.triton_server import TritonProcess, TritonUnavailable, find_triton
 from tests.integration.conftest import Stack
 
 pytestmark = pytest.mark.triton

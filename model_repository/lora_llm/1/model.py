@@ -1,8 +1,9 @@
-"""Triton entry point for lora_llm (unary): forwards to lora_llm_stream, see backend.front."""
+"""Triton entry point for lora_llm (unary): forwards to lora_llm_stream, see
+backend.triton.front."""
 
 import triton_python_backend_utils as pb_utils
 
-from backend.front import Front
+from backend.triton.front import Front
 
 
 class TritonPythonModel:

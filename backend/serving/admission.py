@@ -1,0 +1,163 @@
+"""Admission checks on a Triton host: the ticket, the governance state it must pass, and the
+request's own parameters. Nothing here reads adapter bytes; only what passes may lease one.
+
+Order, and why: the ticket is verified first (signature, expiry, lifetime cap, model, base and
+tokenizer binding), then checked against governance (its key is not retired; its adapter is not
+revoked; its ``release`` claim names a known release binding exactly the ticket's adapter, base
+and tokenizer), then the request's parameters. Every ticket or governance failure is the one
+generic refusal for the client, with a machine reason for the ledger.
+
+Verified tickets are remembered (:class:`VerifiedTickets`): Ed25519 verification costs more than
+the rest of admission together, and a client sends one ticket with many requests. The memory is
+bounded (LRU), keyed by the exact token string, and every hit checks expiry again; governance is
+checked on every request, hit or not, so a retired key or a revoked adapter takes effect at once.
+A ticket naming an unknown key id makes the host re-read its public keys, at most once per
+:data:`KEY_RELOAD_INTERVAL_S`, so a flood of forged key ids cannot turn into a flood of reloads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from control.contracts.tickets import TicketClaims, TicketRejected, TicketVerifier
+from projections.host_view import GovernanceState
+
+TICKET_PARAM = "lora_ticket"
+TICKET_HEADER = "x-lora-ticket"
+VERIFIED_CACHE_SIZE = 4096
+KEY_RELOAD_INTERVAL_S = 1.0
+
+
+class RequestRefused(Exception):
+    """A request refused before anything was leased; ``reason`` goes to the ledger only.
+
+    ``claims``: the verified ticket's claims when the refusal came after verification (a
+    governance refusal), so the ledger row names the tenant and digest it refused.
+    """
+
+    def __init__(self, reason: str, claims: TicketClaims | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.claims = claims
+
+
+def ticket_from_parameters(raw: str | dict[str, object] | None) -> str:
+    """The ticket string from request parameters (or the forwarded header), else RequestRefused.
+
+    Both present with different values is refused: a client must not be able to smuggle a second
+    ticket past a proxy that inspected the first.
+    """
+    if raw is None or raw == "":
+        raise RequestRefused("missing")
+    if isinstance(raw, str):
+        try:
+            # Duplicate keys or deep nesting: refused, never guessed at or crashed on.
+            params = json.loads(raw, object_pairs_hook=_unique_keys)
+        except (ValueError, RecursionError):
+            raise RequestRefused("parameters") from None
+    else:
+        params = raw
+    if not isinstance(params, dict):
+        raise RequestRefused("parameters")
+    # Header names are case-insensitive: X-Lora-Ticket is the same header as x-lora-ticket.
+    names = (TICKET_PARAM, TICKET_HEADER)
+    found = [v for k, v in params.items() if isinstance(k, str) and k.lower() in names]
+    if not found:
+        raise RequestRefused("missing")
+    if any(not isinstance(v, str) for v in found):
+        raise RequestRefused("encoding")
+    if len(set(found)) > 1:
+        raise RequestRefused("ambiguous")
+    return str(found[0])
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate key")
+    return out
+
+
+class VerifiedTickets:
+    """Ticket verification with a bounded, expiry-honouring memory and rate-limited key reloads."""
+
+    def __init__(self, load_verifier: Callable[[], TicketVerifier], *,
+                 size: int = VERIFIED_CACHE_SIZE,
+                 reload_interval_s: float = KEY_RELOAD_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._load_verifier = load_verifier
+        self._verifier = load_verifier()
+        self._size = size
+        self._reload_interval_s = reload_interval_s
+        self._clock = clock
+        self._last_reload = -math.inf  # the first unknown key may reload at once
+        self._lock = threading.Lock()
+        self._known: OrderedDict[str, TicketClaims] = OrderedDict()
+        self.reloads = 0
+
+    def verify(self, token: str, now: float | None = None) -> TicketClaims:
+        """The claims of a valid ticket, else :class:`TicketRejected`."""
+        t = time.time() if now is None else now
+        with self._lock:
+            claims = self._known.get(token)
+            if claims is not None:
+                if claims.exp > t:
+                    self._known.move_to_end(token)
+                    return claims
+                del self._known[token]  # expired: verified afresh, so refused as expired
+        try:
+            claims = self._verifier.verify(token, now=t)
+        except TicketRejected as e:
+            if e.reason != "unknown_key" or not self._reload_keys():
+                raise
+            claims = self._verifier.verify(token, now=t)
+        with self._lock:
+            self._known[token] = claims
+            while len(self._known) > self._size:
+                self._known.popitem(last=False)
+        return claims
+
+    def _reload_keys(self) -> bool:
+        """Re-read the public keys (a key may have been rotated in), at most once per
+        interval; True when reloaded now."""
+        with self._lock:
+            now = self._clock()
+            if now - self._last_reload < self._reload_interval_s:
+                return False
+            self._last_reload = now
+        verifier = self._load_verifier()
+        with self._lock:
+            self._verifier = verifier
+            self.reloads += 1
+        return True
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._known)
+
+
+def check_governance(claims: TicketClaims, state: GovernanceState) -> None:
+    """Refuse a verified ticket that governance no longer allows (RequestRefused)."""
+    if claims.kid in state.retired_kids:
+        raise RequestRefused("key_retired")
+    not_before = state.tickets_not_before.get(claims.tenant)
+    if not_before is not None and claims.iat <= not_before:
+        # Issued before the tenant's credentials changed; ``iat`` has whole seconds, so a
+        # ticket issued in that same second is refused too (fail closed; the gateway issues
+        # a new one at once).
+        raise RequestRefused("credentials")
+    if claims.adapter is not None and claims.adapter in state.revoked:
+        raise RequestRefused("revoked")
+    if claims.release is None:
+        if claims.adapter is not None:  # every adapter is served through a release manifest
+            raise RequestRefused("release")
+        return
+    bound = state.releases.get(claims.release)
+    if bound is None or (bound.adapter_digest, bound.base_digest, bound.tokenizer_digest) != (
+            claims.adapter, claims.base, claims.tokenizer):
+        raise RequestRefused("release")

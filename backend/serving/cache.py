@@ -1,0 +1,459 @@
+"""The governed adapter cache: which adapters are on the device, on the host, or staged.
+
+Three tiers, each with a byte budget:
+
+- ``device``: the adapter sits in an engine slot (bytes = one whole slot: the engine allocates
+  its slot banks in full, see ``backend.serving.memory``, so a slot costs the same whatever it
+  holds);
+- ``host``: parsed and validated tensors on the host, ready to place (bytes = those tensors);
+- ``store``: the adapter's files were verified against its digest in the artifact store and this
+  host may read them (bytes = the files). The shared store itself is never deleted from; leaving
+  this tier only means the next load verifies the files again.
+
+Rules: least recently used among *unreferenced* adapters goes first; an adapter referenced by a
+queued or running request is never evicted or unloaded; cold loads go through a bounded queue and
+one load worker; each tenant may hold at most ``resident_share`` of the device budget (never less
+than one slot, so every tenant can be served whenever the budget holds an adapter at all) and
+start at most ``loads_per_minute`` cold loads, so one tenant churning versions cannot push
+everyone out. The device budget is, unless given, what the engine's slot banks hold
+(``LORAPLANE_ADAPTER_BYTES``, see ``backend.serving.memory``); an adapter larger than it is refused
+as
+``device_budget``.
+Revocation purges every tier at once and unloads from the device as soon as no request holds it.
+A revoked digest stays in the cache as a tombstone: nothing can load it again, not even a request
+that passed the revocation check just before the revocation landed.
+
+References are held through :class:`backend.serving.lease.Lease` handles, released exactly once; a
+count
+that would go negative raises :class:`backend.serving.lease.InvariantViolation` and is counted,
+never
+clamped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
+
+from backend.serving.engine import AdapterSource, HostAdapter, PreparedAdapter
+from backend.serving.lease import Lease, Violations
+from backend.serving.memory import MemoryPlan
+from control.contracts.config import ADAPTER_BYTES_ENV, ADAPTER_SLOTS_ENV
+
+log = logging.getLogger("loraplane.cache")
+
+class CacheRefused(Exception):
+    """The cache cannot make the adapter resident now; ``reason`` is a short code."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class AdapterPlacement(Protocol):
+    """What the cache needs of the engine."""
+
+    def read_adapter(self, source: AdapterSource) -> HostAdapter: ...
+    def prepare(self, adapter: HostAdapter) -> PreparedAdapter: ...
+    def place(self, digest: str, adapter: PreparedAdapter) -> int: ...
+    def unload_adapter(self, digest: str) -> None: ...
+    def slot_bytes_for(self, adapter: PreparedAdapter) -> int: ...
+    @property
+    def max_adapters(self) -> int: ...
+    @property
+    def plan(self) -> MemoryPlan: ...
+
+
+@dataclass(frozen=True)
+class CacheBudgets:
+    """Byte budgets per tier; ``device_bytes`` None: what the engine's slot banks hold."""
+
+    device_bytes: int | None = None
+    host_bytes: int = 1024 * 2**20
+    store_bytes: int = 4096 * 2**20
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """Per-tenant limits on the shared cache."""
+
+    resident_share: float = 0.5  # of the device budget
+    loads_per_minute: float = 120.0
+    load_burst: int = 16
+    max_pending_loads: int = 64  # the bounded load queue, all tenants together
+    # How long a load waits for a referenced adapter to be released before it is refused
+    # for want of room (every slot, the budget or the tenant's share held by live requests).
+    room_wait_s: float = 10.0
+
+
+@dataclass
+class DigestReport:
+    """What the cache knows of one digest (operators' view)."""
+
+    digest: str
+    tier: str  # device | host | store | none
+    tenant: str | None
+    resident_bytes: int
+    host_bytes: int
+    store_bytes: int
+    active_requests: int
+    hits: int
+    misses: int
+    loads: int
+    load_failures: int
+    last_load_seconds: float | None
+    evictions: dict[str, int]
+    revoked: bool
+
+
+@dataclass
+class _Entry:
+    digest: str
+    tenant: str | None = None
+    path: AdapterSource | None = None  # store tier: verified files
+    store_bytes: int = 0
+    host: PreparedAdapter | None = None  # host tier: prepared for the slots, outside any lock
+    host_bytes: int = 0
+    device_bytes: int = 0
+    on_device: bool = False
+    refs: int = 0
+    hits: int = 0
+    misses: int = 0
+    loads: int = 0
+    load_failures: int = 0
+    last_load_seconds: float | None = None
+    evictions: dict[str, int] = field(default_factory=dict)
+    revoked: bool = False
+    loading: Future[None] | None = None
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    stamp: float
+
+
+# (digest, outcome loaded|failed|unloaded, started_at, seconds, resident bytes, reason)
+LoadEvent = Callable[[str, str, float, float, int | None, str | None], None]
+
+
+class AdapterCache:
+    """Budgets, LRU, references and tenant limits over the engine's adapter slots."""
+
+    def __init__(
+        self,
+        engine: AdapterPlacement,
+        fetch: Callable[[str], AdapterSource],
+        *,
+        budgets: CacheBudgets | None = None,
+        policy: TenantPolicy | None = None,
+        on_event: LoadEvent | None = None,
+        on_purge: Callable[[str], object] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        violations: Violations | None = None,
+    ) -> None:
+        self.engine = engine
+        # One count of broken invariants per host: the engine's, when it keeps one.
+        found = getattr(engine, "violations", None)
+        self.violations = violations or (found if isinstance(found, Violations)
+                                         else Violations())
+        # digest -> the adapter's verified files; the store hands over the very bytes it
+        # hashed, so nothing can change between the check and the parse
+        self.fetch = fetch
+        budgets = budgets or CacheBudgets()
+        self._device_budget = (engine.plan.adapter_capacity_bytes
+                               if budgets.device_bytes is None else budgets.device_bytes)
+        self.budgets = replace(budgets, device_bytes=self._device_budget)
+        self.policy = policy or TenantPolicy()
+        self.on_event = on_event if on_event is not None else (lambda *_: None)
+        self.on_purge = on_purge if on_purge is not None else (lambda _d: None)
+        self.clock = clock
+        self._lock = threading.Condition()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU order: oldest first
+        self._buckets: dict[str | None, _Bucket] = {}
+        self._pending = 0
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def acquire(self, digest: str, tenant: str | None, timeout_s: float = 120.0) -> Lease:
+        """Reference ``digest`` and make it device-resident; blocks while it loads.
+
+        The reference is taken before any load starts, so the adapter cannot be evicted between
+        being placed and being used; the returned lease gives it back, once. Raises
+        ``CacheRefused`` (and holds nothing) on failure.
+        """
+        with self._lock:
+            e = self._entries.get(digest)
+            if e is not None and e.revoked:
+                raise CacheRefused("revoked", "adapter revoked")
+            if e is None:
+                e = self._entries[digest] = _Entry(digest, tenant)
+            self._entries.move_to_end(digest)
+            if e.on_device:
+                e.hits += 1
+                e.refs += 1
+                return self._lease(digest)
+            e.misses += 1
+            future = e.loading
+            if future is None:
+                self._admit_load(tenant)
+                future = e.loading = Future()
+                self._pending += 1
+                threading.Thread(target=self._load, args=(e, tenant, future), daemon=True,
+                                 name="adapter-load").start()
+            e.refs += 1
+        try:
+            future.result(timeout=timeout_s)
+        except BaseException as exc:
+            self._drop_ref(digest)
+            if isinstance(exc, CacheRefused):
+                raise
+            raise CacheRefused("load_failed", "adapter could not be loaded") from exc
+        return self._lease(digest)
+
+    def _lease(self, digest: str) -> Lease:
+        lease = Lease(digest, self.violations)
+        lease.attach(lambda: self._drop_ref(digest))
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        """Release a request's lease: its reference goes; a revoked adapter unloads when the
+        last one goes. Releasing a lease again changes nothing (counted as a violation)."""
+        lease.release()
+
+    def references(self) -> int:
+        """References held by live leases, all adapters together (0 when idle)."""
+        with self._lock:
+            return sum(e.refs for e in self._entries.values())
+
+    def _drop_ref(self, digest: str) -> None:
+        with self._lock:
+            e = self._entries.get(digest)
+            if e is None or e.refs < 1:
+                self.violations.raise_("negative_ref", f"reference on {digest}")
+            assert e is not None
+            e.refs -= 1
+            if e.refs == 0 and e.revoked and e.on_device:
+                self._unload(e, "revoked")
+            if e.refs == 0:
+                self._lock.notify_all()  # a load may be waiting for room
+
+    def _admit_load(self, tenant: str | None) -> None:
+        """Bounded load queue and per-tenant load rate (token bucket); caller holds the lock."""
+        if self._pending >= self.policy.max_pending_loads:
+            raise CacheRefused("load_queue_full", "too many adapter loads queued, retry later")
+        now = self.clock()
+        rate = self.policy.loads_per_minute / 60.0
+        b = self._buckets.get(tenant)
+        if b is None:
+            b = self._buckets[tenant] = _Bucket(float(self.policy.load_burst), now)
+        b.tokens = min(float(self.policy.load_burst), b.tokens + (now - b.stamp) * rate)
+        b.stamp = now
+        if b.tokens < 1.0:
+            raise CacheRefused("load_rate", "adapter load rate exceeded, retry later")
+        b.tokens -= 1.0
+
+    # -- loading ----------------------------------------------------------------------------
+
+    def _load(self, e: _Entry, tenant: str | None, future: Future[None]) -> None:
+        started = time.time()
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                path, host = e.path, e.host
+            if host is None:
+                if path is None:
+                    path = self.fetch(e.digest)  # store read + digest check
+                    nbytes = _dir_bytes(path)
+                    with self._lock:
+                        self._make_room("store", nbytes, e)
+                        e.path, e.store_bytes = path, nbytes
+                # parse, validate and convert to the slots' layout here, with no lock held:
+                # placing then only copies, so a cold load does not stall decoding
+                host = self.engine.prepare(self.engine.read_adapter(path))
+                with self._lock:
+                    self._make_room("host", host.nbytes, e)
+                    e.host, e.host_bytes = host, host.nbytes
+            with self._lock:
+                if e.revoked:
+                    raise CacheRefused("revoked", "adapter revoked")
+                need = self.engine.slot_bytes_for(host)
+                self._make_device_room(e, tenant, need)
+                nbytes = self.engine.place(e.digest, host)
+                e.on_device, e.device_bytes = True, nbytes
+                e.tenant = e.tenant or tenant
+                e.loads += 1
+                e.last_load_seconds = time.perf_counter() - t0
+            self._record(e.digest, "loaded", started, e.last_load_seconds or 0.0, nbytes, None)
+            future.set_result(None)
+        except BaseException as exc:
+            with self._lock:
+                e.load_failures += 1
+            reason = exc.reason if isinstance(exc, CacheRefused) else type(exc).__name__[:64]
+            self._record(e.digest, "failed", started, time.perf_counter() - t0, None, reason)
+            future.set_exception(exc)
+        finally:
+            with self._lock:
+                e.loading = None
+                self._pending -= 1
+                self._lock.notify_all()
+
+    def _make_device_room(self, e: _Entry, tenant: str | None, need: int) -> None:
+        """Evict unreferenced adapters until ``need`` fits the tenant share, budget and slots.
+
+        When every candidate is referenced by queued or running requests, wait (the lock is
+        released meanwhile) up to ``room_wait_s`` for one to be released: those requests finish
+        on their own, so room comes; a refusal only after the wait. Caller holds the lock.
+        """
+        budget = self._device_budget
+        if need > budget:
+            raise CacheRefused("device_budget",
+                               f"one adapter needs {need} bytes of device memory, the adapter "
+                               f"budget ({ADAPTER_BYTES_ENV}) gives {budget}")
+        # At least one slot: a share smaller than an adapter would refuse its tenant everything.
+        share = max(int(self.policy.resident_share * budget), need)
+        deadline = time.monotonic() + self.policy.room_wait_s
+        while True:
+            try:
+                self._evict_for(e, tenant, need, share)
+                return
+            except CacheRefused as refused:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                self._lock.wait(timeout=min(left, 0.5))  # woken when a reference drops
+                if e.revoked:
+                    raise CacheRefused("revoked", "adapter revoked") from refused
+
+    def _evict_for(self, e: _Entry, tenant: str | None, need: int, share: int) -> None:
+        """One attempt at making room; CacheRefused when what blocks it is referenced."""
+
+        def tenant_bytes() -> int:
+            return sum(x.device_bytes for x in self._entries.values()
+                       if x.on_device and x.tenant == tenant)
+
+        if tenant is not None and share < self._device_budget:
+            while tenant_bytes() + need > share:
+                if not self._evict_one("tenant_share", e, tenant=tenant):
+                    raise CacheRefused("tenant_share", "tenant's resident share is in use")
+        while self._used("device") + need > self._device_budget:
+            if not self._evict_one("device_budget", e):
+                raise CacheRefused("no_room", f"the device budget ({ADAPTER_BYTES_ENV}) is held "
+                                              "by running requests")
+        while sum(1 for x in self._entries.values() if x.on_device) >= self.engine.max_adapters:
+            if not self._evict_one("slots_full", e):
+                raise CacheRefused("no_room", f"every adapter slot ({ADAPTER_SLOTS_ENV}) is held "
+                                              "by running requests")
+
+    def _evict_one(self, reason: str, keep: _Entry, tenant: str | None = None) -> bool:
+        for x in self._entries.values():  # oldest first
+            if x is keep or not x.on_device or x.refs > 0:
+                continue
+            if tenant is not None and x.tenant != tenant:
+                continue
+            self._unload(x, reason)
+            return True
+        return False
+
+    def _unload(self, x: _Entry, reason: str) -> None:
+        self.engine.unload_adapter(x.digest)
+        x.on_device, x.device_bytes = False, 0
+        x.evictions[reason] = x.evictions.get(reason, 0) + 1
+        self._record(x.digest, "unloaded", time.time(), 0.0, None, reason)
+
+    def _record(self, digest: str, outcome: str, started: float, seconds: float,
+                nbytes: int | None, reason: str | None) -> None:
+        # The load record is evidence, but a database outage must not wedge the cache: a
+        # waiter would otherwise never learn how the load ended.
+        try:
+            self.on_event(digest, outcome, started, seconds, nbytes, reason)
+        except Exception:
+            log.exception("could not record adapter %s (%s)", outcome, reason)
+
+    def _make_room(self, tier: str, need: int, keep: _Entry) -> None:
+        budget = self.budgets.host_bytes if tier == "host" else self.budgets.store_bytes
+        if need > budget:
+            raise CacheRefused("no_room", f"adapter larger than the {tier} budget")
+        while self._used(tier) + need > budget:
+            victim = next((x for x in self._entries.values() if x is not keep
+                           and x.loading is None and _holds(x, tier)), None)
+            if victim is None:
+                raise CacheRefused("no_room", f"{tier} budget in use")
+            _drop_tier(victim, tier)
+            victim.evictions[f"{tier}_budget"] = victim.evictions.get(f"{tier}_budget", 0) + 1
+
+    def _used(self, tier: str) -> int:
+        if tier == "device":
+            return sum(x.device_bytes for x in self._entries.values() if x.on_device)
+        if tier == "host":
+            return sum(x.host_bytes for x in self._entries.values())
+        return sum(x.store_bytes for x in self._entries.values())
+
+    # -- governance -------------------------------------------------------------------------
+
+    def revoke(self, digest: str) -> None:
+        """Purge ``digest`` from every tier; unload it now or when its last request ends."""
+        with self._lock:
+            e = self._entries.get(digest)
+            if e is None:
+                e = self._entries[digest] = _Entry(digest)
+            e.revoked = True
+            for tier in ("host", "store"):
+                if _holds(e, tier):
+                    _drop_tier(e, tier)
+                    e.evictions["revoked"] = e.evictions.get("revoked", 0) + 1
+            if e.on_device and e.refs == 0:
+                self._unload(e, "revoked")
+        self.on_purge(digest)
+
+    def is_revoked(self, digest: str) -> bool:
+        with self._lock:
+            e = self._entries.get(digest)
+            return bool(e and e.revoked)
+
+    def usage(self) -> dict[str, int]:
+        """Accounted bytes per tier."""
+        with self._lock:
+            return {t: self._used(t) for t in ("device", "host", "store")}
+
+    def report(self) -> dict[str, DigestReport]:
+        """Per digest: tier, bytes, active requests, hits/misses, loads, evictions."""
+        with self._lock:
+            return {
+                d: DigestReport(
+                    digest=d,
+                    tier="device" if e.on_device else "host" if e.host else
+                    "store" if e.path else "none",
+                    tenant=e.tenant, resident_bytes=e.device_bytes, host_bytes=e.host_bytes,
+                    store_bytes=e.store_bytes, active_requests=e.refs, hits=e.hits,
+                    misses=e.misses, loads=e.loads, load_failures=e.load_failures,
+                    last_load_seconds=e.last_load_seconds, evictions=dict(e.evictions),
+                    revoked=e.revoked,
+                )
+                for d, e in self._entries.items()
+            }
+
+
+def _holds(x: _Entry, tier: str) -> bool:
+    return x.host is not None if tier == "host" else x.path is not None
+
+
+def _drop_tier(x: _Entry, tier: str) -> None:
+    if tier == "host":
+        x.host, x.host_bytes = None, 0
+    else:
+        x.path, x.store_bytes = None, 0
+
+
+def _dir_bytes(source: AdapterSource) -> int:
+    if isinstance(source, Mapping):
+        return sum(len(b) for b in source.values())
+    return sum(p.stat().st_size for p in Path(source).rglob("*") if p.is_file())
+

@@ -1,0 +1,888 @@
+"""The multi-LoRA serving engine: many adapters on one shared base, in one mixed batch.
+
+Resident adapters live in stacked slots (``backend.serving.slots``): every ``nn.Linear`` an adapter
+may
+target (``backend.serving.memory.TARGET_MODULES``) is wrapped, when the engine is built, by a
+``SlottedLinear`` holding A/B for all slots; each row of a batch names its slot, slot 0 being the
+all-zero base slot. How many slots, and what they cost, is the memory plan's
+(``backend.serving.memory``):
+a configuration that cannot hold one adapter of the maximum rank is refused before the base
+weights are read. The per-row delta runs the segment or the gather path
+(``backend.serving.lora_ops``), chosen per batch. One forward pass per decoding step serves every
+row.
+
+Rows join and leave between decode steps (``prefill``, ``merge``, ``retain``, ``advance``): that is
+what the continuous-batching scheduler (``backend.serving.scheduler``) drives; ``generate`` drives
+the same
+steps for one fixed batch.
+
+Prompt format (the one the reference kit is trained with, see ``control.ops.kit``): the raw prompt
+text
+tokenized without special tokens (text spelling one stays plain text), with the tokenizer's bos
+token prepended; the continuation
+follows directly and stops at eos or ``max_tokens``.
+
+The engine trusts its caller: adapter directories arrive already verified against their digest.
+It still validates every tensor against the base, because a verified file can still be wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+from collections.abc import Mapping
+from collections.abc import Sequence as Sequence_
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM, PreTrainedConfig
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from backend.serving.lease import Lease, Violations
+from backend.serving.lora_ops import SlotBatch
+from backend.serving.memory import (
+    TARGET_MODULES,
+    AdapterBudget,
+    BaseShapes,
+    MemoryPlan,
+    device_memory,
+    plan_memory,
+    serving_dtype,
+)
+from backend.serving.sampling import InvalidParameter, check_sampling, sample
+from backend.serving.slots import SlotContext, SlotIdentity, SlotsFull, SlotTable, SlottedLinear
+from control.contracts.config import MAX_RANK_ENV
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# An adapter directory, or its files in memory (relative path -> bytes).
+AdapterSource = Path | Mapping[str, bytes]
+_KEY_PREFIX = "base_model.model."
+log = logging.getLogger("loraplane.engine")
+
+# adapter_config.json fields that change what the weights mean; a non-default value is refused
+# rather than silently served wrong. field -> values that are fine.
+_UNSUPPORTED_FLAGS: dict[str, tuple[Any, ...]] = {
+    "use_dora": (False, None),
+    "fan_in_fan_out": (False, None),
+    "bias": ("none", None),
+    "lora_bias": (False, None),
+    "modules_to_save": (None, []),
+    "rank_pattern": ({}, None),
+    "alpha_pattern": ({}, None),
+    "layer_replication": (None, []),
+    "trainable_token_indices": (None, {}, []),
+    "alora_invocation_tokens": (None, []),
+    "use_qalora": (False, None),
+    "use_bdlora": (False, None),
+    "target_parameters": (None, []),
+}
+
+
+class EngineError(Exception):
+    """Base class of the engine's errors."""
+
+
+class AdapterLoadError(EngineError):
+    """An adapter cannot be served on this base; nothing of it stays resident."""
+
+
+class UnknownAdapterError(EngineError, LookupError):
+    """A request or an unload names an adapter that is not resident."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A generation request is malformed (limits, sampling parameters)."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt to continue, with its adapter (by digest) or ``None`` for the bare base."""
+
+    prompt: str
+    adapter: str | None
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 -> greedy
+    top_p: float = 1.0
+    seed: int | None = None  # per request, for reproducible sampling
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The continuation of one request.
+
+    ``text`` excludes the prompt and the eos token; ``token_ids`` are all generated tokens,
+    including the eos that stopped generation, if any; ``tokens_out == len(token_ids)``.
+
+    ``adapter_digest`` is read from the slot that computed the tokens (None: the all-zero base
+    slot), never from the request: it is the evidence of which adapter answered. ``failure``
+    says why the row failed alone, if it did (``numerical``, ``stale_slot``).
+    """
+
+    text: str
+    token_ids: list[int]
+    tokens_in: int
+    tokens_out: int
+    adapter_digest: str | None = None
+    failure: str | None = None
+
+
+@dataclass(frozen=True)
+class _LoraSpec:
+    """What adapter_config.json says, validated."""
+
+    rank: int
+    scaling: float
+
+    @classmethod
+    def from_config(cls, raw: dict[str, Any], max_rank: int) -> _LoraSpec:
+        peft_type = raw.get("peft_type")
+        if peft_type != "LORA":
+            raise AdapterLoadError(f"unsupported adapter type: expected LORA, found {peft_type!r}")
+        for name, fine in _UNSUPPORTED_FLAGS.items():
+            if name in raw and raw[name] not in fine:
+                raise AdapterLoadError(
+                    f"unsupported adapter_config.json: {name}={raw[name]!r} "
+                    f"(supported: {', '.join(repr(v) for v in fine)})"
+                )
+        rank, alpha = raw.get("r"), raw.get("lora_alpha")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise AdapterLoadError(
+                f"adapter_config.json: r must be a positive integer, found {rank!r}"
+            )
+        if rank > max_rank:
+            raise AdapterLoadError(f"adapter rank {rank} exceeds this engine's max_rank "
+                                   f"{max_rank} ({MAX_RANK_ENV})")
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+            raise AdapterLoadError(
+                f"adapter_config.json: lora_alpha must be a number, found {alpha!r}"
+            )
+        rslora = bool(raw.get("use_rslora", False))
+        scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
+        return cls(rank=rank, scaling=float(scaling))
+
+
+
+class AdapterBusyError(EngineError):
+    """An adapter still serves running sequences; it cannot be unloaded yet."""
+
+
+@dataclass(frozen=True)
+class HostAdapter:
+    """One adapter parsed and validated on the host, ready to be placed in a slot."""
+
+    rank: int
+    scaling: float
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> (A [rank, in], B [out, rank])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the host tensors (the host tier's accounting)."""
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
+                   for a, b in self.pairs.values())
+
+
+@dataclass(frozen=True)
+class PreparedAdapter:
+    """An adapter in the slots' dtype and layout, ready to be copied into a free slot.
+
+    Per module: A transposed, ``[in, rank]``, and B transposed with the adapter's scaling folded
+    in, ``[rank, out]``; on a CUDA host, in pinned memory, so the copy into the slot runs
+    asynchronously. Made by :meth:`Engine.prepare` outside every lock: the conversion work is
+    done while decoding goes on, and placing holds the engine's lock only for the copies.
+    """
+
+    rank: int
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> (A^T [in, r], B^T [r, out])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the host tensors (the host tier's accounting)."""
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
+                   for a, b in self.pairs.values())
+
+
+@dataclass
+class Sequence:
+    """One request being generated: its prompt, slot and the tokens produced so far."""
+
+    request: GenerationRequest
+    prompt_ids: list[int]
+    # The request's hold on its slot (the pin; the service attaches its cache reference to the
+    # same lease). Released exactly once, by whoever ends the request.
+    lease: Lease
+    # The slot load this row was admitted on (slot, digest, generation); None: the base slot.
+    # Every forward pass checks the slot still holds exactly this load.
+    holder: SlotIdentity | None
+    generator: torch.Generator | None
+    produced: list[int] = field(default_factory=list)
+    done: bool = False
+    failure: str | None = None  # why this row failed alone: numerical | stale_slot
+
+    @property
+    def slot(self) -> int:
+        """0 = the all-zero base slot; otherwise the slot of the ticket's adapter."""
+        return 0 if self.holder is None else self.holder.slot
+
+    def result(self, text: str) -> GenerationResult:
+        return GenerationResult(text=text, token_ids=list(self.produced),
+                                tokens_in=len(self.prompt_ids), tokens_out=len(self.produced),
+                                adapter_digest=None if self.holder is None else self.holder.digest,
+                                failure=self.failure)
+
+
+@dataclass
+class DecodeBatch:
+    """The running rows and their KV cache; rows join and leave between decode steps."""
+
+    seqs: list[Sequence]
+    keys: list[torch.Tensor]  # per layer [batch, kv_heads, width, head_dim]
+    values: list[torch.Tensor]  # per layer [batch, kv_heads, width, head_dim]
+    mask: torch.Tensor  # [batch, width] long, 0 for left padding
+    last_pos: torch.Tensor  # [batch, 1] long, position of each row's last token
+    logits: torch.Tensor  # [batch, vocab], for each row's next token
+    slots: SlotBatch
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Engine:
+    """One base model serving mixed batches of LoRA adapters held in stacked slots."""
+
+    def __init__(
+        self,
+        base_dir: Path,
+        tokenizer_dir: Path,
+        *,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+        max_rank: int = 64,
+        max_adapters: int | None = None,
+        budget: AdapterBudget | None = None,
+        violations: Violations | None = None,
+    ) -> None:
+        """``max_adapters``: a fixed slot count (tests, benchmarks); otherwise as many slots as
+        ``budget`` (the configured adapter memory, see ``backend.serving.memory``) holds. Raises
+        ``AdapterMemoryError`` before reading any weights when not even one adapter of
+        ``max_rank`` fits."""
+        # Broken lease/pin invariants, counted (and raised) here, exported as a metric.
+        self.violations = violations or Violations()
+        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype is None:
+            dtype = getattr(torch, serving_dtype(self._device.type))
+        self._dtype = dtype
+        self._max_rank = max_rank
+        self.plan: MemoryPlan = plan_memory(
+            BaseShapes.from_dir(Path(base_dir)), max_rank=max_rank,
+            element_size=torch.empty((), dtype=dtype).element_size(),
+            budget=budget or AdapterBudget(), device_bytes=device_memory(str(self._device)),
+            slots=max_adapters)
+        self._lock = threading.RLock()
+        self._tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            Path(tokenizer_dir), local_files_only=True
+        )
+        model = LlamaForCausalLM.from_pretrained(
+            Path(base_dir), dtype=dtype, use_safetensors=True, local_files_only=True
+        )
+        # transformers wraps .to() with a signature mypy misreads
+        self._model: LlamaForCausalLM = model.to(self._device).eval()  # type: ignore[arg-type]
+        self._context = SlotContext()
+        self._table = SlotTable(self.plan.slots)
+        self._slotted = self._wrap_targets()  # module name -> its slot banks
+        log.info("%s", self.plan.describe())
+        self._modules: dict[str, list[str]] = {}  # digest -> modules it targets
+        self._active: dict[int, int] = {}  # slot -> pins held by live sequences
+
+        eos = self._model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if not eos_ids and self._tokenizer.eos_token_id is not None:
+            eos_ids.add(self._tokenizer.eos_token_id)
+        self._eos_ids = frozenset(int(i) for i in eos_ids)
+        pad = self._tokenizer.pad_token_id
+        self._pad_id = int(pad if pad is not None else min(self._eos_ids, default=0))
+
+    # -- properties -------------------------------------------------------------------------
+
+    @property
+    def base_config(self) -> PreTrainedConfig:
+        return self._model.config
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._tokenizer
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def max_adapters(self) -> int:
+        return self._table.capacity
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self._eos_ids
+
+    # -- adapters ---------------------------------------------------------------------------
+
+    def read_adapter(self, source: AdapterSource) -> HostAdapter:
+        """Parse and validate an adapter on the host; nothing becomes resident.
+
+        ``source`` is a directory, or its files already in memory (relative path -> bytes), as
+        the store hands them over after checking those bytes against the digest.
+        """
+        spec = _LoraSpec.from_config(_read_config(source), self._max_rank)
+        pairs = self._validated_pairs(_read_tensors(source), spec)
+        return HostAdapter(rank=spec.rank, scaling=spec.scaling, pairs=pairs)
+
+    def prepare(self, adapter: HostAdapter) -> PreparedAdapter:
+        """The adapter in the slots' dtype and layout (see :class:`PreparedAdapter`); takes no
+        lock, so a cold load's conversion never holds up a decode step."""
+        pin = self._device.type == "cuda"
+        pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        with torch.inference_mode():
+            for name, (a, b) in adapter.pairs.items():
+                at = a.t().to(self._dtype).contiguous()  # [in, rank]
+                bt = (b.float() * adapter.scaling).t().to(self._dtype).contiguous()  # [rank, out]
+                pairs[name] = (at.pin_memory(), bt.pin_memory()) if pin else (at, bt)
+        return PreparedAdapter(rank=adapter.rank, pairs=pairs)
+
+    def place(self, digest: str, adapter: HostAdapter | PreparedAdapter) -> int:
+        """Put a validated adapter in a free slot; return its resident device bytes.
+
+        The engine's lock is held only to choose the slot and issue the copies (asynchronous
+        from pinned memory on CUDA); a :class:`HostAdapter` is prepared first, outside it.
+        """
+        prepared = adapter if isinstance(adapter, PreparedAdapter) else self.prepare(adapter)
+        with self._lock:
+            if self._table.slot_of(digest) is not None:
+                return self.resident_adapters()[digest]
+            modules = sorted(prepared.pairs)
+            wrapped = [self._wrapped(name) for name in modules]
+            try:
+                slot = self._table.allocate(digest).slot
+            except SlotsFull as e:
+                raise AdapterLoadError(str(e)) from None
+            if self._active.get(slot, 0):
+                # A free slot with pins means a lease outlived its load: never reuse it.
+                self._table.release(digest)
+                self.violations.raise_("pinned_unload", f"slot {slot} is free but pinned")
+            with torch.inference_mode():
+                for module, name in zip(wrapped, modules, strict=True):
+                    at, bt = prepared.pairs[name]
+                    module.place(slot, at, bt)
+            self._modules[digest] = modules
+            return self._slot_bytes(digest)
+
+    def load_adapter(self, digest: str, adapter_dir: Path) -> int:
+        """Make an adapter resident under ``digest``; return its resident bytes.
+
+        Loading a digest that is already resident is a no-op. On any error nothing of the
+        adapter stays resident and ``AdapterLoadError`` says what was expected and found.
+        """
+        with self._lock:
+            if self._table.slot_of(digest) is not None:
+                return self._slot_bytes(digest)
+            return self.place(digest, self.read_adapter(adapter_dir))
+
+    def unload_adapter(self, digest: str) -> None:
+        """Drop a resident adapter and zero its slot.
+
+        Raises ``UnknownAdapterError`` if it is not resident and ``AdapterBusyError`` while a
+        running sequence still uses it: its slot must not be handed to another adapter mid-way.
+        """
+        with self._lock:
+            slot = self._table.slot_of(digest)
+            if slot is None:
+                raise UnknownAdapterError(f"adapter not resident: {digest}")
+            if self._active.get(slot, 0):
+                # The cache unloads only unreferenced adapters, so this is a broken invariant
+                # when it comes from the cache; counted either way.
+                self.violations.count("pinned_unload", f"slot {slot}")
+                raise AdapterBusyError("adapter is serving running sequences")
+            for name in self._modules.pop(digest):
+                self._wrapped(name).clear(slot)
+            self._table.release(digest)
+
+    def resident_adapters(self) -> dict[str, int]:
+        """Resident adapter digests and their bytes on the device."""
+        with self._lock:
+            return {d: self._slot_bytes(d) for d in self._table.digests()}
+
+    def slot_of(self, digest: str) -> int | None:
+        """The slot an adapter occupies, or None."""
+        with self._lock:
+            return self._table.slot_of(digest)
+
+    def slot_tensors(self, digest: str) -> list[torch.Tensor]:
+        """The tensor views an adapter occupies on the device (for byte accounting checks): its
+        whole slot, in every target module, whichever modules it changes."""
+        with self._lock:
+            slot = self._table.slot_of(digest)
+            if slot is None:
+                return []
+            out: list[torch.Tensor] = []
+            for m in self._slotted.values():
+                out += [m.a[slot], m.b[slot]]
+            return out
+
+    def base_tensors(self) -> list[torch.Tensor]:
+        """The base model's parameters and buffers (memory accounting)."""
+        return [*self._model.parameters(), *self._model.buffers()]
+
+    def bank_tensors(self) -> list[torch.Tensor]:
+        """Every slot bank, A and B of every target module (memory accounting)."""
+        return [t for m in self._slotted.values() for t in m.banks()]
+
+    def base_slot_is_zero(self) -> bool:
+        """Slot 0 (base rows) is all zero in every module: no sentinel reaches an adapter."""
+        with self._lock:
+            return all(
+                not m.a[0].any() and not m.b[0].any()
+                for m in self._model.modules() if isinstance(m, SlottedLinear)
+            )
+
+    def slot_bytes_for(self, adapter: HostAdapter | PreparedAdapter) -> int:
+        """Device bytes ``adapter`` will occupy once placed: one whole slot (the banks are
+        allocated in full, so a slot costs the same whatever the adapter targets)."""
+        return self.plan.slot_bytes
+
+    def _slot_bytes(self, digest: str) -> int:
+        return self.plan.slot_bytes
+
+    def _validated_pairs(
+        self, tensors: dict[str, torch.Tensor], spec: _LoraSpec
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Module name -> (A, B), each checked against the base's module and the config."""
+        halves: dict[str, dict[str, torch.Tensor]] = {}
+        for key, tensor in tensors.items():
+            if not key.startswith(_KEY_PREFIX) or not key.endswith(
+                (".lora_A.weight", ".lora_B.weight")
+            ):
+                raise AdapterLoadError(
+                    f"unsupported tensor {key!r}: expected "
+                    f"'{_KEY_PREFIX}<module>.lora_A.weight' or '.lora_B.weight'"
+                )
+            module, half = key[len(_KEY_PREFIX) :].rsplit(".", 2)[:2]
+            halves.setdefault(module, {})[half] = tensor
+        if not halves:
+            raise AdapterLoadError("adapter has no LoRA tensors")
+
+        pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for module, found in sorted(halves.items()):
+            if set(found) != {"lora_A", "lora_B"}:
+                raise AdapterLoadError(f"module {module!r}: needs both lora_A and lora_B")
+            try:
+                target = self._model.get_submodule(module)
+            except AttributeError:
+                raise AdapterLoadError(f"module {module!r} does not exist in the base") from None
+            if not isinstance(target, (nn.Linear, SlottedLinear)):
+                raise AdapterLoadError(
+                    f"module {module!r} is a {type(target).__name__}, expected a Linear layer"
+                )
+            if module not in self._slotted:
+                raise AdapterLoadError(
+                    f"module {module!r} has no adapter slots: this engine serves LoRA on "
+                    f"{', '.join(TARGET_MODULES)}"
+                )
+            a, b = found["lora_A"], found["lora_B"]
+            want_a = (spec.rank, target.in_features)
+            want_b = (target.out_features, spec.rank)
+            if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+                raise AdapterLoadError(
+                    f"module {module!r}: expected lora_A {list(want_a)} and lora_B "
+                    f"{list(want_b)}, found {list(a.shape)} and {list(b.shape)}"
+                )
+            if not a.is_floating_point() or not b.is_floating_point():
+                raise AdapterLoadError(f"module {module!r}: LoRA weights must be floating point")
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise AdapterLoadError(f"module {module!r}: LoRA weights are not all finite")
+            pairs[module] = (a, b)
+        return pairs
+
+    def _wrapped(self, name: str) -> SlottedLinear:
+        """The ``SlottedLinear`` at ``name`` (only target modules have one)."""
+        return self._slotted[name]
+
+    def _wrap_targets(self) -> dict[str, SlottedLinear]:
+        """Wrap every target Linear in slot banks for all slots, checked against the plan."""
+        dims = self.plan.shapes.target_dims()
+        targets = [(name, m) for name, m in self._model.named_modules()
+                   if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in dims]
+        if len(targets) != len(dims) * self.plan.shapes.layers:
+            # The plan would count memory the model does not have, or miss some it has.
+            raise EngineError(f"expected {len(dims)} target modules in each of "
+                              f"{self.plan.shapes.layers} layers, found {len(targets)}")
+        wrapped: dict[str, SlottedLinear] = {}
+        for name, module in targets:
+            want = dims[name.rsplit(".", 1)[-1]]
+            if (module.in_features, module.out_features) != want:
+                raise EngineError(f"module {name!r} is {module.in_features}->"
+                                  f"{module.out_features}, the config says {want[0]}->{want[1]}")
+            wrapper = SlottedLinear(module, self._context, self._table.num_slots,
+                                    self._max_rank, self._dtype)
+            parent_name, _, child = name.rpartition(".")
+            setattr(self._model.get_submodule(parent_name), child, wrapper)
+            wrapped[name] = wrapper
+        return wrapped
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        """Prompt token ids: bos, then the prompt's tokens (the kit's prompt format)."""
+        # Prompt text spelling "</s>" stays plain bytes: only the bos added here is special.
+        ids: list[int] = self._tokenizer(
+            prompt, add_special_tokens=False, split_special_tokens=True
+        )["input_ids"]
+        bos = self._tokenizer.bos_token_id
+        return [int(bos), *ids] if bos is not None else list(ids)
+
+    def validate(self, request: GenerationRequest) -> int:
+        """Check one request as ``generate`` would; return its prompt length in tokens.
+
+        Lets a caller refuse one bad request instead of failing the batch it would join.
+        Raises ``UnknownAdapterError`` or ``InvalidRequestError``.
+        """
+        with self._lock:
+            ids, _ = self._prepare_one(request)
+            return len(ids)
+
+    def open_sequence(self, request: GenerationRequest, lease: Lease | None = None) -> Sequence:
+        """Validate a request and pin its adapter's slot until its lease is released.
+
+        ``lease``: the request's lease (the service's, already holding the cache reference);
+        the pin joins it, so one release gives both back. Without one, the sequence gets a
+        lease of its own. On error nothing is pinned.
+        """
+        with self._lock:
+            ids, holder = self._prepare_one(request)
+            if lease is None:
+                lease = Lease(request.adapter, self.violations)
+            if holder is not None:
+                self._active[holder.slot] = self._active.get(holder.slot, 0) + 1
+                lease.attach(lambda: self._unpin(holder))
+            return Sequence(request, ids, lease, holder, self._generator(request))
+
+    def close_sequence(self, seq: Sequence) -> None:
+        """Release the sequence's lease (its slot pin, and what else the lease holds)."""
+        seq.lease.release()
+
+    def _unpin(self, holder: SlotIdentity) -> None:
+        with self._lock:
+            left = self._active.get(holder.slot, 0) - 1
+            if left < 0:
+                self.violations.raise_("negative_pin", f"slot {holder.slot}")
+            if left:
+                self._active[holder.slot] = left
+            else:
+                self._active.pop(holder.slot, None)
+            if self._table.holder(holder.slot) != holder:
+                # The slot was emptied or refilled under a live pin: a row may have been served
+                # by other weights. The scheduler checks before every step; this is the backstop.
+                self.violations.count("stale_slot", f"slot {holder.slot} at unpin")
+
+    def pins(self) -> dict[int, int]:
+        """Slot -> pins held by live sequences (state-machine tests, metrics)."""
+        with self._lock:
+            return dict(self._active)
+
+    def stale_rows(self, seqs: Sequence_[Sequence]) -> list[int]:
+        """Indices of ``seqs`` whose slot no longer holds the load they were admitted on."""
+        with self._lock:
+            return [i for i, s in enumerate(seqs)
+                    if s.holder is not None and self._table.holder(s.holder.slot) != s.holder]
+
+    def slot_identity(self, digest: str) -> SlotIdentity | None:
+        """The slot, digest and load generation of a resident adapter, or None."""
+        with self._lock:
+            return self._table.identity_of(digest)
+
+    def text(self, ids: Sequence_[int]) -> str:
+        """Decode generated ids (eos dropped) to text."""
+        out = self._tokenizer.decode([t for t in ids if t not in self._eos_ids],
+                                     skip_special_tokens=True)
+        assert isinstance(out, str)
+        return out
+
+    def _prepare_one(self, r: GenerationRequest) -> tuple[list[int], SlotIdentity | None]:
+        holder = None
+        if r.adapter is not None:
+            holder = self._table.identity_of(r.adapter)
+            if holder is None:
+                raise UnknownAdapterError(f"adapter not resident: {r.adapter}")
+        try:  # the service checks these at admission already; the engine trusts no caller
+            check_sampling(r.max_tokens, r.temperature, r.top_p, r.seed)
+        except InvalidParameter as e:
+            raise InvalidRequestError(str(e)) from None
+        ids = self.encode(r.prompt)
+        limit = int(getattr(self._model.config, "max_position_embeddings", 0) or 0)
+        if limit and len(ids) + r.max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({r.max_tokens}) exceeds the "
+                f"model's {limit} positions"
+            )
+        return ids, holder
+
+    # -- whole batches (the oracle's entry points) ------------------------------------------
+
+    def next_token_logits(self, requests: Sequence_[GenerationRequest]) -> torch.Tensor:
+        """Logits for the first generated token of each request, in one mixed batch.
+
+        Shape ``[batch, vocab]``, float32. The correctness oracle compares these with PEFT.
+        """
+        with self._lock:
+            seqs = self._open_all(requests)
+            try:
+                if not seqs:
+                    return torch.empty((0, self._model.config.vocab_size))
+                return self.prefill(seqs).logits.float().cpu()
+            finally:
+                for s in seqs:
+                    self.close_sequence(s)
+
+    def generate(self, requests: Sequence_[GenerationRequest]) -> list[GenerationResult]:
+        """Continue every request in one mixed batch, one forward pass per step."""
+        with self._lock:
+            seqs = self._open_all(requests)
+            try:
+                batch = self.prefill(seqs) if seqs else None
+                while batch is not None:
+                    self.choose(batch)
+                    batch = self.retain(batch, [i for i, s in enumerate(batch.seqs)
+                                                if not s.done])
+                    if batch is not None:
+                        self.advance(batch)
+                return [s.result(self.text(s.produced)) for s in seqs]
+            finally:
+                for s in seqs:
+                    self.close_sequence(s)
+
+    def _open_all(self, requests: Sequence_[GenerationRequest]) -> list[Sequence]:
+        for r in requests:  # all or nothing: validate every request before pinning any slot
+            self._prepare_one(r)
+        return [self.open_sequence(r) for r in requests]
+
+    # -- continuous batching steps ----------------------------------------------------------
+
+    def prefill(self, seqs: list[Sequence],
+                cached: dict[int, DecodeBatch] | None = None) -> DecodeBatch:
+        """Run the prompts of new sequences (left-padded, one mixed batch) into a DecodeBatch.
+
+        ``cached`` maps an index of ``seqs`` to a one-row batch restored from a prefix cache;
+        those rows skip the forward pass.
+        """
+        cached = cached or {}
+        todo = [i for i in range(len(seqs)) if i not in cached]
+        with self._lock, torch.inference_mode():
+            parts: list[DecodeBatch] = []
+            if todo:
+                parts.append(self._prefill_rows([seqs[i] for i in todo]))
+            order = todo + [i for i in range(len(seqs)) if i in cached]
+            for i in order[len(todo):]:
+                one = cached[i]
+                parts.append(DecodeBatch([seqs[i]], one.keys, one.values, one.mask,
+                                         one.last_pos, one.logits, one.slots))
+            merged = parts[0]
+            for p in parts[1:]:
+                merged = self.merge(merged, p)
+            # restore request order
+            pos = {i: k for k, i in enumerate(order)}
+            out = self._select(merged, [pos[i] for i in range(len(seqs))])
+            # slots come from the sequences now, never from what a cached entry was built with
+            out.slots = SlotBatch.from_slots([s.slot for s in out.seqs], self._device)
+            return out
+
+    def _prefill_rows(self, seqs: list[Sequence]) -> DecodeBatch:
+        prompts = [s.prompt_ids for s in seqs]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        ids, mask = ids.to(self._device), mask.to(self._device)  # [batch, width]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [batch, width]
+        slots = SlotBatch.from_slots([s.slot for s in seqs], self._device)
+        cache = DynamicCache(config=self._model.config)
+        logits = self._forward(seqs, slots, ids, mask, positions, cache)
+        keys, values = _cache_tensors(cache)
+        return DecodeBatch(list(seqs), keys, values, mask, positions[:, -1:], logits, slots)
+
+    def _forward(self, seqs: list[Sequence], slots: SlotBatch, ids: torch.Tensor,
+                 mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        # Provenance backstop: no row's delta is applied from a slot that no longer holds the
+        # load the row was admitted on. The scheduler drops such rows before each step; reaching
+        # this means a caller skipped that check, so the whole pass is refused.
+        if self.stale_rows(seqs):
+            self.violations.raise_("stale_slot", "a forward pass over a reloaded slot")
+        self._context.batch = slots
+        try:
+            out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                              cache=cache, use_cache=True, logits_to_keep=1)
+        finally:
+            self._context.batch = None
+        logits: torch.Tensor = out.logits[:, -1, :]
+        return logits
+
+    def merge(self, a: DecodeBatch, b: DecodeBatch) -> DecodeBatch:
+        """One batch holding the rows of both; the narrower KV is left-padded to match."""
+        with self._lock, torch.inference_mode():
+            wa, wb = a.mask.shape[1], b.mask.shape[1]
+            width = max(wa, wb)
+
+            def pad_kv(t: torch.Tensor, w: int) -> torch.Tensor:
+                return t if w == width else F.pad(t, (0, 0, width - w, 0))
+
+            def pad_mask(m: torch.Tensor, w: int) -> torch.Tensor:
+                return m if w == width else F.pad(m, (width - w, 0))
+
+            seqs = a.seqs + b.seqs
+            return DecodeBatch(
+                seqs,
+                [torch.cat([pad_kv(x, wa), pad_kv(y, wb)]) for x, y in zip(a.keys, b.keys,
+                                                                         strict=True)],
+                [torch.cat([pad_kv(x, wa), pad_kv(y, wb)]) for x, y in zip(a.values, b.values,
+                                                                         strict=True)],
+                torch.cat([pad_mask(a.mask, wa), pad_mask(b.mask, wb)]),
+                torch.cat([a.last_pos, b.last_pos]),
+                torch.cat([a.logits, b.logits]),
+                SlotBatch.from_slots([s.slot for s in seqs], self._device),
+            )
+
+    def retain(self, batch: DecodeBatch, keep: list[int]) -> DecodeBatch | None:
+        """The batch with only rows ``keep``; None when no row is left."""
+        if not keep:
+            return None
+        if keep == list(range(len(batch))):
+            return batch
+        with self._lock, torch.inference_mode():
+            return self._select(batch, keep)
+
+    def _select(self, batch: DecodeBatch, keep: list[int]) -> DecodeBatch:
+        if keep == list(range(len(batch))):
+            return batch
+        idx = torch.tensor(keep, dtype=torch.long, device=self._device)
+        mask = batch.mask.index_select(0, idx)
+        # drop left columns that are padding for every remaining row
+        used = mask.any(dim=0).nonzero()
+        first = int(used[0]) if used.numel() else 0
+        seqs = [batch.seqs[i] for i in keep]
+        return DecodeBatch(
+            seqs,
+            [k.index_select(0, idx)[:, :, first:] for k in batch.keys],
+            [v.index_select(0, idx)[:, :, first:] for v in batch.values],
+            mask[:, first:],
+            batch.last_pos.index_select(0, idx),
+            batch.logits.index_select(0, idx),
+            SlotBatch.from_slots([s.slot for s in seqs], self._device),
+        )
+
+    def choose(self, batch: DecodeBatch) -> list[int | None]:
+        """Pick each row's next token; mark rows that reached eos or their limit as done.
+
+        A row whose logits are not finite, or whose sampling distribution is not one, fails
+        alone (``failure = "numerical"``, done, no token): the other rows go on.
+        """
+        with torch.inference_mode():
+            logits = batch.logits.float()
+            finite = torch.isfinite(logits).all(dim=-1).tolist()  # [batch]
+            chosen: list[int | None] = [int(t) for t in logits.argmax(dim=-1).tolist()]
+            for i, s in enumerate(batch.seqs):
+                if not finite[i]:
+                    chosen[i] = None
+                elif s.generator is not None:
+                    chosen[i] = sample(logits[i], s.request.temperature, s.request.top_p,
+                                       s.generator)
+        for s, token in zip(batch.seqs, chosen, strict=True):
+            if token is None:
+                s.failure, s.done = "numerical", True
+                continue
+            s.produced.append(token)
+            if token in self._eos_ids or len(s.produced) >= s.request.max_tokens:
+                s.done = True
+        return chosen
+
+    def advance(self, batch: DecodeBatch) -> None:
+        """One decode step: feed each row's last token, extend the KV cache, new logits."""
+        with self._lock, torch.inference_mode():
+            ids = torch.tensor([[s.produced[-1]] for s in batch.seqs], dtype=torch.long,
+                               device=self._device)  # [batch, 1]
+            batch.mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
+            batch.last_pos = batch.last_pos + 1
+            cache = DynamicCache(config=self._model.config)
+            layers: list[Any] = list(cache.layers)
+            for layer, k, v in zip(layers, batch.keys, batch.values, strict=True):
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v
+            batch.logits = self._forward(batch.seqs, batch.slots, ids, batch.mask,
+                                         batch.last_pos, cache)
+            batch.keys, batch.values = _cache_tensors(cache)
+
+    def _generator(self, request: GenerationRequest) -> torch.Generator | None:
+        if request.temperature == 0.0:
+            return None
+        gen = torch.Generator(device=self._device)
+        if request.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(request.seed)
+        return gen
+
+
+def _cache_tensors(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer keys and values ([batch, kv_heads, width, head_dim]) of a filled cache."""
+    layers: list[Any] = list(cache.layers)
+    return [layer.keys for layer in layers], [layer.values for layer in layers]
+
+
+def _read_config(source: AdapterSource) -> dict[str, Any]:
+    try:
+        if isinstance(source, Mapping):
+            if ADAPTER_CONFIG not in source:
+                raise FileNotFoundError(ADAPTER_CONFIG)
+            raw = json.loads(source[ADAPTER_CONFIG].decode("utf-8"))
+        else:
+            raw = json.loads((Path(source) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise AdapterLoadError(f"adapter has no {ADAPTER_CONFIG}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterLoadError(f"{ADAPTER_CONFIG} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise AdapterLoadError(f"{ADAPTER_CONFIG} must hold a JSON object")
+    return raw
+
+
+def _read_tensors(source: AdapterSource) -> dict[str, torch.Tensor]:
+    missing = AdapterLoadError(f"adapter has no {ADAPTER_WEIGHTS} (only safetensors is served)")
+    if isinstance(source, Mapping):
+        if ADAPTER_WEIGHTS not in source:
+            raise missing
+        try:
+            return safetensors_load(source[ADAPTER_WEIGHTS])
+        except (SafetensorError, ValueError) as exc:
+            raise AdapterLoadError(
+                f"{ADAPTER_WEIGHTS} is not a readable safetensors file: {exc}"
+            ) from None
+    path = Path(source) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise missing
+    try:
+        return load_file(path, device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise AdapterLoadError(
+            f"{ADAPTER_WEIGHTS} is not a readable safetensors file: {exc}"
+        ) from None

@@ -1,0 +1,34 @@
+"""The fixed messages a client can receive, and the status each one carries.
+
+Kept free of heavy imports: the forwarding model (``backend.triton.front``) maps a message back to
+its
+status, because Triton 2.51 reports every error of a BLS response as INTERNAL.
+"""
+
+from __future__ import annotations
+
+from control.contracts.tickets import GENERIC_REFUSAL
+
+FAILURE_MESSAGE = "request failed: the adapter could not be served"
+LIMITS_MESSAGE = "request refused: prompt plus max_tokens exceed the model's limits"
+BUSY_MESSAGE = "server busy: too many requests queued, retry later"
+INTERNAL_MESSAGE = "request failed"
+# A sampling parameter out of range: the message names the parameter and its range
+# (backend.serving.sampling.InvalidParameter), about the caller's own input only.
+PARAMETER_PREFIX = "invalid parameter "
+
+# message -> status ("invalid_arg" | "unavailable" | "internal")
+STATUS_OF: dict[str, str] = {
+    GENERIC_REFUSAL: "invalid_arg",
+    LIMITS_MESSAGE: "invalid_arg",
+    FAILURE_MESSAGE: "unavailable",
+    BUSY_MESSAGE: "unavailable",
+    INTERNAL_MESSAGE: "internal",
+}
+
+
+def status_of(message: str) -> str:
+    """The status of one of the fixed messages; anything else is internal."""
+    if message.startswith(PARAMETER_PREFIX):
+        return "invalid_arg"
+    return STATUS_OF.get(message, "internal")

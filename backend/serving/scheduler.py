@@ -1,0 +1,321 @@
+"""Continuous batching: one thread admits new sequences between decode steps and streams tokens.
+
+Each step: drop cancelled rows, admit queued sequences up to ``max_running`` (their prompts run as
+one prefill, or come from the prefix cache, then join the running batch), pick every row's next
+token, hand new text to streaming sinks, finish rows at eos or ``max_tokens``, run one decode step
+for the rest. Queued requests are bounded by ``max_queued``; past it ``submit`` raises ``QueueFull``
+at once, so callers get a clear error instead of an unbounded wait.
+
+Every job ends exactly once (:meth:`Scheduler._end`): that one call releases the sequence's lease
+(its slot pin and cache reference) and tells the sink. A second end is a no-op, counted as a
+``double_finish`` violation. Faults stay as small as they can be:
+
+- a row whose logits or sampling fail (``numerical``) fails alone;
+- a sink that cannot take a streamed piece (client gone) ends only its own request;
+- a row whose slot no longer holds the load it was admitted on fails alone, as
+  ``identity_mismatch``, before the step that would have applied the other weights;
+- an exception that cannot be tied to one row fails every job still live, each exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from backend.serving.engine import DecodeBatch, Engine, GenerationResult, Sequence
+from backend.serving.prefix_cache import PrefixCache, PrefixKey
+from control.contracts.ledger import Outcome
+
+log = logging.getLogger("loraplane.backend")
+
+
+class QueueFull(Exception):
+    """The scheduler holds ``max_queued`` waiting requests already."""
+
+
+class SequenceSink(Protocol):
+    """Where one sequence's output goes; called from the scheduler thread."""
+
+    def cancelled(self) -> bool: ...
+    def token(self, piece: str) -> None: ...
+    def finish(self, result: GenerationResult, outcome: Outcome, reason: str | None) -> None: ...
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """Bounds on concurrent work."""
+
+    max_running: int = 32
+    max_queued: int = 256
+
+    @classmethod
+    def from_env(cls) -> SchedulerLimits:
+        return cls(
+            max_running=int(os.environ.get("LORAPLANE_MAX_RUNNING", cls.max_running)),
+            max_queued=int(os.environ.get("LORAPLANE_MAX_QUEUED", cls.max_queued)),
+        )
+
+
+@dataclass(eq=False)  # jobs are compared by identity: one job, one end
+class _Job:
+    seq: Sequence
+    sink: SequenceSink
+    stream: bool
+    key: PrefixKey | None
+    emitted: str = ""
+    outcome: Outcome | None = None
+    reason: str | None = None
+    finished: bool = False
+
+
+class Scheduler:
+    """Owns the decode loop over one engine."""
+
+    def __init__(self, engine: Engine, limits: SchedulerLimits | None = None,
+                 prefix_cache: PrefixCache[DecodeBatch] | None = None, *,
+                 start: bool = True) -> None:
+        """``start=False``: no thread; the caller drives the loop with :meth:`run_once`
+        (state-machine tests, which need every interleaving to be reproducible)."""
+        self.engine = engine
+        self.limits = limits or SchedulerLimits()
+        self.prefix_cache = prefix_cache
+        self._cv = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._running: list[_Job] = []
+        self._batch: DecodeBatch | None = None
+        self._stop = False
+        self.steps = 0
+        self.ended = 0  # jobs ended (each exactly once)
+        self._thread: threading.Thread | None = None
+        if start:
+            self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+            self._thread.start()
+
+    def submit(self, seq: Sequence, sink: SequenceSink, *, stream: bool = False,
+               key: PrefixKey | None = None) -> None:
+        """Queue an opened sequence; raises ``QueueFull`` past the bound.
+
+        From here on the scheduler owns the sequence's lease and releases it when the job
+        ends; on ``QueueFull`` the caller still owns it.
+        """
+        with self._cv:
+            if self._stop:
+                raise QueueFull("scheduler stopped")
+            if len(self._queue) >= self.limits.max_queued:
+                raise QueueFull(f"server busy: {self.limits.max_queued} requests already queued")
+            self._queue.append(_Job(seq, sink, stream, key))
+            self._cv.notify()
+
+    def load(self) -> tuple[int, int]:
+        """(running, queued) right now."""
+        with self._cv:
+            return len(self._running), len(self._queue)
+
+    def running_batch(self) -> DecodeBatch | None:
+        """The batch being decoded now, or None (memory accounting reads its KV and copies)."""
+        with self._cv:
+            return self._batch
+
+    def stop(self) -> None:
+        """Stop the loop; unfinished sequences end as failed."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        else:
+            self._end_leftover()
+
+    def run_once(self) -> bool:
+        """One turn of the loop, on the caller's thread: admit what fits, one decode step.
+        False when there was nothing to do. Only for a scheduler made with ``start=False``."""
+        if self._thread is not None:
+            raise RuntimeError("this scheduler runs its own thread")
+        with self._cv:
+            if self._stop or (not self._queue and not self._running):
+                return False
+            new = self._admit_from_queue()
+        self._turn(new)
+        return True
+
+    def _admit_from_queue(self) -> list[_Job]:
+        room = self.limits.max_running - len(self._running)
+        return [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._queue and not self._running:
+                    self._cv.wait()
+                if self._stop:
+                    break
+                new = self._admit_from_queue()
+            self._turn(new)
+        self._end_leftover()
+
+    def _turn(self, new: list[_Job]) -> None:
+        try:
+            self._step(new)
+        except Exception:
+            # Not tied to one row: every job still live fails, each exactly once. Jobs this
+            # step already ended (cancelled before start, finished on their first token) are
+            # skipped, never ended again.
+            live = [j for j in dict.fromkeys(self._running + new) if not j.finished]
+            log.exception("decode step failed; failing %d live sequences", len(live))
+            with self._cv:
+                self._running, self._batch = [], None
+            for job in live:
+                self._end(job, Outcome.FAILED, "engine")
+
+    def _end_leftover(self) -> None:
+        with self._cv:
+            leftover = list(self._queue) + self._running
+            self._queue.clear()
+            self._running, self._batch = [], None
+        for job in leftover:
+            if not job.finished:
+                self._end(job, Outcome.FAILED, "shutdown")
+
+    def _step(self, new: list[_Job]) -> None:
+        eng = self.engine
+        starting: list[_Job] = []
+        for job in new:
+            if self._gone(job):
+                self._end(job, Outcome.CANCELLED, job.reason or "before_start")
+            else:
+                starting.append(job)
+        starting = self._without_stale(starting)
+        if starting:
+            joined = eng.prefill([j.seq for j in starting], self._cached(starting))
+            self._remember(starting, joined)
+            batch = joined if self._batch is None else eng.merge(self._batch, joined)
+            with self._cv:
+                self._batch = batch
+                self._running += starting
+        if self._batch is None:
+            return
+        eng.choose(self._batch)
+        self.steps += 1
+        for job in self._running:
+            if job.seq.failure is not None:  # failed alone (numerical): done, no token
+                job.outcome, job.reason = Outcome.FAILED, job.seq.failure
+            elif self._gone(job):
+                job.seq.done, job.outcome = True, Outcome.CANCELLED
+            elif job.stream:
+                self._stream(job)
+        self._retain([i for i, j in enumerate(self._running) if not j.seq.done])
+        if self._batch is None:
+            return
+        # Provenance: a row whose slot was emptied or refilled since admission must not get
+        # this step's delta from whatever the slot holds now.
+        stale = set(eng.stale_rows(self._batch.seqs))
+        if stale:
+            for i in stale:
+                job = self._running[i]
+                job.seq.done, job.seq.failure = True, "stale_slot"
+                job.outcome, job.reason = Outcome.IDENTITY_MISMATCH, "stale_slot"
+            self._retain([i for i in range(len(self._running)) if i not in stale])
+        if self._batch is not None:
+            eng.advance(self._batch)
+
+    def _retain(self, keep: list[int]) -> None:
+        """End the rows not in ``keep`` (done), keep the others in the batch."""
+        assert self._batch is not None
+        kept = set(keep)
+        done = [j for i, j in enumerate(self._running) if i not in kept]
+        batch = self.engine.retain(self._batch, keep)
+        with self._cv:
+            self._running = [self._running[i] for i in keep]
+            self._batch = batch
+        for job in done:
+            self._end(job, job.outcome or Outcome.OK, job.reason)
+
+    def _without_stale(self, jobs: list[_Job]) -> list[_Job]:
+        stale = set(self.engine.stale_rows([j.seq for j in jobs]))
+        for i in sorted(stale):
+            jobs[i].seq.failure = "stale_slot"
+            self._end(jobs[i], Outcome.IDENTITY_MISMATCH, "stale_slot")
+        return [j for i, j in enumerate(jobs) if i not in stale]
+
+    def _gone(self, job: _Job) -> bool:
+        """The client cancelled, or its sink broke (then it is gone too)."""
+        try:
+            return bool(job.sink.cancelled())
+        except Exception:
+            log.warning("a sink failed to answer cancelled(); ending its request", exc_info=True)
+            job.reason = "client_gone"
+            return True
+
+    def _stream(self, job: _Job) -> None:
+        text = self.engine.text(job.seq.produced)
+        # a multi-byte character split across tokens decodes to U+FFFD until it is complete
+        if text.endswith("\ufffd") and not job.seq.done:
+            return
+        if len(text) > len(job.emitted):
+            piece, job.emitted = text[len(job.emitted):], text
+            try:
+                job.sink.token(piece)
+            except Exception:  # the client is gone: this request ends, no other
+                log.info("a streamed piece could not be sent; ending that request")
+                job.seq.done = True
+                job.outcome, job.reason = Outcome.CANCELLED, "client_gone"
+
+    def _end(self, job: _Job, outcome: Outcome, reason: str | None = None) -> None:
+        """End ``job``: release its lease and tell its sink. Exactly once per job."""
+        if job.finished:
+            self.engine.violations.count("double_finish", f"{outcome} after {job.outcome}")
+            return
+        job.finished, job.seq.done = True, True
+        job.outcome, job.reason = outcome, reason
+        self.ended += 1
+        try:
+            self.engine.close_sequence(job.seq)
+        except Exception:
+            log.exception("releasing a lease failed")
+        try:
+            result = job.seq.result(self.engine.text(job.seq.produced))
+            job.sink.finish(result, outcome, reason)
+        except Exception:
+            log.exception("a sink failed to finish")
+
+    # -- prefix cache -----------------------------------------------------------------------
+
+    def _cached(self, new: list[_Job]) -> dict[int, DecodeBatch]:
+        if self.prefix_cache is None:
+            return {}
+        hits: dict[int, DecodeBatch] = {}
+        for i, job in enumerate(new):
+            if job.key is not None:
+                found = self.prefix_cache.get(job.key)
+                if found is not None:
+                    hits[i] = found
+        return hits
+
+    def _remember(self, new: list[_Job], batch: DecodeBatch) -> None:
+        if self.prefix_cache is None:
+            return
+        for i, job in enumerate(new):
+            if job.key is None:
+                continue
+            one = self.engine.retain(batch, [i])
+            assert one is not None
+            if not bool(torch.isfinite(one.logits).all()):
+                continue  # a row that will fail alone is no prompt to remember
+            keys = [k.clone() for k in one.keys]
+            values = [v.clone() for v in one.values]
+            entry = DecodeBatch([], keys, values, one.mask.clone(), one.last_pos.clone(),
+                                one.logits.clone(), one.slots)
+            nbytes = sum(_nbytes(t) for t in keys + values)
+            self.prefix_cache.put(job.key, entry, nbytes)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

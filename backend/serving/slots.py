@@ -1,0 +1,160 @@
+"""Resident adapters as stacked slots: one A and one B tensor per target module for all of them.
+
+Slot 0 is all zero and never handed out: base rows use it, so no index value a batch can hold
+selects a real adapter unless the engine put that adapter's slot there from a verified ticket.
+Ranks are padded with zeros to ``max_rank``; zero rows of A and zero columns of B add exactly
+nothing. The adapter's scaling is folded into B at placement.
+
+The engine builds one ``SlottedLinear`` per target module when it starts, each allocating its banks
+for every slot at once (``backend.serving.memory`` says why and how many slots); a load only
+copies into a slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from backend.serving.lora_ops import SlotBatch, apply_gather, apply_segment
+
+
+class SlotsFull(RuntimeError):
+    """Every slot holds an adapter; one must be unloaded first."""
+
+
+@dataclass
+class SlotContext:
+    """Shared by every ``SlottedLinear``: the rows of the forward pass in progress."""
+
+    batch: SlotBatch | None = None
+
+
+class SlottedLinear(nn.Module):
+    """A base ``nn.Linear`` plus per-row deltas read from stacked slot tensors."""
+
+    def __init__(self, base: nn.Linear, context: SlotContext, num_slots: int, max_rank: int,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.base = base
+        self.context = context
+        dev = base.weight.device
+        # Stored transposed, [slots, in, rank] and [slots, rank, out], so gathered rows feed
+        # batched matmuls contiguously. Slot 0 stays zero.
+        self.a = torch.zeros((num_slots, base.in_features, max_rank), dtype=dtype, device=dev)
+        self.b = torch.zeros((num_slots, max_rank, base.out_features), dtype=dtype, device=dev)
+        self.occupied: set[int] = set()
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def slot_nbytes(self) -> int:
+        """Bytes one slot of this module occupies (A and B, padded rank)."""
+        return (self.a[0].numel() + self.b[0].numel()) * self.a.element_size()
+
+    def banks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole A and B banks, every slot (memory accounting)."""
+        return self.a, self.b
+
+    def place(self, slot: int, at: torch.Tensor, bt: torch.Tensor) -> None:
+        """Copy one adapter's prepared pair into ``slot``: ``at`` = A^T [in, rank], ``bt`` =
+        scaled B^T [rank, out], in the banks' dtype.
+
+        A free slot is all zero (the banks start zero and ``clear`` zeroes a slot when it is
+        freed), so only the adapter's own rank columns are written: the padding stays zero.
+        From pinned host memory the copies are asynchronous; CUDA orders them before the next
+        forward pass on the same stream.
+        """
+        rank = at.shape[1]
+        self.a[slot, :, :rank].copy_(at, non_blocking=True)
+        self.b[slot, :rank].copy_(bt, non_blocking=True)
+        self.occupied.add(slot)
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        self.occupied.discard(slot)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        batch = self.context.batch
+        if batch is None or batch.path == "none" or not self.occupied:
+            return out
+        if batch.path == "segment":
+            segs = tuple(s for s in batch.segments if s[0] in self.occupied)
+            if segs:
+                apply_segment(out, x, self.a, self.b, segs)
+            return out
+        key = id(self)
+        pair = batch.gathered.get(key)
+        if pair is None:
+            # once per batch composition, reused by every decode step until rows change
+            pair = (self.a.index_select(0, batch.slots), self.b.index_select(0, batch.slots))
+            batch.gathered[key] = pair
+        apply_gather(out, x, *pair)
+        return out
+
+
+@dataclass(frozen=True)
+class SlotIdentity:
+    """What one slot holds: an adapter digest and the load that put it there.
+
+    ``generation`` is unique per load (a counter over the table's life), so a slot emptied and
+    filled again, even with the same digest, never looks unchanged to a sequence admitted on the
+    earlier load.
+    """
+
+    slot: int
+    digest: str
+    generation: int
+
+
+class SlotTable:
+    """Which slot each resident adapter digest holds; slot 0 is reserved for the base."""
+
+    def __init__(self, max_adapters: int) -> None:
+        if max_adapters < 1:
+            raise ValueError("max_adapters must be >= 1")
+        self.capacity = max_adapters
+        self._free = list(range(max_adapters, 0, -1))  # pop() hands out 1 first
+        self._by_digest: dict[str, SlotIdentity] = {}
+        self._by_slot: dict[int, SlotIdentity] = {}
+        self._generations = 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.capacity + 1
+
+    def slot_of(self, digest: str) -> int | None:
+        found = self._by_digest.get(digest)
+        return found.slot if found is not None else None
+
+    def identity_of(self, digest: str) -> SlotIdentity | None:
+        return self._by_digest.get(digest)
+
+    def holder(self, slot: int) -> SlotIdentity | None:
+        """What ``slot`` holds now, or None when it is free."""
+        return self._by_slot.get(slot)
+
+    def allocate(self, digest: str) -> SlotIdentity:
+        if not self._free:
+            raise SlotsFull(f"all {self.capacity} adapter slots are in use")
+        self._generations += 1
+        ident = SlotIdentity(self._free.pop(), digest, self._generations)
+        self._by_digest[digest] = self._by_slot[ident.slot] = ident
+        return ident
+
+    def release(self, digest: str) -> int:
+        ident = self._by_digest.pop(digest)
+        del self._by_slot[ident.slot]
+        self._free.append(ident.slot)
+        return ident.slot
+
+    def digests(self) -> list[str]:
+        return list(self._by_digest)

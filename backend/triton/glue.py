@@ -1,0 +1,166 @@
+"""Converts between Triton's Python-backend objects and :mod:`backend.serving.service`.
+
+The engine model (``lora_llm_stream``, decoupled) hands every request to the service and returns
+at once; answers and streamed tokens go back later through each request's response sender, from
+the service's threads. See ``model_repository/README.md`` for why there are two models.
+
+``pb_utils`` is passed in rather than imported, so unit tests can hand in a stand-in; the evidence
+that serving works comes from the integration tests against the real ``tritonserver``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from backend.serving.service import (
+    PREFIX_CACHE_BYTES,
+    Answer,
+    IncomingRequest,
+    LoraService,
+    RevocationSteps,
+)
+from backend.triton.metrics import Telemetry
+from control.contracts.config import Settings
+
+log = logging.getLogger("loraplane.backend")
+
+BASE_DIGEST_ENV = "LORAPLANE_BASE_DIGEST"
+HOST_ID_ENV = "LORAPLANE_HOST_ID"  # the ledger's host column (default: the hostname)
+PREFIX_CACHE_ENV = "LORAPLANE_PREFIX_CACHE_BYTES"  # 0 turns the prompt cache off
+
+
+def _scalar(pb_utils: Any, request: Any, name: str) -> Any:
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return None
+    arr = t.as_numpy().reshape(-1)
+    if arr.size != 1:
+        raise ValueError(f"input {name} must hold exactly one value")
+    return arr[0].item() if hasattr(arr[0], "item") else arr[0]
+
+
+def outputs(pb: Any, text: str, request_id: str, adapter_digest: str) -> list[Any]:
+    """The three output tensors of every answer and streamed piece."""
+
+    def out(name: str, value: str) -> Any:
+        return pb.Tensor(name, np.array([[value.encode("utf-8")]], dtype=np.object_))
+
+    return [out("text_output", text), out("request_id", request_id),
+            out("adapter_digest", adapter_digest)]
+
+
+def error_response(pb: Any, message: str, status: str) -> Any:
+    code = {
+        "invalid_arg": pb.TritonError.INVALID_ARG,
+        "unavailable": pb.TritonError.UNAVAILABLE,
+        "cancelled": getattr(pb.TritonError, "CANCELLED", pb.TritonError.UNAVAILABLE),
+    }.get(status, pb.TritonError.INTERNAL)
+    return pb.InferenceResponse(error=pb.TritonError(message, code))
+
+
+class _ResponseSink:
+    """One request's response sender, as the service's ``AnswerSink``."""
+
+    def __init__(self, glue: TritonGlue, request: Any, incoming: IncomingRequest) -> None:
+        self.glue = glue
+        self.request = request
+        self.incoming = incoming
+        self.sender = request.get_response_sender()
+        self.started = time.time_ns()
+        self.gone = False  # a send failed: the client is gone, its request ends
+        self.pieces_sent = 0
+
+    def cancelled(self) -> bool:
+        return self.gone or bool(self.request.is_cancelled())
+
+    def piece(self, text: str, request_id: str, adapter_digest: str) -> None:
+        pb = self.glue.pb
+        try:
+            self.sender.send(pb.InferenceResponse(output_tensors=outputs(pb, text, request_id,
+                                                                         adapter_digest)))
+            self.pieces_sent += 1
+        except Exception:
+            # Only this request ends (the scheduler sees cancelled() next step); raising would
+            # reach the decode loop that serves every other row.
+            log.info("a streamed piece could not be sent (client gone?)", exc_info=True)
+            self.gone = True
+
+    def answer(self, a: Answer) -> None:
+        pb = self.glue.pb
+        final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            if a.ok and self.incoming.stream and self.pieces_sent:
+                self.sender.send(flags=final)  # every piece went already
+            elif a.ok and self.incoming.stream:
+                # Nothing was generated (eos first): the final response still carries the
+                # request id and digest, so the client can find the request's ledger row.
+                self.sender.send(pb.InferenceResponse(
+                    output_tensors=outputs(pb, "", a.request_id, a.adapter_digest)),
+                    flags=final)
+            elif a.ok:
+                self.sender.send(pb.InferenceResponse(
+                    output_tensors=outputs(pb, a.text, a.request_id, a.adapter_digest)),
+                    flags=final)
+            else:
+                self.sender.send(error_response(pb, a.error, a.status), flags=final)
+        except Exception:
+            log.warning("could not send a response (client gone?)", exc_info=True)
+        self.glue.telemetry.batch_done([self.incoming], [a], self.started)
+
+
+class TritonGlue:
+    """Owns the service for one engine model instance (decoupled)."""
+
+    def __init__(self, pb_utils: Any, args: dict[str, Any] | None = None, *,
+                 steps: Callable[[Settings], RevocationSteps]) -> None:
+        """``steps``: where this host records its revocation steps (the model's entry point
+        passes ``control.app.serving_steps.RegistrySteps``; serving never imports it)."""
+        self.pb = pb_utils
+        logging.basicConfig(level=os.environ.get("LORAPLANE_LOG_LEVEL", "INFO"))
+        base = os.environ.get(BASE_DIGEST_ENV)
+        if not base:
+            raise RuntimeError(f"{BASE_DIGEST_ENV} is not set: which base model should I serve?")
+        self.service = self.make_service(
+            Settings.from_env(), base, host=os.environ.get(HOST_ID_ENV) or None,
+            prefix_cache_bytes=int(os.environ.get(PREFIX_CACHE_ENV, PREFIX_CACHE_BYTES)),
+            steps=steps)
+        self.telemetry = Telemetry.for_service(pb_utils, self.service)
+
+    def make_service(self, settings: Settings, base: str, **kw: Any) -> LoraService:
+        """The service this instance serves through. Test and benchmark model repositories
+        (never the one ``serve`` launches) subclass the glue to wrap it."""
+        return LoraService(settings, base, **kw)
+
+    def _incoming(self, request: Any) -> IncomingRequest:
+        pb = self.pb
+        text = _scalar(pb, request, "text_input")
+        try:
+            return IncomingRequest(
+                text=text,
+                parameters=request.parameters(),
+                max_tokens=_scalar(pb, request, "max_tokens"),
+                temperature=_scalar(pb, request, "temperature"),
+                top_p=_scalar(pb, request, "top_p"),
+                seed=_scalar(pb, request, "seed"),
+                stream=bool(_scalar(pb, request, "stream") or False),
+            )
+        except ValueError:
+            # A malformed optional input: the service refuses an empty prompt type generically.
+            return IncomingRequest(text=None, parameters=request.parameters())
+
+    def execute(self, requests: list[Any]) -> None:
+        """Hand every request to the service; answers leave later through response senders."""
+        for r in requests:
+            incoming = self._incoming(r)
+            self.service.submit(incoming, _ResponseSink(self, r, incoming))
+
+    def close(self) -> None:
+        self.service.close()
+        self.telemetry.close()
+        log.info("lora_llm engine instance finalised")

@@ -1,0 +1,150 @@
+"""Release manifests, evaluation reports and chat templates as content-addressed documents.
+
+Each document is stored in the artifact store as a directory holding one canonical JSON file
+(sorted keys, no whitespace), so it is named by the one digest rule of
+``control.contracts.digests`` and
+can be fetched back by digest. A release manifest names everything that decides what a request
+on that release computes: adapter, base, tokenizer, chat template, inference defaults and the
+evaluation report that let it into canary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from control.contracts.digests import directory_digest
+from control.contracts.store import ArtifactStore
+from control.domain import DomainError
+
+MANIFEST_FILE = "release.json"
+REPORT_FILE = "evaluation.json"
+TEMPLATE_FILE = "chat_template.json"
+MAX_REPORT_BYTES = 1 << 20
+MAX_SUMMARY_KEYS = 32
+
+
+class InferenceDefaults(BaseModel):
+    """Generation defaults a release ships with (what a client gets when it sets nothing)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    max_tokens: int | None = Field(default=None, ge=1, le=8192)
+    temperature: float | None = Field(default=None, ge=0.0, le=5.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: list[str] | None = Field(default=None, max_length=8)
+
+
+def canonical_json(data: Any) -> bytes:
+    """Sorted keys, compact separators, UTF-8: one byte string per JSON value."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False).encode("utf-8")
+
+
+def put_document(store: ArtifactStore, file_name: str, data: Any) -> str:
+    """Store ``data`` as canonical JSON under its digest; return the digest."""
+    with tempfile.TemporaryDirectory(prefix="lp-doc-") as tmp:
+        d = Path(tmp) / "doc"
+        d.mkdir()
+        (d / file_name).write_bytes(canonical_json(data))
+        digest = directory_digest(d)
+        store.put(d, digest)
+    return digest
+
+
+def get_document(store: ArtifactStore, file_name: str, digest: str) -> Any:
+    """The JSON document stored under ``digest`` (bytes checked against the digest)."""
+    return json.loads((store.verify(digest) / file_name).read_text(encoding="utf-8"))
+
+
+def parse_defaults(data: dict[str, Any] | None) -> dict[str, Any]:
+    """Validate inference defaults; return them without unset fields."""
+    try:
+        return InferenceDefaults(**(data or {})).model_dump(exclude_none=True)
+    except (ValidationError, TypeError) as e:
+        raise DomainError(f"invalid inference defaults: {_first_error(e)}") from None
+
+
+def _first_error(e: Exception) -> str:
+    if isinstance(e, ValidationError) and e.errors():
+        err = e.errors()[0]
+        return f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}"
+    return "expected an object"
+
+
+def load_report(path: Path) -> dict[str, Any]:
+    """Read an evaluation report: a JSON object of at most 1 MiB, no NaN or infinity."""
+    if not path.is_file() or path.stat().st_size > MAX_REPORT_BYTES:
+        raise DomainError(f"evaluation report must be a JSON file of at most {MAX_REPORT_BYTES} "
+                          "bytes")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constants)
+    except (UnicodeDecodeError, ValueError):
+        raise DomainError("evaluation report is not valid JSON") from None
+    return check_report(data)
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def check_report(data: Any) -> dict[str, Any]:
+    """An evaluation report is a non-empty JSON object."""
+    if not isinstance(data, dict) or not data:
+        raise DomainError("evaluation report must be a non-empty JSON object")
+    try:
+        canonical_json(data)
+    except ValueError:
+        raise DomainError("evaluation report must not hold NaN or infinity") from None
+    return data
+
+
+def report_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """The report's top-level scalar fields (numbers, booleans, short strings) for the event."""
+    out: dict[str, Any] = {}
+    for key in sorted(report)[:MAX_SUMMARY_KEYS]:
+        v = report[key]
+        number = isinstance(v, (int, float)) and math.isfinite(v)
+        if number or isinstance(v, bool) or (isinstance(v, str) and len(v) <= 64):
+            out[str(key)[:64]] = v
+    return out
+
+
+def manifest(
+    *,
+    tenant: str | None,
+    adapter_digest: str | None,
+    base_digest: str,
+    tokenizer_digest: str,
+    chat_template_digest: str | None,
+    inference_defaults: dict[str, Any],
+    evaluation_report_digest: str | None,
+) -> dict[str, Any]:
+    """The release manifest document (what its digest covers)."""
+    return {
+        "kind": "loraplane.release/v1",
+        "tenant": tenant,
+        "adapter_digest": adapter_digest,
+        "base_digest": base_digest,
+        "tokenizer_digest": tokenizer_digest,
+        "chat_template_digest": chat_template_digest,
+        "inference_defaults": inference_defaults,
+        "evaluation_report_digest": evaluation_report_digest,
+    }
+
+
+def chat_template_digest(store: ArtifactStore, tokenizer_digest: str) -> str | None:
+    """The digest of the tokenizer's chat template, stored as a document; None if it has none."""
+    try:
+        config = json.loads((store.path(tokenizer_digest) / "tokenizer_config.json")
+                            .read_text(encoding="utf-8"))
+    except (OSError, ValueError, KeyError):
+        return None
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    if not template:
+        return None
+    return put_document(store, TEMPLATE_FILE, {"chat_template": template})

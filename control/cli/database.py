@@ -1,0 +1,70 @@
+"""``loraplane db status`` and ``loraplane db upgrade``: the schema versions of the database.
+
+Registered on the typer app of control.cli.base. See ``control/contracts/schema.py`` for the
+components and
+why opening a database never upgrades it by itself.
+"""
+
+from __future__ import annotations
+
+import typer
+from sqlalchemy.engine import Engine
+
+from control.app import integrity  # noqa: F401  (declares the audit schema component)
+from control.cli.base import _as_dict, _table, app, emit, errors, settings
+from control.contracts import ledger  # noqa: F401  (declares the ledger schema component)
+from control.contracts.config import Settings
+from control.contracts.db import make_engine
+from control.contracts.schema import require_current, status, upgrade
+from projections import tables  # noqa: F401  (declares the projections schema component)
+
+db_app = typer.Typer(no_args_is_help=True, help="Database schema versions: status, upgrade.")
+app.add_typer(db_app, name="db")
+
+_NOTES = {
+    "absent": "created at the latest version on first use (or by `db upgrade`)",
+    "current": "",
+    "outdated": "run `loraplane db upgrade`",
+    "newer": "this loraplane is older than the database: upgrade loraplane",
+}
+
+
+def require_schema(s: Settings) -> None:
+    """Start-up check for long-running commands: refuse a database this code cannot use."""
+    require_current(make_engine(s.db_url))
+
+
+@db_app.command("status")
+def db_status() -> None:
+    """Each component's schema version: found, expected, and what to do. Exit 1 if any needs
+    an upgrade or is newer than this loraplane."""
+    s = settings()
+    with errors():
+        found = status(make_engine(s.db_url))
+    rows = [{**_as_dict(f), "state": f.state, "note": _NOTES[f.state]} for f in found]
+    emit(rows, lambda: _table(["component", "found", "expected", "state", "note"], rows,
+                              title="database schema"))
+    if any(f.state in ("outdated", "newer") for f in found):
+        raise typer.Exit(1)
+
+
+@db_app.command("upgrade")
+def db_upgrade() -> None:
+    """Bring every component to this loraplane's version (stop the services first).
+
+    The ledger and audit tables are altered in place, keeping every row; the projection tables
+    are dropped and rebuilt from the event store. Running it again changes nothing.
+    """
+    from projections.follower import ProjectionFollower
+
+    s = settings()
+
+    def rebuild(engine: Engine) -> int:
+        # Only called after the projection tables were dropped and created afresh.
+        return ProjectionFollower.from_settings(s).rebuild_into(engine)
+
+    with errors():
+        changes = upgrade(make_engine(s.db_url), rebuild=rebuild)
+    rows = [_as_dict(c) for c in changes]
+    emit(rows, lambda: _table(["component", "before", "after", "action", "detail"], rows,
+                              title="database schema upgrade"))

@@ -1,0 +1,81 @@
+"""CLI verbs for this area; registered on the typer apps of control.cli.base.
+
+``loraplane bench engine``  the multi-LoRA engine's ratios (see ``backend.bench.engine``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from control.cli.base import bench_app, console, emit, err_console, errors, state
+
+
+@bench_app.command("engine")
+def bench_engine(
+    reps: Annotated[int, typer.Option(
+        help="Runs per in-process measurement (best of).")] = 2,
+    triton: Annotated[bool, typer.Option(
+        help="Also measure through real tritonservers (governed and open, side by side).")
+    ] = True,
+    triton_runs: Annotated[int | None, typer.Option(
+        help="Alternating runs of each side for governed_vs_open, reported as median and "
+             "spread; at least 5 (default: backend.bench.engine.TRITON_RUNS, 15).")] = None,
+) -> None:
+    """Engine ratios vs base, PEFT, one stream, in-process and an open (ungoverned) engine."""
+    from backend.bench.engine import TRITON_RUNS, run_bench
+
+    def progress(msg: str) -> None:
+        if not state.json:
+            err_console.print(f"[dim]{msg}[/dim]")
+
+    with errors():
+        result = run_bench(reps, triton=triton, progress=progress,
+                           triton_runs=TRITON_RUNS if triton_runs is None else triton_runs)
+
+    def human() -> None:
+        t = Table(title="loraplane bench engine (ratios measured side by side in one run)")
+        for col in ("key", "ratio", "goal", "met"):
+            t.add_column(col)
+        for key, goal in result["goals"].items():
+            ratio: Any = result["ratios"][key]
+            met = result["met"][key]
+            t.add_row(key, "n/a" if ratio is None else f"{ratio:.2f}", goal,
+                      "n/a" if met is None else ("yes" if met else "NO"))
+        console.print(t)
+        m = Table(title="measurements")
+        m.add_column("what")
+        m.add_column("value")
+        for k, v in result["measurements"].items():
+            m.add_row(k, f"{v:.4g}")
+        console.print(m)
+        side = result["governed_vs_open"]
+        if side is not None:
+            console.print(_side_by_side_table(side))
+        console.print(f"setup: {result['setup']}")
+
+    emit(result, human)
+
+
+def _side_by_side_table(side: dict[str, Any]) -> Table:
+    """governed_vs_open: each side's tokens/s spread, the per-round ratios, the cross-checks."""
+    t = Table(title=f"governed_vs_open: {side['runs_each']} runs each, {side['order']}; "
+                    f"ratio of medians {side['ratio_of_medians']:.3f}")
+    for col in ("what", "median", "min", "q1", "q3", "max"):
+        t.add_column(col)
+    for key in ("governed_tokens_per_s", "open_tokens_per_s", "round_ratios"):
+        s = side[key]
+        fmt = "{:.3f}" if key == "round_ratios" else "{:.1f}"
+        t.add_row(key, *(fmt.format(s[k]) for k in ("median", "min", "q1", "q3", "max")))
+    ci = side["round_ratio_median_interval"]
+    t.add_row(f"median round ratio, {ci['coverage']:.0%} interval", "",
+              f"{ci['low']:.3f}", "", "", f"{ci['high']:.3f}")
+    t.add_row("distinguishable from 1", "yes" if side["distinguishable_from_1"] else "no")
+    tokens = side["tokens"]
+    t.caption = (f"tokens returned: governed {tokens['governed_returned']} (ledger "
+                 f"{tokens['governed_ledger']}), open {tokens['open_returned']}; open ledger "
+                 f"rows {side['open_ledger_rows']}; answers differing between the sides "
+                 f"{side['answers_differing_between_sides']}")
+    return t

@@ -1,0 +1,182 @@
+"""Where loraplane keeps its state, configured by environment variables.
+
+``LORAPLANE_HOME`` (default ``./.loraplane``) holds the SQLite database, the artifact store and the
+ticket keys. ``LORAPLANE_DB_URL`` overrides the database (one URL for the event store, the
+projections and the request ledger). Every process of a deployment reads the same two variables.
+
+Ticket lifetime: ``LORAPLANE_TICKET_TTL_S`` (default 300) is what a gateway signs;
+``LORAPLANE_TICKET_MAX_TTL_S`` (default 300, at most 3600) is the longest lifetime a Triton host
+accepts, so neither a misconfigured gateway nor a leaked signing key can mint day-long tickets.
+A lifetime above the cap, or one that is not a positive whole number of seconds, is refused when
+the settings are read, before anything starts.
+
+Adapter memory on a Triton host (see ``backend/serving/memory.py`` for how the plan is computed):
+``LORAPLANE_ADAPTER_BYTES`` (device bytes for the adapter slot banks; unset: a share of the device
+memory left after the base weights), ``LORAPLANE_ADAPTER_SLOTS`` (cap on resident adapters,
+default 64), ``LORAPLANE_MAX_RANK`` (default 64; every slot is padded to it) and
+``LORAPLANE_TENANT_RESIDENT_SHARE`` (the part of the adapter memory one tenant may hold, default
+0.5, never less than one slot). A malformed value is refused when the settings are read.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_TICKET_TTL_S = 300
+DEFAULT_TICKET_MAX_TTL_S = 300
+# Tickets live minutes (design): even an operator cannot raise the cap past an hour.
+CEILING_TICKET_MAX_TTL_S = 3600
+DEFAULT_MAX_RANK = 64
+DEFAULT_ADAPTER_SLOTS = 64
+DEFAULT_RESIDENT_SHARE = 0.5
+MODEL_NAME = "lora_llm"
+TICKET_TTL_ENV = "LORAPLANE_TICKET_TTL_S"
+TICKET_MAX_TTL_ENV = "LORAPLANE_TICKET_MAX_TTL_S"
+MAX_RANK_ENV = "LORAPLANE_MAX_RANK"
+ADAPTER_BYTES_ENV = "LORAPLANE_ADAPTER_BYTES"
+ADAPTER_SLOTS_ENV = "LORAPLANE_ADAPTER_SLOTS"
+RESIDENT_SHARE_ENV = "LORAPLANE_TENANT_RESIDENT_SHARE"
+_BYTE_UNITS = {"": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_BYTES_RE = re.compile(r"^(\d+)\s*(KiB|MiB|GiB|TiB)?$")
+
+
+class ConfigError(ValueError):
+    """A setting is missing its form or its range; the message names the variable."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path
+    db_url: str
+    max_rank: int = DEFAULT_MAX_RANK
+    ticket_ttl_s: int = DEFAULT_TICKET_TTL_S
+    ticket_max_ttl_s: int = DEFAULT_TICKET_MAX_TTL_S
+    model_name: str = MODEL_NAME
+    adapter_bytes: int | None = None  # None: derived from the device's memory
+    adapter_slots: int = DEFAULT_ADAPTER_SLOTS
+    resident_share: float = DEFAULT_RESIDENT_SHARE
+
+    def __post_init__(self) -> None:
+        check_ticket_lifetime(self.ticket_ttl_s, self.ticket_max_ttl_s)
+        check_adapter_memory_settings(self.max_rank, self.adapter_bytes, self.adapter_slots,
+                                      self.resident_share)
+
+    def memory_env(self) -> dict[str, str]:
+        """The adapter memory settings as environment variables, for a Triton host started from
+        these settings: the plan ``serve`` checks before launch is the one the engine builds."""
+        return {
+            MAX_RANK_ENV: str(self.max_rank),
+            ADAPTER_BYTES_ENV: "" if self.adapter_bytes is None else str(self.adapter_bytes),
+            ADAPTER_SLOTS_ENV: str(self.adapter_slots),
+            RESIDENT_SHARE_ENV: repr(self.resident_share),
+        }
+
+    @property
+    def store_dir(self) -> Path:
+        return self.home / "store"
+
+    @property
+    def keys_dir(self) -> Path:
+        return self.home / "keys"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.home / "run"
+
+    @classmethod
+    def from_env(cls, home: Path | None = None) -> Settings:
+        """Settings from the environment; ``home`` overrides ``LORAPLANE_HOME``.
+
+        Raises ConfigError for a ticket lifetime that is malformed or above its cap, and for
+        adapter memory settings that are malformed or out of range."""
+        home = (home or Path(os.environ.get("LORAPLANE_HOME", ".loraplane"))).resolve()
+        db_url = os.environ.get("LORAPLANE_DB_URL") or f"sqlite:///{home / 'loraplane.db'}"
+        return cls(
+            home=home,
+            db_url=db_url,
+            max_rank=_whole(MAX_RANK_ENV, DEFAULT_MAX_RANK),
+            ticket_ttl_s=_seconds(TICKET_TTL_ENV, DEFAULT_TICKET_TTL_S),
+            ticket_max_ttl_s=_seconds(TICKET_MAX_TTL_ENV, DEFAULT_TICKET_MAX_TTL_S),
+            adapter_bytes=_bytes(ADAPTER_BYTES_ENV),
+            adapter_slots=_whole(ADAPTER_SLOTS_ENV, DEFAULT_ADAPTER_SLOTS),
+            resident_share=_fraction(RESIDENT_SHARE_ENV, DEFAULT_RESIDENT_SHARE),
+        )
+
+    def ensure_dirs(self) -> None:
+        for d in (self.home, self.store_dir, self.keys_dir, self.run_dir):
+            d.mkdir(parents=True, exist_ok=True)
+
+
+def _seconds(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a whole number of seconds, not {raw!r}") from None
+
+
+def _whole(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a whole number, not {raw!r}") from None
+
+
+def _bytes(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    found = _BYTES_RE.match(raw)
+    if found is None:
+        raise ConfigError(f"{name} must be a whole number of bytes, optionally with a unit "
+                          f"(KiB, MiB, GiB, TiB; for example 24GiB), not {raw!r}")
+    return int(found.group(1)) * _BYTE_UNITS[found.group(2) or ""]
+
+
+def _fraction(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number between 0 and 1, not {raw!r}") from None
+
+
+def check_adapter_memory_settings(max_rank: int, adapter_bytes: int | None, adapter_slots: int,
+                                  resident_share: float) -> None:
+    """Raise ConfigError for adapter memory settings out of range (the plan itself, whether
+    they hold one adapter on a given base and device, is ``backend.serving.memory``'s to check)."""
+    if type(max_rank) is not int or max_rank < 1:
+        raise ConfigError(f"{MAX_RANK_ENV} must be a positive whole number, not {max_rank!r}")
+    if adapter_bytes is not None and (type(adapter_bytes) is not int or adapter_bytes < 1):
+        raise ConfigError(f"{ADAPTER_BYTES_ENV} must be a positive number of bytes, "
+                          f"not {adapter_bytes!r}")
+    if type(adapter_slots) is not int or adapter_slots < 1:
+        raise ConfigError(f"{ADAPTER_SLOTS_ENV} must be a positive whole number, "
+                          f"not {adapter_slots!r}")
+    if not 0.0 < resident_share <= 1.0:
+        raise ConfigError(f"{RESIDENT_SHARE_ENV} must be above 0 and at most 1, "
+                          f"not {resident_share!r}")
+
+
+def check_ticket_lifetime(ttl_s: int, max_ttl_s: int) -> None:
+    """Raise ConfigError unless 0 < ttl_s <= max_ttl_s <= CEILING_TICKET_MAX_TTL_S."""
+    for name, value in ((TICKET_TTL_ENV, ttl_s), (TICKET_MAX_TTL_ENV, max_ttl_s)):
+        if type(value) is not int or value <= 0:
+            raise ConfigError(f"{name} must be a positive whole number of seconds, not {value!r}")
+    if max_ttl_s > CEILING_TICKET_MAX_TTL_S:
+        raise ConfigError(f"{TICKET_MAX_TTL_ENV} is at most {CEILING_TICKET_MAX_TTL_S} seconds "
+                          f"(tickets live minutes), not {max_ttl_s}")
+    if ttl_s > max_ttl_s:
+        raise ConfigError(f"{TICKET_TTL_ENV}={ttl_s} is above the ticket lifetime cap "
+                          f"{TICKET_MAX_TTL_ENV}={max_ttl_s}: Triton hosts would refuse every "
+                          "ticket; lower the lifetime or raise the cap")

@@ -1,0 +1,456 @@
+"""OpenAI-compatible routes of the gateway: ``/v1/models``, ``/v1/completions``,
+``/v1/chat/completions`` (with SSE streaming).
+
+The caller authenticates with its tenant API key (``Authorization: Bearer``). ``model`` is an
+alias the tenant is granted: the gateway resolves it on the routing projection, signs a routing
+ticket exactly as ``POST /v1/tickets`` would, and forwards the request with that ticket to
+Triton's generate extension (``/v2/models/lora_llm/generate``, ``generate_stream`` when
+streaming). An unknown, ungranted, unservable or revoked name gets one fixed 404 that names
+nothing else; there is never a fallback to another model.
+
+Chat template. The reference kit has none, so chat messages are rendered with this documented
+role-prefixed template (one line per message, then the assistant's turn)::
+
+    system: <content>\\n
+    user: <content>\\n
+    assistant: <content>\\n
+    ...
+    assistant:
+
+Token usage comes from the request's ledger row (written by the backend before it answers), so
+``usage`` reports exactly what the ledger recorded.
+
+Streaming. Where the hosts serve the decoupled engine model ``lora_llm_stream`` (continuous
+batching), a streamed request goes to its ``generate_stream`` with ``stream: true`` and every
+token piece becomes one SSE chunk. Where they do not, the request goes to ``lora_llm``'s
+``generate_stream`` and its single answer becomes one chunk holding the whole completion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import sqlalchemy as sa
+from aiohttp import web
+
+from control.contracts.telemetry import span, traceparent_of
+from control.gateway.observability import GatewayMetrics
+from control.gateway.ticket_office import NotGranted, TicketOffice
+from projections.tables import grants
+
+log = logging.getLogger("loraplane.gateway")
+
+MAX_BODY = 64 * 1024
+MAX_TOKENS_LIMIT = 512
+DEFAULT_MAX_TOKENS = 16
+ROLES = ("system", "user", "assistant")
+MODEL_NOT_FOUND = "The model does not exist or you do not have access to it."
+
+
+@dataclass
+class Upstream:
+    """Triton hosts to forward to, taken in turn; a host that refuses connections is skipped."""
+
+    urls: list[str]  # host:port of Triton's HTTP endpoint
+    model: str = "lora_llm"
+    session: aiohttp.ClientSession | None = None
+    tracer: Any = None
+    metrics: GatewayMetrics | None = None
+    _turn: itertools.count[int] | None = None
+    _models: dict[str, frozenset[str]] | None = None
+
+    def order(self) -> list[str]:
+        if self._turn is None:
+            self._turn = itertools.count()
+        k = next(self._turn) % len(self.urls)
+        return self.urls[k:] + self.urls[:k]
+
+    async def target(self, stream: bool) -> tuple[str, frozenset[str]]:
+        """The model to call and its input names. Streaming goes to ``<model>_stream`` (the
+        decoupled engine model) where the hosts serve it; otherwise, and always for a plain
+        completion, to ``model``. Read once from the first host that answers (every host serves
+        the same model repository)."""
+        if self._models is None:
+            assert self.session is not None
+            found: dict[str, frozenset[str]] = {}
+            for url in self.urls:
+                try:
+                    for name in (self.model, self.model + "_stream"):
+                        async with self.session.get(
+                                f"http://{url}/v2/models/{name}/config") as r:
+                            if r.status == 200:
+                                cfg = await r.json(content_type=None)
+                                found[name] = frozenset(str(i.get("name"))
+                                                        for i in cfg.get("input", []))
+                except aiohttp.ClientConnectionError:
+                    continue
+                break
+            if self.model not in found:
+                raise ApiError(503, "the model is busy or unavailable; retry", "server_error")
+            self._models = found
+        name = self.model + "_stream" if stream and self.model + "_stream" in self._models \
+            else self.model
+        return name, self._models[name]
+
+
+UPSTREAM_KEY = web.AppKey("openai_upstream", Upstream)
+OFFICE_KEY = web.AppKey("openai_office", TicketOffice)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code = status, message, kind, code
+
+    def response(self) -> web.Response:
+        return web.json_response({"error": {"message": self.message, "type": self.kind,
+                                            "param": None, "code": self.code}},
+                                 status=self.status)
+
+
+def _not_found() -> ApiError:
+    return ApiError(404, MODEL_NOT_FOUND, "invalid_request_error", "model_not_found")
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param)
+
+
+def _tenant(request: web.Request) -> str:
+    office = request.app[OFFICE_KEY]
+    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+    tenant = (office.routing.tenant_for_api_key(key.strip())
+              if scheme.lower() == "bearer" and key.strip() else None)
+    if tenant is None:
+        raise ApiError(401, "Missing or unknown API key.", "invalid_request_error",
+                       "invalid_api_key")
+    return tenant
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    raw = await request.content.read(MAX_BODY + 1)
+    if len(raw) > MAX_BODY:
+        raise _bad("request body too large")
+    try:
+        body = json.loads(raw or b"null")
+    except ValueError:
+        raise _bad("body must be a JSON object") from None
+    if not isinstance(body, dict):
+        raise _bad("body must be a JSON object")
+    return body
+
+
+def _number(body: Mapping[str, Any], name: str, kind: type, lo: float, hi: float) -> Any:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or (kind is int and v != int(v)):
+        raise _bad(f"'{name}' must be a number", name)
+    if not lo <= v <= hi:
+        raise _bad(f"'{name}' must be between {lo} and {hi}", name)
+    return kind(v)
+
+
+@dataclass(frozen=True)
+class Generation:
+    prompt: str
+    max_tokens: int
+    temperature: float | None
+    top_p: float | None
+    seed: int | None
+    stream: bool
+    include_usage: bool
+
+
+def _generation(body: Mapping[str, Any], prompt: str) -> Generation:
+    if body.get("n", 1) != 1:
+        raise _bad("only n=1 is supported", "n")
+    max_tokens = _number(body, "max_tokens", int, 1, MAX_TOKENS_LIMIT)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_completion_tokens", int, 1, MAX_TOKENS_LIMIT)
+    opts = body.get("stream_options") or {}
+    return Generation(
+        prompt=prompt,
+        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+        temperature=_number(body, "temperature", float, 0.0, 2.0),
+        top_p=_number(body, "top_p", float, 0.0, 1.0),
+        seed=_number(body, "seed", int, 0, 2**63 - 1),
+        stream=bool(body.get("stream", False)),
+        include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
+    )
+
+
+def render_chat(messages: object) -> str:
+    """The role-prefixed chat template documented in this module's docstring."""
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    lines = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise _bad(f"each message needs a role among {', '.join(ROLES)}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise _bad("only text content parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise _bad("message content must be text", "messages")
+        lines.append(f"{m['role']}: {content}\n")
+    return "".join(lines) + "assistant:"
+
+
+def _issue(request: web.Request, tenant: str, model: object, user: object) -> Any:
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' is required", "model")
+    # OpenAI's ``user`` field is the session id of the canary split: one user, one release.
+    session = user if isinstance(user, str) and 0 < len(user) <= 128 else None
+    try:
+        return request.app[OFFICE_KEY].issue(tenant, model, session)
+    except NotGranted:
+        log.info("openai model refused", extra={"tenant": tenant})
+        raise _not_found() from None
+
+
+def _triton_body(up_inputs: frozenset[str], g: Generation, ticket: str,
+                 traceparent: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"text_input": g.prompt, "max_tokens": g.max_tokens}
+    for name, value in (("temperature", g.temperature), ("top_p", g.top_p), ("seed", g.seed)):
+        if value is not None:
+            body[name] = value
+    if "stream" in up_inputs:
+        body["stream"] = g.stream
+    params = {"lora_ticket": ticket}
+    if traceparent:
+        params["traceparent"] = traceparent
+    body["parameters"] = params
+    return body
+
+
+def _upstream_error(status: int, metrics: GatewayMetrics | None) -> ApiError:
+    # Triton's messages are generic already; still, a fixed text per class is all that leaves.
+    if metrics is not None:
+        metrics.upstream_errors.labels("refused" if status == 400 else "error").inc()
+    if status == 400:
+        return _bad("request refused: check the prompt length, max_tokens and sampling values")
+    if status in (429, 503):
+        return ApiError(503, "the model is busy or unavailable; retry", "server_error")
+    return ApiError(502, "the model failed to answer", "server_error")
+
+
+async def _events(request: web.Request, model: str, body: dict[str, Any], stream: bool
+                  ) -> AsyncGenerator[dict[str, Any], None]:
+    """Triton's answer(s) as JSON objects; raises ApiError before the first one on failure."""
+    up = request.app[UPSTREAM_KEY]
+    assert up.session is not None
+    endpoint = "generate_stream" if stream else "generate"
+    last: Exception | None = None
+    for url in up.order():
+        try:
+            # traceparent also as a header: Triton's own OpenTelemetry trace links to it
+            tp = body["parameters"].get("traceparent")
+            resp = await up.session.post(f"http://{url}/v2/models/{model}/{endpoint}",
+                                         json=body, headers={"traceparent": tp} if tp else None)
+        except aiohttp.ClientConnectionError as e:
+            last = e
+            continue
+        async with resp:
+            if resp.status != 200:
+                raise _upstream_error(resp.status, up.metrics)
+            if not stream:
+                yield dict(await resp.json(content_type=None))
+                return
+            async for raw in resp.content:
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[5:].strip())
+                if "error" in event:
+                    raise _upstream_error(400, up.metrics)
+                yield event
+        return
+    log.warning("no Triton host reachable: %s", type(last).__name__)
+    raise ApiError(503, "the model is busy or unavailable; retry", "server_error")
+
+
+def _usage(request: web.Request, request_ids: list[str]) -> dict[str, int]:
+    from control.contracts.ledger import request_ledger as t
+
+    office = request.app[OFFICE_KEY]
+    q = sa.select(sa.func.coalesce(sa.func.sum(t.c.tokens_in), 0),
+                  sa.func.coalesce(sa.func.sum(t.c.tokens_out), 0)
+                  ).where(t.c.request_id.in_(request_ids))
+    with office.routing.engine.connect() as conn:
+        tin, tout = conn.execute(q).one()
+    usage = {"prompt_tokens": int(tin), "completion_tokens": int(tout),
+             "total_tokens": int(tin) + int(tout)}
+    metrics = request.app[UPSTREAM_KEY].metrics
+    if metrics is not None:
+        metrics.tokens.labels("prompt").inc(usage["prompt_tokens"])
+        metrics.tokens.labels("completion").inc(usage["completion_tokens"])
+    return usage
+
+
+async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
+    try:
+        tenant = _tenant(request)
+        body = await _body(request)
+        prompt_raw = render_chat(body.get("messages")) if chat else body.get("prompt")
+        if isinstance(prompt_raw, list) and len(prompt_raw) == 1:
+            prompt_raw = prompt_raw[0]
+        if not isinstance(prompt_raw, str):
+            raise _bad("'prompt' must be a string", "prompt")
+        g = _generation(body, prompt_raw)
+        issued = _issue(request, tenant, body.get("model"), body.get("user"))
+        return await _complete(request, chat, g, issued, str(body["model"]))
+    except ApiError as e:
+        return e.response()
+
+
+async def _complete(request: web.Request, chat: bool, g: Generation, issued: Any,
+                    alias: str) -> web.StreamResponse:
+    up = request.app[UPSTREAM_KEY]
+    created = int(time.time())
+    kind = "chat.completion" if chat else "text_completion"
+    attrs = {"loraplane.tenant": issued.claims.tenant, "loraplane.ticket_id": issued.claims.jti,
+             "loraplane.adapter_digest": issued.claims.adapter or "",
+             "loraplane.stream": g.stream}
+    with span(up.tracer, "gateway.openai." + ("chat" if chat else "completions"), attrs) as s:
+        model, inputs = await up.target(g.stream)
+        triton_body = _triton_body(inputs, g, issued.token, traceparent_of(s))
+        events = _events(request, model, triton_body, g.stream)
+        if not g.stream:
+            answer = await anext(events)
+            await events.aclose()  # releases the upstream connection now
+            rid = str(answer.get("request_id", ""))
+            s.set_attribute("loraplane.request_id", rid)
+            usage = _usage(request, [rid])
+            text = str(answer.get("text_output", ""))
+            finish = "length" if usage["completion_tokens"] >= g.max_tokens else "stop"
+            choice: dict[str, Any] = (
+                {"index": 0, "message": {"role": "assistant", "content": text},
+                 "finish_reason": finish} if chat else
+                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+            return web.json_response({"id": ("chatcmpl-" if chat else "cmpl-") + rid,
+                                      "object": kind, "created": created, "model": alias,
+                                      "choices": [choice], "usage": usage})
+        first = await anext(events)  # errors before the first event still get a status code
+        return await _stream(request, chat, g, alias, created, first, events, s)
+
+
+async def _stream(request: web.Request, chat: bool, g: Generation, alias: str, created: int,
+                  first: dict[str, Any], events: AsyncIterator[dict[str, Any]], s: Any
+                  ) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    rid = str(first.get("request_id", ""))
+    s.set_attribute("loraplane.request_id", rid)
+    cid = ("chatcmpl-" if chat else "cmpl-") + rid
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    async def send(delta: str | None, finish: str | None, role: bool = False) -> None:
+        if chat:
+            d: dict[str, Any] = {"role": "assistant"} if role else {}
+            if delta is not None:
+                d["content"] = delta
+            choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        chunk = {"id": cid, "object": kind, "created": created, "model": alias,
+                 "choices": [choice]}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+    try:
+        if chat:
+            await send(None, None, role=True)
+        await send(str(first.get("text_output", "")), None)
+        async for event in events:
+            await send(str(event.get("text_output", "")), None)
+        usage = _usage(request, [rid])
+        await send(None if chat else "",
+                   "length" if usage["completion_tokens"] >= g.max_tokens else "stop")
+        if g.include_usage:
+            tail = {"id": cid, "object": kind, "created": created, "model": alias,
+                    "choices": [], "usage": usage}
+            await resp.write(b"data: " + json.dumps(tail).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+    except ApiError as e:
+        # Headers are gone: report in-band, as OpenAI's API does.
+        await resp.write(b"data: " + json.dumps({"error": {"message": e.message,
+                                                           "type": e.kind}}).encode() + b"\n\n")
+    except (ConnectionResetError, asyncio.CancelledError):
+        log.info("stream closed by the client", extra={"request_id": rid})
+        raise
+    await resp.write_eof()
+    return resp
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the aliases the caller is granted that resolve now; nothing else."""
+    try:
+        tenant = _tenant(request)
+    except ApiError as e:
+        return e.response()
+    office = request.app[OFFICE_KEY]
+    with office.routing.engine.connect() as conn:
+        aliases = sorted(str(a) for a in conn.execute(
+            sa.select(grants.c.alias).where(grants.c.tenant == tenant)).scalars())
+    data = [{"id": a, "object": "model", "created": 0, "owned_by": tenant}
+            for a in aliases if office.routing.resolve(tenant, a) is not None]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}``: one granted alias, else the fixed 404."""
+    try:
+        tenant = _tenant(request)
+        alias = request.match_info["model"]
+        if request.app[OFFICE_KEY].routing.resolve(tenant, alias) is None:
+            raise _not_found()
+    except ApiError as e:
+        return e.response()
+    return web.json_response({"id": alias, "object": "model", "created": 0, "owned_by": tenant})
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions``."""
+    return await _serve(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions``."""
+    return await _serve(request, chat=True)
+
+
+def add_routes(app: web.Application, office: TicketOffice, triton_urls: list[str], *,
+               tracer: Any = None, metrics: GatewayMetrics | None = None,
+               model: str = "lora_llm") -> None:
+    """Mount the OpenAI-compatible routes on ``app``, forwarding to ``triton_urls``."""
+    from opentelemetry import trace
+
+    if not triton_urls:
+        raise ValueError("the OpenAI-compatible routes need at least one Triton URL")
+    up = Upstream(list(triton_urls), model=model, tracer=tracer or trace.NoOpTracer(),
+                  metrics=metrics)
+    app[UPSTREAM_KEY] = up
+    app[OFFICE_KEY] = office
+
+    async def open_session(_app: web.Application) -> AsyncIterator[None]:
+        up.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+        yield
+        await up.session.close()
+
+    app.cleanup_ctx.append(open_session)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)

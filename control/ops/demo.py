@@ -1,0 +1,189 @@
+"""``loraplane demo``: the whole path on embedded defaults, in a few minutes on two CPU cores.
+
+Builds the reference kit, registers a base and three adapters for two tenants, grants and
+promotes, starts the gateway, the projection follower and a real tritonserver, sends a concurrent
+mixed burst over HTTP and gRPC, shows a cross-tenant refusal, revokes an adapter and shows its
+tickets refused, then prints the incident view for the revoked digest and the audit log.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from control.app.audit import audit_log
+from control.contracts.config import Settings
+from control.contracts.db import dispose_engines, make_engine
+from control.contracts.digests import short
+from control.contracts.ledger import Ledger
+from control.domain import ValidationFailed
+from control.ops.clients import TritonRefused, free_port, generate, request_ticket
+from control.ops.kit import KitManifest, build_kit
+from control.ops.serve import Deployment, Ports
+from control.ops.views import audit_table, incident_table
+from projections.follower import open_registry
+
+PROMPTS = ("Hello there", "What is the weather", "Tell me a story", "Name a colour",
+           "Count to three", "Who are you")
+
+
+@dataclass(frozen=True)
+class Plan:
+    tenant: str
+    alias: str
+    adapter: str | None  # kit adapter name, None for the base alias
+
+
+PLANS = (
+    Plan("acme", "acme-alpha", "alpha"),
+    Plan("acme", "acme-beta", "beta"),
+    Plan("globex", "globex-gamma", "gamma"),
+    Plan("acme", "base", None),
+    Plan("globex", "base", None),
+)
+
+
+def run_demo(work_dir: Path, *, fresh: bool = True, json_out: bool = False) -> int:
+    console = Console(stderr=json_out)
+    started = time.monotonic()
+
+    def step(msg: str) -> None:
+        console.print(f"[bold cyan][{time.monotonic() - started:5.1f}s][/bold cyan] {msg}")
+
+    work_dir = work_dir.resolve()
+    kit_dir = work_dir / "kit"
+    home = work_dir / "home"
+    if fresh and home.exists():
+        _rmtree(home)
+    if not (kit_dir / "kit.json").exists():
+        step("building the reference kit (tiny Llama base, byte tokenizer, 4 LoRA adapters)")
+        build_kit(kit_dir, progress=lambda m: console.print(f"    {m}"))
+    kit = KitManifest.load(kit_dir)
+    settings = Settings.from_env(home)
+    if "LORAPLANE_DB_URL" in __import__("os").environ:
+        # The demo keeps its own SQLite file so it never touches a shared database.
+        settings = Settings(home=home, db_url=f"sqlite:///{home / 'loraplane.db'}")
+    settings.ensure_dirs()
+    reg = open_registry(settings)
+    actor = "demo-operator"
+
+    step("registering the base model and its tokenizer")
+    reg.register_base(kit_dir / kit.base_path, kit_dir / kit.tokenizer_path, name="tiny-llama",
+                      actor=actor, alias="base")
+    keys = {t: reg.create_tenant(t, actor=actor) for t in ("acme", "globex")}
+    step("created tenants acme and globex (API keys printed once, only hashes stored)")
+    digests: dict[str, str] = {}
+    for p in PLANS:
+        if p.adapter is None:
+            continue
+        a = kit.adapters[p.adapter]
+        digest = reg.register_adapter(kit_dir / a.path, tenant=p.tenant, alias=p.alias,
+                                      actor=actor)
+        digests[p.adapter] = digest
+        # The lifecycle has guards: an evaluation report, then candidate -> canary -> stable.
+        reg.release(digest, evaluation={"suite": "demo-smoke", "passed": True}, actor=actor)
+        step(f"registered + released {p.adapter} for {p.tenant} as {p.alias} ({short(digest)})")
+    try:
+        reg.register_adapter(kit_dir / kit.adapters["other-base"].path, tenant="globex",
+                             alias="globex-other", actor=actor)
+    except ValidationFailed as e:
+        step(f"[yellow]refused as expected[/yellow]: adapter for another base -> {e}")
+    for p in PLANS:
+        reg.grant(p.tenant, p.alias, actor=actor)
+    step("granted: acme -> acme-alpha, acme-beta, base; globex -> globex-gamma, base")
+
+    ports = Ports(free_port(), free_port(), free_port(), free_port())
+    dep = Deployment(settings, ports, actor=actor, progress=step)
+    results: list[dict[str, Any]] = []
+    try:
+        dep.start()
+        tickets = {}
+        for p in PLANS:
+            status, body = request_ticket(dep.gateway_url, keys[p.tenant], p.alias)
+            assert status == 200, body
+            tickets[(p.tenant, p.alias)] = body["ticket"]
+        step("tickets issued by the gateway (POST /v1/tickets)")
+
+        assert dep.triton is not None
+        http, grpc = dep.triton.http_url, dep.triton.grpc_url
+        jobs = []
+        for i in range(24):
+            p = PLANS[i % len(PLANS)]
+            proto = "http" if i % 2 == 0 else "grpc"
+            jobs.append((p, proto, PROMPTS[i % len(PROMPTS)]))
+
+        def call(job: tuple[Plan, str, str]) -> dict[str, Any]:
+            p, proto, prompt = job
+            g = generate(http if proto == "http" else grpc, prompt,
+                         tickets[(p.tenant, p.alias)], protocol=proto, max_tokens=16)
+            return {"tenant": p.tenant, "alias": p.alias, "protocol": proto, "prompt": prompt,
+                    "adapter_digest": g.adapter_digest, "output": g.text,
+                    "request_id": g.request_id}
+
+        step(f"sending a concurrent mixed burst of {len(jobs)} requests over HTTP and gRPC")
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(call, jobs))
+        t = Table(title="mixed burst: one base model, adapters chosen by signed tickets")
+        for c in ("tenant", "alias", "proto", "digest", "prompt", "output"):
+            t.add_column(c)
+        for r in results:
+            t.add_row(r["tenant"], r["alias"], r["protocol"],
+                      short(r["adapter_digest"]) if r["adapter_digest"] else "(base)",
+                      r["prompt"], repr(r["output"]))
+        console.print(t)
+
+        status, body = request_ticket(dep.gateway_url, keys["acme"], "globex-gamma")
+        step(f"acme asks for globex's alias globex-gamma -> HTTP {status} {json.dumps(body)}")
+
+        gamma = digests["gamma"]
+        reg.revoke(gamma, reason="demo: suspected data leak", actor=actor)
+        revoked_at = time.monotonic()
+        step(f"revoked gamma ({short(gamma)})")
+        refusal = ""
+        while time.monotonic() - revoked_at < 5:
+            try:
+                generate(http, "Hello", tickets[("globex", "globex-gamma")], max_tokens=4)
+            except TritonRefused as e:
+                refusal = f"{e.status} {e.message}"
+                break
+            time.sleep(0.05)
+        step(f"globex's gamma ticket refused by Triton after "
+             f"{time.monotonic() - revoked_at:.2f}s: {refusal}")
+        status, body = request_ticket(dep.gateway_url, keys["globex"], "globex-gamma")
+        step(f"new ticket for globex-gamma -> HTTP {status}")
+    finally:
+        step("stopping tritonserver, gateway and follower")
+        dep.stop()
+
+    gamma = digests["gamma"]
+    rows = [r for r in Ledger(make_engine(settings.db_url)).query(adapter=gamma)
+            if r.outcome != "rejected"]
+    console.print(incident_table(rows, gamma))
+    served = sum(1 for r in rows if r.outcome == "ok")
+    expected = sum(1 for r in results if r["adapter_digest"] == gamma)
+    step(f"incident view: gamma served {len(rows)} requests; the burst sent it {expected}")
+    entries = audit_log(reg)
+    console.print(audit_table(entries))
+    dispose_engines()
+    ok = served == expected and bool(refusal)
+    if json_out:
+        print(json.dumps({"ok": ok, "burst": results, "revocation_refusal": refusal,
+                          "incident_rows": len(rows), "audit_events": len(entries)}))
+    step("demo finished" + ("" if ok else " [red]with unexpected results[/red]"))
+    return 0 if ok else 1
+
+
+def _rmtree(path: Path) -> None:
+    # The artifact store is read-only by design; make it writable to delete a demo home.
+    for p in path.rglob("*"):
+        if p.is_dir() and not p.is_symlink():
+            p.chmod(0o755)
+    shutil.rmtree(path)

@@ -1,0 +1,344 @@
+"""Running a deployment: projection follower, gateway and a real tritonserver, as one unit.
+
+``loraplane serve`` runs this in the foreground; the demo and the integration tests run the same
+class, so what they prove is what an operator starts.
+
+Roles, for scale-out on one PostgreSQL URL (every process reads ``LORAPLANE_DB_URL``):
+
+- ``all``: everything in one process group (the default; a laptop, the demo).
+- ``control``: the gateway and the projection follower, no Triton. Several may run; the follower's
+  compare-and-set keeps them consistent. Its OpenAI-compatible routes forward to the Triton hosts
+  in ``triton_urls`` (``LORAPLANE_TRITON_URLS``).
+- ``triton``: one Triton host, no gateway. It reads the projection tables the control planes keep
+  current, copies every recorded ticket-signing public key into its keys folder (and keeps doing
+  so, so a gateway added later is trusted), and labels its ledger rows with ``host_id``
+  (``LORAPLANE_HOST_ID``).
+
+A role that runs Triton first checks the adapter memory plan (``backend.serving.memory``) for the
+base
+it will serve: a configuration that cannot hold one adapter of the maximum rank is refused before
+anything starts, with the message the engine would give from inside Triton.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import sqlalchemy as sa
+from aiohttp import web
+
+from backend.serving.memory import MemoryPlan, plan_for_host
+from backend.triton.glue import BASE_DIGEST_ENV, HOST_ID_ENV
+from control.app.registry import Registry
+from control.contracts.config import Settings
+from control.contracts.db import make_engine
+from control.contracts.ledger import request_ledger
+from control.contracts.loops import new_event_loop
+from control.contracts.store import ArtifactStore
+from control.contracts.tickets import TicketSigner
+from control.gateway.server import make_app
+from control.gateway.ticket_office import TicketOffice
+from control.ops.triton_server import MODEL_REPOSITORY, TritonProcess, check_ports_free
+from projections.follower import ProjectionFollower, open_registry
+from projections.route_cache import CachedRoutingView
+from projections.routing import RoutingView
+
+log = logging.getLogger("loraplane.serve")
+
+ROLES = ("all", "control", "triton")
+TRITON_URLS_ENV = "LORAPLANE_TRITON_URLS"
+SEAL_INTERVAL_ENV = "LORAPLANE_SEAL_INTERVAL_S"
+
+
+@dataclass(frozen=True)
+class Ports:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+    gateway: int = 8080
+
+
+def open_signer(settings: Settings, registry: Registry, actor: str) -> TicketSigner:
+    """The signing key, created on first use; its public half is recorded as an event."""
+    signer, _created = TicketSigner.load_or_create(settings.keys_dir)
+    if signer.kid not in RoutingView(make_engine(settings.db_url)).signing_keys():
+        registry.record_signing_key(signer.kid, signer.public_b64, actor=actor)
+    return signer
+
+
+def sync_public_keys(settings: Settings, routing: RoutingView) -> int:
+    """Write every recorded, unretired signing public key to ``keys/public`` and remove the
+    files of retired ones; returns how many files were written or removed.
+
+    A Triton host trusts exactly the keys the control plane recorded as events, wherever the
+    gateway that signs with them runs, and stops trusting a key once it is retired.
+    """
+    public_dir = settings.keys_dir / "public"
+    public_dir.mkdir(parents=True, exist_ok=True)
+    retired = routing.retired_key_ids()
+    changed = 0
+    for kid, b64 in routing.signing_keys().items():
+        path = public_dir / f"{kid}.pub"
+        if kid in retired:
+            if path.exists():
+                path.unlink(missing_ok=True)
+                changed += 1
+            continue
+        if path.exists():
+            continue
+        base64.b64decode(b64, validate=True)  # never write a file the verifier cannot read
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(b64 + "\n")
+        tmp.replace(path)  # atomic: the verifier never reads half a key
+        changed += 1
+    return changed
+
+
+def seal_interval_s() -> float:
+    """``LORAPLANE_SEAL_INTERVAL_S`` (default 60): how often ``serve`` seals what is unsealed."""
+    raw = os.environ.get(SEAL_INTERVAL_ENV, "").strip() or "60"
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{SEAL_INTERVAL_ENV} must be a number of seconds, not {raw!r}") \
+            from None
+    if value <= 0:
+        raise ValueError(f"{SEAL_INTERVAL_ENV} must be positive, not {raw}")
+    return value
+
+
+def keep_sealed(registry: Registry, stop: threading.Event, interval: float) -> None:
+    """Seal every unsealed event once per ``interval`` seconds, so a quiet deployment's last
+    events are covered by a signed checkpoint within that interval, not after 100 more."""
+    while not stop.wait(interval):
+        try:
+            row = registry.seal.seal_if_due(every=1)
+            if row is not None:
+                log.info("audit checkpoint %s sealed up to position %s", row["seq"],
+                         row["last_position"])
+        except Exception:  # the database may be briefly away; the next interval retries
+            log.warning("audit checkpoint failed", exc_info=True)
+
+
+def check_adapter_memory(settings: Settings, base_digest: str) -> MemoryPlan:
+    """The adapter memory plan a Triton host started with ``settings`` will build for this
+    base on this machine's device; raises ``AdapterMemoryError`` (naming the budget variable,
+    what one adapter needs and what the budget gives) when it cannot hold one adapter."""
+    return plan_for_host(ArtifactStore(settings.store_dir).path(base_digest), settings)
+
+
+def pick_base(routing: RoutingView, base: str | None) -> str:
+    """The base digest to serve: the one given, or the only one registered."""
+    digests = [b.digest for b in routing.bases()]
+    if base is not None:
+        if base not in digests:
+            raise ValueError("that base model digest is not registered")
+        return base
+    if len(digests) != 1:
+        raise ValueError(
+            "register a base model first" if not digests
+            else "several base models are registered: choose one with --base"
+        )
+    return digests[0]
+
+
+@dataclass
+class Deployment:
+    settings: Settings
+    ports: Ports = field(default_factory=Ports)
+    base: str | None = None
+    actor: str = "operator"
+    progress: Callable[[str], None] = lambda _msg: None
+    role: str = "all"
+    host_id: str | None = None  # the ledger's host column for this Triton host
+    triton_urls: list[str] = field(default_factory=list)  # extra Triton hosts (host:port)
+    # The address the gateway and Triton listen on: loopback unless the deployment serves other
+    # machines (`--listen 0.0.0.0`; the containers do).
+    bind: str = "127.0.0.1"
+    # The Triton model repository; None: the project's model_repository/. Only test and
+    # benchmark deployments pass another (control.ops.model_repositories.derived_repository); no
+    # command
+    # line option or environment variable reaches this.
+    model_repository: Path | None = None
+    triton: TritonProcess | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _loop: asyncio.AbstractEventLoop | None = None
+    _runner: web.AppRunner | None = None
+
+    def start(self, ready_timeout_s: float = TritonProcess.READY_TIMEOUT_S) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role is one of {', '.join(ROLES)}, not {self.role!r}")
+        s = self.settings
+        s.ensure_dirs()
+        # Every port this deployment will listen on, checked before anything starts: a second
+        # `serve` on ports in use is refused, never left talking to the first one's servers.
+        ports = {} if self.role == "control" else {
+            "Triton HTTP": self.ports.http, "Triton gRPC": self.ports.grpc,
+            "Triton metrics": self.ports.metrics}
+        if self.role != "triton":
+            ports["gateway"] = self.ports.gateway
+        check_ports_free(self.bind, ports)
+        routing = RoutingView(make_engine(s.db_url))
+        if self.role != "control":
+            # Refused here, before any thread or process starts, rather than by the engine
+            # inside Triton, whose failure an operator would have to find in Triton's log.
+            self.progress(check_adapter_memory(s, pick_base(routing, self.base)).describe())
+        office: TicketOffice | None = None
+        if self.role != "triton":
+            registry = open_registry(s)
+            follower = ProjectionFollower.from_settings(s)
+            follower.catch_up()
+            self._thread("follower", follower.run)
+            interval = seal_interval_s()  # a bad value fails the start, not a thread later
+            self._thread("audit-seal", lambda stop: keep_sealed(registry, stop, interval))
+            # The ticket path answers from memory, refreshed as the projection moves.
+            office = TicketOffice(s, CachedRoutingView(make_engine(s.db_url)),
+                                  open_signer(s, registry, self.actor))
+        if self.role != "control":
+            self._start_triton(routing)
+        if office is not None:
+            urls = ([self.triton.http_url] if self.triton else []) + list(self.triton_urls)
+            self._start_gateway(office, urls)
+            self.progress(f"gateway on {self.gateway_url}")
+        if self.triton is not None:
+            try:
+                self.triton.wait_ready(ready_timeout_s)
+            except Exception:
+                self.stop()
+                raise
+            self.progress(
+                f"triton ready: http {self.triton.http_url}, grpc {self.triton.grpc_url}, "
+                f"metrics http://{self.triton.http_url.rsplit(':', 1)[0]}:"
+                f"{self.ports.metrics}/metrics (log {self.triton.log_path})"
+            )
+
+    def _thread(self, name: str, target: Callable[[threading.Event], None]) -> None:
+        t = threading.Thread(target=target, args=(self._stop,), name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _start_triton(self, routing: RoutingView) -> None:
+        s = self.settings
+        base = pick_base(routing, self.base)
+        sync_public_keys(s, routing)
+
+        def keep_keys(stop: threading.Event) -> None:
+            while not stop.wait(1.0):
+                try:
+                    sync_public_keys(s, routing)
+                except Exception:  # the database may be briefly away; try again next second
+                    log.warning("public key sync failed", exc_info=True)
+
+        self._thread("key-sync", keep_keys)
+        env = {"LORAPLANE_HOME": str(s.home), "LORAPLANE_DB_URL": s.db_url, BASE_DIGEST_ENV: base,
+               **s.memory_env()}  # the engine builds the plan checked at start
+        if self.host_id:
+            env[HOST_ID_ENV] = self.host_id
+        self.progress("starting tritonserver (model lora_llm)")
+        self.triton = TritonProcess(
+            work_dir=s.run_dir,
+            http_port=self.ports.http,
+            grpc_port=self.ports.grpc,
+            metrics_port=self.ports.metrics,
+            env=env,
+            listen=self.bind,
+            model_repository=self.model_repository or MODEL_REPOSITORY,
+        )
+        self.triton.start()
+
+    def _start_gateway(self, office: TicketOffice, triton_urls: list[str]) -> None:
+        started = threading.Event()
+        errors: list[BaseException] = []
+
+        def serve() -> None:
+            loop = new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            runner = web.AppRunner(make_app(office, triton_urls=triton_urls), access_log=None)
+            try:
+                loop.run_until_complete(runner.setup())
+                site = web.TCPSite(runner, self.bind, self.ports.gateway)
+                loop.run_until_complete(site.start())
+            except BaseException as e:  # reported to the starting thread
+                errors.append(e)
+                started.set()
+                return
+            self._runner = runner
+            started.set()
+            loop.run_forever()
+            loop.run_until_complete(runner.cleanup())
+            loop.close()
+
+        t = threading.Thread(target=serve, name="gateway", daemon=True)
+        t.start()
+        self._threads.append(t)
+        started.wait(30)
+        if errors:
+            raise RuntimeError(f"gateway failed to start: {errors[0]}")
+
+    @property
+    def gateway_url(self) -> str:
+        host = "127.0.0.1" if self.bind in ("0.0.0.0", "::") else self.bind
+        return f"http://{host}:{self.ports.gateway}"
+
+    def stop(self) -> None:
+        """Stop everything this deployment started; stopping again changes nothing (a failed
+        start stops itself, and its caller's cleanup may stop it once more)."""
+        t0 = time.monotonic()
+        running = self.triton is not None and self.triton.proc is not None and (
+            self.triton.proc.poll() is None)
+        if running or self._threads:
+            parts = (["tritonserver"] if running else []) + (
+                ["gateway"] if self._loop is not None else []) + (
+                ["projection follower"] if self.role != "triton" else [])
+            in_flight = self._in_flight() if running else 0
+            self.progress(f"stopping {', '.join(parts)}" + (
+                f"; {in_flight} request(s) in flight get up to 5 s to finish, the rest end as "
+                "failed (ledger reason 'shutdown')" if in_flight else "; no request in flight"))
+        self._stop.set()
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(loop.stop)
+        if self.triton is not None:
+            self.triton.stop()
+        for t in self._threads:
+            t.join(timeout=10)
+        if running:
+            self.progress(f"stopped in {time.monotonic() - t0:.1f} s")
+
+    def _in_flight(self) -> int:
+        """This host's requests the ledger shows running now (0 when it cannot tell)."""
+        t = request_ledger
+        host = self.host_id or socket.gethostname()
+        try:
+            with make_engine(self.settings.db_url).connect() as conn:
+                n = conn.execute(sa.select(sa.func.count()).select_from(t).where(
+                    t.c.host == host, t.c.outcome == "running")).scalar()
+        except Exception:  # the database may be away: stopping must not depend on it
+            return 0
+        return int(n or 0)
+
+    @classmethod
+    def from_env(cls, settings: Settings, ports: Ports, **kw: object) -> Deployment:
+        """A deployment whose host id and Triton URLs come from the environment
+        (``LORAPLANE_HOST_ID``, ``LORAPLANE_TRITON_URLS``, comma-separated host:port)."""
+        urls = [u.strip() for u in os.environ.get(TRITON_URLS_ENV, "").split(",") if u.strip()]
+        return cls(settings, ports, host_id=os.environ.get(HOST_ID_ENV) or None,
+                   triton_urls=urls, **kw)  # type: ignore[arg-type]
+
+    def __enter__(self) -> Deployment:
+        self.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()

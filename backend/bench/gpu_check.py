@@ -34,7 +34,8 @@ taken, goal not judged; ``skipped`` or ``not available``, with the reason):
   batch of every adapter running on the gather path and its prompts in a prefix cache, against
   ``torch.cuda.memory_allocated()`` less what was allocated before the engine: within
   :data:`MEMORY_RTOL`. On a CPU there is no allocator to compare with: skipped, the categories
-  reported (``tests/backend/serving/test_memory_report.py`` checks them against every live tensor there).
+  reported (``tests/backend/serving/test_memory_report.py`` checks them against every live
+  tensor there).
 
 On a GPU the throughput ratios are judged against ``backend.bench.kit.GOALS`` (the issue's
 table); in the dry run they are only measured (toy sizes on a shared CPU say nothing about a
@@ -402,7 +403,8 @@ def check_memory(engine: Engine, kit: BenchKit, allocated_before: int) -> dict[s
         if engine.device.type != "cuda":
             return {"status": Status.SKIPPED,
                     "reason": "torch.cuda.memory_allocated() needs a CUDA device (on a CPU, "
-                              "tests/backend/serving/test_memory_report.py counts every live tensor instead)",
+                              "tests/backend/serving/test_memory_report.py counts every live "
+                              "tensor instead)",
                     **out}
         torch.cuda.synchronize(engine.device)
         allocated = torch.cuda.memory_allocated(engine.device) - allocated_before

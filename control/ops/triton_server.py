@@ -132,9 +132,9 @@ class TritonProcess:
 
     # How long a starting server may take to answer ready: ``Deployment.start`` waits this long
     # (``serve``, ``triton-host``), and the container health checks give it as their start
-    # period (tests/docker/test_docker_consistency.py checks both). An 8B base is 16 GB of bf16 weights:
-    # read from a cold network volume at 100-200 MB/s that alone takes 80-160 s, and torch's
-    # import, CUDA's initialisation and the slot banks' allocation come on top. 300 s covers
+    # period (tests/docker/test_docker_consistency.py checks both). An 8B base is 16 GB of bf16
+    # weights: read from a cold network volume at 100-200 MB/s that alone takes 80-160 s, and
+    # torch's import, CUDA's initialisation and the slot banks' allocation come on top. 300 s covers
     # that with room to spare; a host not ready by then is stuck, not slow. One figure for both,
     # so that neither gives up on a start the other would still wait for.
     READY_TIMEOUT_S: ClassVar[float] = 300.0

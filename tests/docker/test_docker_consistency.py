@@ -259,8 +259,9 @@ def test_the_triton_image_refuses_releases_before_the_advisory_fixes() -> None:
 
 
 def test_both_images_install_the_pinned_requirements() -> None:
-    """The Triton image installs docker/requirements.txt, which tests/docker/test_image_dependencies.py
-    resolves for its Python, and nothing besides; the control image holds to the same pins."""
+    """The Triton image installs docker/requirements.txt, which
+    tests/docker/test_image_dependencies.py resolves for its Python, and nothing besides; the
+    control image holds to the same pins."""
     triton = " ".join(_runs(DOCKER / "triton.Dockerfile"))
     assert "pip install --no-cache-dir -r docker/requirements.txt" in triton
     assert "--no-deps" in triton and "pip check" in triton

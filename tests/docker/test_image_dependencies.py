@@ -8,8 +8,8 @@ when pins conflict, when the file lacks a package they need or holds one nothing
 it does not satisfy ``pyproject.toml``; it skips only when the package index cannot be reached.
 
 After changing a pin of the first section, delete the second and run
-``python -m tests.docker.test_image_dependencies``: it prints the file's new body (what the pins and the
-project's requirements resolve to).
+``python -m tests.docker.test_image_dependencies``: it prints the file's new body (what the pins
+and the project's requirements resolve to).
 """
 
 from __future__ import annotations

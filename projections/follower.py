@@ -31,6 +31,7 @@ from sqlalchemy.engine import Connection, Engine
 from control.app.registry import Registry
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
+from control.contracts.event_log import page_after
 from control.contracts.signals import TerminationSignals
 from projections import routing
 from projections.routing import RoutingView
@@ -146,8 +147,9 @@ class ProjectionFollower:
                     events = [r.domain_event for r in recorded]
                     last = recorded[-1].notification.id
                 else:
-                    notifications = self.app.recorder.select_notifications(
-                        start=old or 0, limit=self.batch_size, inclusive_of_start=False)
+                    # One page per transaction: the position it starts after was read
+                    # under the tracking lock above.
+                    notifications = page_after(self.app.recorder, old or 0, self.batch_size)
                     events = [self.app.mapper.to_domain_event(n) for n in notifications]
                     last = notifications[-1].id if notifications else 0
                 if not events:

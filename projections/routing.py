@@ -28,6 +28,7 @@ from control.domain import (
     Alias,
     BaseModel,
     Release,
+    ReleaseManifest,
     SigningKey,
     Tenant,
     canary_bucket,
@@ -145,12 +146,9 @@ def _serving_step(step: str) -> Callable[[Any], Rows]:
 
 
 def _release_created(e: Release.ReleaseCreated) -> Rows:
-    return [(releases, {
-        "digest": e.digest, "tenant": e.tenant, "adapter_digest": e.adapter_digest,
-        "base_digest": e.base_digest, "tokenizer_digest": e.tokenizer_digest,
-        "chat_template_digest": e.chat_template_digest,
-        "inference_defaults": json.dumps(e.inference_defaults, sort_keys=True),
-        "evaluation_report_digest": e.evaluation_report_digest, "created_at": e.timestamp})]
+    row = ReleaseManifest.of(e).as_dict()  # one column per manifest field, by the same name
+    row["inference_defaults"] = json.dumps(row["inference_defaults"], sort_keys=True)
+    return [(releases, {"digest": e.digest, **row, "created_at": e.timestamp})]
 
 
 def _alias_created(e: Alias.AliasCreated) -> Rows:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from backend.serving.cache import TenantPolicy
+from backend.serving.cache import CacheQuota
 from backend.serving.service import LoraService
 from backend.triton.glue import TritonGlue
 from control.contracts.config import Settings
@@ -49,5 +49,5 @@ class ChaosGlue(TritonGlue):
         tokenizer = next(b.tokenizer_digest for b in routing.bases() if b.digest == base)
         engine = FaultyEngine(store.verify(base), store.verify(tokenizer),
                               max_rank=settings.max_rank, max_adapters=SLOTS)
-        policy = TenantPolicy(resident_share=1.0, loads_per_minute=60_000.0, load_burst=10_000)
-        return LoraService(settings, base, engine=engine, policy=policy, **kw)
+        quota = CacheQuota(resident_share=1.0, loads_per_minute=60_000.0, load_burst=10_000)
+        return LoraService(settings, base, engine=engine, quota=quota, **kw)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.serving.cache import TenantPolicy
+from backend.serving.cache import CacheQuota
 from backend.serving.engine import Engine
 from backend.serving.scheduler import SchedulerLimits
 from backend.serving.service import Answer, LoraService
@@ -21,6 +21,7 @@ from control.app.serving_steps import RegistrySteps
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.tickets import TicketSigner
+from control.contracts.wire import TICKET_PARAM
 from control.gateway.ticket_office import TicketOffice
 from projections.routing import RoutingView
 from tests.integration.conftest import ACTOR, provision
@@ -40,17 +41,17 @@ class Home:
 
     def ticket(self, tenant: str, alias: str) -> dict[str, object]:
         """Request parameters carrying a fresh ticket for ``alias``."""
-        return {"lora_ticket": self.office.issue(tenant, alias).token}
+        return {TICKET_PARAM: self.office.issue(tenant, alias).token}
 
     def service(self, *, engine: Engine | None = None, max_adapters: int = 4,
                 limits: SchedulerLimits | None = None, host: str = "test-host",
-                prefix_cache_bytes: int = 0, policy: TenantPolicy | None = None) -> LoraService:
+                prefix_cache_bytes: int = 0, quota: CacheQuota | None = None) -> LoraService:
         engine = engine or Engine(self.kit_dir / "base", self.kit_dir / "tokenizer",
                                   device="cpu", max_rank=self.settings.max_rank,
                                   max_adapters=max_adapters)
         return LoraService(self.settings, self.base_digest, host=host, engine=engine,
                            limits=limits or SchedulerLimits(max_running=8, max_queued=64),
-                           prefix_cache_bytes=prefix_cache_bytes, policy=policy,
+                           prefix_cache_bytes=prefix_cache_bytes, quota=quota,
                            steps=RegistrySteps)
 
 

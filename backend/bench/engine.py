@@ -60,13 +60,13 @@ from backend.bench.kit import (
     meets,
 )
 from backend.bench.open_peer import open_repository
-from backend.serving.cache import AdapterCache, CacheBudgets, TenantPolicy
+from backend.serving.cache import AdapterCache, CacheBudgets, CacheQuota
 from backend.serving.engine import Engine, GenerationRequest
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
 from control.contracts.store import ArtifactStore
-from control.ops.clients import MODEL, free_port, request_ticket
+from control.ops.clients import free_port, infer_with, request_ticket
 from control.ops.serve import Deployment, Ports
 from projections.follower import open_registry
 
@@ -200,7 +200,7 @@ def _side_by_side(root: Path, kit: BenchKit) -> Iterator[_SideBySide]:
     for d, path in kit.adapters.items():
         tenant, alias = aliases[d]
         digest = reg.register_adapter(path, tenant=tenant, alias=alias, actor="bench", base=base)
-        reg.release(digest, evaluation={"suite": "bench", "passed": True}, actor="bench")
+        reg.advance(digest, evaluation={"suite": "bench", "passed": True}, actor="bench")
         reg.grant(tenant, alias, actor="bench")
     # No prompt cache: repeated bench prompts would skip prefill and flatter Triton's numbers.
     # Both tritonservers inherit these; neither reads anything that turns governance off.
@@ -266,18 +266,9 @@ class _Clients:
 
 def _generate(client: Any, prompt: str, ticket: str) -> tuple[str, str]:
     """One unary ``lora_llm`` request, as a tenant's application sends it; (request id, text).
-    An error answer raises."""
-    import numpy as np
-    import tritonclient.grpc as grpcclient
-
-
-    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
-    text.set_data_from_numpy(np.array([[prompt.encode("utf-8")]], dtype=np.object_))
-    max_tokens = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
-    max_tokens.set_data_from_numpy(np.array([[NEW_TOKENS]], dtype=np.int32))
-    result = client.infer(MODEL, [text, max_tokens], parameters={"lora_ticket": ticket})
-    rid, out = (result.as_numpy(name).reshape(-1)[0] for name in ("request_id", "text_output"))
-    return rid.decode("utf-8"), out.decode("utf-8")
+    An error answer raises (``TritonRefused``)."""
+    g = infer_with(client, "grpc", prompt, ticket, max_tokens=NEW_TOKENS)
+    return g.request_id, g.text
 
 
 def _burst(clients: _Clients, url: str, tickets: dict[str, str], prompts: list[str],
@@ -413,8 +404,8 @@ def _run(root: Path, reps: int, triton_runs: int,
         _read_and_hash(store.path(d))
         reads.append(time.perf_counter() - t0)
     cache = AdapterCache(engine, store.read_verified, budgets=CacheBudgets(),
-                         policy=TenantPolicy(resident_share=1.0, loads_per_minute=1e6,
-                                             load_burst=10**6))
+                         quota=CacheQuota(resident_share=1.0, loads_per_minute=1e6,
+                                          load_burst=10**6))
     loads: list[float] = []
     for d in digests:
         t0 = time.perf_counter()

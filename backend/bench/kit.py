@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from backend.serving.cache import AdapterCache, CacheBudgets, TenantPolicy
+from backend.serving.cache import AdapterCache, CacheBudgets, CacheQuota
 from backend.serving.engine import Engine, GenerationRequest, GenerationResult
 from backend.serving.scheduler import Scheduler, SchedulerLimits
 from control.contracts.digests import directory_digest
@@ -257,8 +257,8 @@ def base_latency_under_cold_loads(engine: Engine, fetch: Callable[[str], Any],
                          # them are fetched, hashed, parsed and prepared again on every load
                          budgets=CacheBudgets(device_bytes=STORM_SLOTS * slot,
                                               host_bytes=2 * slot, store_bytes=2 * slot),
-                         policy=TenantPolicy(resident_share=1.0, loads_per_minute=1e9,
-                                             load_burst=10**9, room_wait_s=30.0))
+                         quota=CacheQuota(resident_share=1.0, loads_per_minute=1e9,
+                                          load_burst=10**9, room_wait_s=30.0))
     sched = Scheduler(engine, SchedulerLimits(max_running=4, max_queued=16))
     requests = [GenerationRequest(prompts[i % len(prompts)], None, max_tokens=STORM_TOKENS)
                 for i in range(STORM_REQUESTS)]

@@ -35,7 +35,8 @@ from backend.triton.glue import TritonGlue
 from control.contracts.config import Settings
 from control.contracts.ledger import Completion, LedgerEntry
 from control.contracts.tickets import TicketClaims
-from control.ops.model_repositories import ENGINE_MODEL, derived_repository
+from control.contracts.wire import ENGINE_MODEL
+from control.ops.model_repositories import derived_repository
 from control.ops.triton_server import MODEL_REPOSITORY
 
 # The production engine model's import of its glue, and what the open repository puts instead.

@@ -25,10 +25,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from control.contracts.tickets import TicketClaims, TicketRejected, TicketVerifier
+from control.contracts.wire import TICKET_HEADER, TICKET_PARAM
 from projections.host_view import GovernanceState
 
-TICKET_PARAM = "lora_ticket"
-TICKET_HEADER = "x-lora-ticket"
 VERIFIED_CACHE_SIZE = 4096
 KEY_RELOAD_INTERVAL_S = 1.0
 

@@ -81,8 +81,10 @@ class CacheBudgets:
 
 
 @dataclass(frozen=True)
-class TenantPolicy:
-    """Per-tenant limits on the shared cache."""
+class CacheQuota:
+    """Limits on the shared cache: each tenant's share of the device budget and rate of cold
+    loads, and the load queue all tenants share (what a tenant may *register* is another
+    thing, ``control.domain.TenantPolicy``)."""
 
     resident_share: float = 0.5  # of the device budget
     loads_per_minute: float = 120.0
@@ -153,7 +155,7 @@ class AdapterCache:
         fetch: Callable[[str], AdapterSource],
         *,
         budgets: CacheBudgets | None = None,
-        policy: TenantPolicy | None = None,
+        quota: CacheQuota | None = None,
         on_event: LoadEvent | None = None,
         on_purge: Callable[[str], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -171,7 +173,7 @@ class AdapterCache:
         self._device_budget = (engine.plan.adapter_capacity_bytes
                                if budgets.device_bytes is None else budgets.device_bytes)
         self.budgets = replace(budgets, device_bytes=self._device_budget)
-        self.policy = policy or TenantPolicy()
+        self.quota = quota or CacheQuota()
         self.on_event = on_event if on_event is not None else (lambda *_: None)
         self.on_purge = on_purge if on_purge is not None else (lambda _d: None)
         self.clock = clock
@@ -247,14 +249,14 @@ class AdapterCache:
 
     def _admit_load(self, tenant: str | None) -> None:
         """Bounded load queue and per-tenant load rate (token bucket); caller holds the lock."""
-        if self._pending >= self.policy.max_pending_loads:
+        if self._pending >= self.quota.max_pending_loads:
             raise CacheRefused("load_queue_full", "too many adapter loads queued, retry later")
         now = self.clock()
-        rate = self.policy.loads_per_minute / 60.0
+        rate = self.quota.loads_per_minute / 60.0
         b = self._buckets.get(tenant)
         if b is None:
-            b = self._buckets[tenant] = _Bucket(float(self.policy.load_burst), now)
-        b.tokens = min(float(self.policy.load_burst), b.tokens + (now - b.stamp) * rate)
+            b = self._buckets[tenant] = _Bucket(float(self.quota.load_burst), now)
+        b.tokens = min(float(self.quota.load_burst), b.tokens + (now - b.stamp) * rate)
         b.stamp = now
         if b.tokens < 1.0:
             raise CacheRefused("load_rate", "adapter load rate exceeded, retry later")
@@ -318,8 +320,8 @@ class AdapterCache:
                                f"one adapter needs {need} bytes of device memory, the adapter "
                                f"budget ({ADAPTER_BYTES_ENV}) gives {budget}")
         # At least one slot: a share smaller than an adapter would refuse its tenant everything.
-        share = max(int(self.policy.resident_share * budget), need)
-        deadline = time.monotonic() + self.policy.room_wait_s
+        share = max(int(self.quota.resident_share * budget), need)
+        deadline = time.monotonic() + self.quota.room_wait_s
         while True:
             try:
                 self._evict_for(e, tenant, need, share)

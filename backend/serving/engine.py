@@ -23,14 +23,14 @@ token prepended; the continuation
 follows directly and stops at eos or ``max_tokens``.
 
 The engine trusts its caller: adapter directories arrive already verified against their digest.
-It still validates every tensor against the base, because a verified file can still be wrong.
+It still validates every tensor against the base, because a verified file can still be wrong, and
+refuses any config the adapter format (``control.contracts.adapter_format``, the rules registration
+applies too) does not allow, because an adapter can reach the engine without registration.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import threading
 from collections.abc import Mapping
 from collections.abc import Sequence as Sequence_
@@ -60,32 +60,18 @@ from backend.serving.memory import (
 )
 from backend.serving.sampling import InvalidParameter, check_sampling, sample
 from backend.serving.slots import SlotContext, SlotIdentity, SlotsFull, SlotTable, SlottedLinear
+from control.contracts.adapter_format import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterFormatError,
+    LoraConfig,
+    lora_pairs,
+)
 from control.contracts.config import MAX_RANK_ENV
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # An adapter directory, or its files in memory (relative path -> bytes).
 AdapterSource = Path | Mapping[str, bytes]
-_KEY_PREFIX = "base_model.model."
 log = logging.getLogger("loraplane.engine")
-
-# adapter_config.json fields that change what the weights mean; a non-default value is refused
-# rather than silently served wrong. field -> values that are fine.
-_UNSUPPORTED_FLAGS: dict[str, tuple[Any, ...]] = {
-    "use_dora": (False, None),
-    "fan_in_fan_out": (False, None),
-    "bias": ("none", None),
-    "lora_bias": (False, None),
-    "modules_to_save": (None, []),
-    "rank_pattern": ({}, None),
-    "alpha_pattern": ({}, None),
-    "layer_replication": (None, []),
-    "trainable_token_indices": (None, {}, []),
-    "alora_invocation_tokens": (None, []),
-    "use_qalora": (False, None),
-    "use_bdlora": (False, None),
-    "target_parameters": (None, []),
-}
 
 
 class EngineError(Exception):
@@ -134,41 +120,6 @@ class GenerationResult:
     tokens_out: int
     adapter_digest: str | None = None
     failure: str | None = None
-
-
-@dataclass(frozen=True)
-class _LoraSpec:
-    """What adapter_config.json says, validated."""
-
-    rank: int
-    scaling: float
-
-    @classmethod
-    def from_config(cls, raw: dict[str, Any], max_rank: int) -> _LoraSpec:
-        peft_type = raw.get("peft_type")
-        if peft_type != "LORA":
-            raise AdapterLoadError(f"unsupported adapter type: expected LORA, found {peft_type!r}")
-        for name, fine in _UNSUPPORTED_FLAGS.items():
-            if name in raw and raw[name] not in fine:
-                raise AdapterLoadError(
-                    f"unsupported adapter_config.json: {name}={raw[name]!r} "
-                    f"(supported: {', '.join(repr(v) for v in fine)})"
-                )
-        rank, alpha = raw.get("r"), raw.get("lora_alpha")
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-            raise AdapterLoadError(
-                f"adapter_config.json: r must be a positive integer, found {rank!r}"
-            )
-        if rank > max_rank:
-            raise AdapterLoadError(f"adapter rank {rank} exceeds this engine's max_rank "
-                                   f"{max_rank} ({MAX_RANK_ENV})")
-        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-            raise AdapterLoadError(
-                f"adapter_config.json: lora_alpha must be a number, found {alpha!r}"
-            )
-        rslora = bool(raw.get("use_rslora", False))
-        scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
-        return cls(rank=rank, scaling=float(scaling))
 
 
 
@@ -345,9 +296,12 @@ class Engine:
         ``source`` is a directory, or its files already in memory (relative path -> bytes), as
         the store hands them over after checking those bytes against the digest.
         """
-        spec = _LoraSpec.from_config(_read_config(source), self._max_rank)
-        pairs = self._validated_pairs(_read_tensors(source), spec)
-        return HostAdapter(rank=spec.rank, scaling=spec.scaling, pairs=pairs)
+        config = _read_config(source)
+        if config.rank > self._max_rank:
+            raise AdapterLoadError(f"adapter rank {config.rank} exceeds this engine's max_rank "
+                                   f"{self._max_rank} ({MAX_RANK_ENV})")
+        pairs = self._validated_pairs(_read_tensors(source), config)
+        return HostAdapter(rank=config.rank, scaling=config.scaling, pairs=pairs)
 
     def prepare(self, adapter: HostAdapter) -> PreparedAdapter:
         """The adapter in the slots' dtype and layout (see :class:`PreparedAdapter`); takes no
@@ -465,27 +419,16 @@ class Engine:
         return self.plan.slot_bytes
 
     def _validated_pairs(
-        self, tensors: dict[str, torch.Tensor], spec: _LoraSpec
+        self, tensors: dict[str, torch.Tensor], config: LoraConfig
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Module name -> (A, B), each checked against the base's module and the config."""
-        halves: dict[str, dict[str, torch.Tensor]] = {}
-        for key, tensor in tensors.items():
-            if not key.startswith(_KEY_PREFIX) or not key.endswith(
-                (".lora_A.weight", ".lora_B.weight")
-            ):
-                raise AdapterLoadError(
-                    f"unsupported tensor {key!r}: expected "
-                    f"'{_KEY_PREFIX}<module>.lora_A.weight' or '.lora_B.weight'"
-                )
-            module, half = key[len(_KEY_PREFIX) :].rsplit(".", 2)[:2]
-            halves.setdefault(module, {})[half] = tensor
-        if not halves:
-            raise AdapterLoadError("adapter has no LoRA tensors")
+        try:
+            found_pairs = lora_pairs(tensors)  # the format's naming rule, both halves present
+        except AdapterFormatError as e:
+            raise AdapterLoadError(str(e)) from None
 
         pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for module, found in sorted(halves.items()):
-            if set(found) != {"lora_A", "lora_B"}:
-                raise AdapterLoadError(f"module {module!r}: needs both lora_A and lora_B")
+        for module, (a, b) in found_pairs.items():
             try:
                 target = self._model.get_submodule(module)
             except AttributeError:
@@ -499,9 +442,8 @@ class Engine:
                     f"module {module!r} has no adapter slots: this engine serves LoRA on "
                     f"{', '.join(TARGET_MODULES)}"
                 )
-            a, b = found["lora_A"], found["lora_B"]
-            want_a = (spec.rank, target.in_features)
-            want_b = (target.out_features, spec.rank)
+            want_a = (config.rank, target.in_features)
+            want_b = (target.out_features, config.rank)
             if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
                 raise AdapterLoadError(
                     f"module {module!r}: expected lora_A {list(want_a)} and lora_B "
@@ -849,40 +791,41 @@ def _cache_tensors(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.
     return [layer.keys for layer in layers], [layer.values for layer in layers]
 
 
-def _read_config(source: AdapterSource) -> dict[str, Any]:
+def _read_config(source: AdapterSource) -> LoraConfig:
+    """The adapter's config, refused unless the adapter format allows it
+    (``control.contracts.adapter_format``: the same rules registration applies)."""
     try:
         if isinstance(source, Mapping):
-            if ADAPTER_CONFIG not in source:
-                raise FileNotFoundError(ADAPTER_CONFIG)
-            raw = json.loads(source[ADAPTER_CONFIG].decode("utf-8"))
+            if CONFIG_FILE not in source:
+                raise FileNotFoundError(CONFIG_FILE)
+            raw = source[CONFIG_FILE]
         else:
-            raw = json.loads((Path(source) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+            raw = (Path(source) / CONFIG_FILE).read_bytes()
     except FileNotFoundError:
-        raise AdapterLoadError(f"adapter has no {ADAPTER_CONFIG}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterLoadError(f"{ADAPTER_CONFIG} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise AdapterLoadError(f"{ADAPTER_CONFIG} must hold a JSON object")
-    return raw
+        raise AdapterLoadError(f"adapter has no {CONFIG_FILE}") from None
+    try:
+        return LoraConfig.from_json(raw)
+    except AdapterFormatError as e:
+        raise AdapterLoadError(f"{CONFIG_FILE}: {e}") from None
 
 
 def _read_tensors(source: AdapterSource) -> dict[str, torch.Tensor]:
-    missing = AdapterLoadError(f"adapter has no {ADAPTER_WEIGHTS} (only safetensors is served)")
+    missing = AdapterLoadError(f"adapter has no {WEIGHTS_FILE} (only safetensors is served)")
     if isinstance(source, Mapping):
-        if ADAPTER_WEIGHTS not in source:
+        if WEIGHTS_FILE not in source:
             raise missing
         try:
-            return safetensors_load(source[ADAPTER_WEIGHTS])
+            return safetensors_load(source[WEIGHTS_FILE])
         except (SafetensorError, ValueError) as exc:
             raise AdapterLoadError(
-                f"{ADAPTER_WEIGHTS} is not a readable safetensors file: {exc}"
+                f"{WEIGHTS_FILE} is not a readable safetensors file: {exc}"
             ) from None
-    path = Path(source) / ADAPTER_WEIGHTS
+    path = Path(source) / WEIGHTS_FILE
     if not path.is_file():
         raise missing
     try:
         return load_file(path, device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
         raise AdapterLoadError(
-            f"{ADAPTER_WEIGHTS} is not a readable safetensors file: {exc}"
+            f"{WEIGHTS_FILE} is not a readable safetensors file: {exc}"
         ) from None

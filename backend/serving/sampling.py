@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from control.contracts.wire import MAX_TOKENS, SEED, TEMPERATURE, TOP_P
+
 MAX_NEW_TOKENS = 512
 DEFAULT_MAX_TOKENS = 16
 TEMPERATURE_MIN = 0.01
@@ -87,20 +89,21 @@ def _number(name: str, value: object) -> float:
 def check_sampling(max_tokens: object = None, temperature: object = None,
                    top_p: object = None, seed: object = None) -> SamplingParams:
     """The request's sampling parameters, defaults filled in; else :class:`InvalidParameter`."""
-    n = DEFAULT_MAX_TOKENS if max_tokens is None else _integer("max_tokens", max_tokens)
+    # Errors name the parameter as the client sent it: the models' input name.
+    n = DEFAULT_MAX_TOKENS if max_tokens is None else _integer(MAX_TOKENS, max_tokens)
     if not 1 <= n <= MAX_NEW_TOKENS:
-        raise InvalidParameter("max_tokens", f"must be between 1 and {MAX_NEW_TOKENS}, found {n}")
-    t = 0.0 if temperature is None else _number("temperature", temperature)
+        raise InvalidParameter(MAX_TOKENS, f"must be between 1 and {MAX_NEW_TOKENS}, found {n}")
+    t = 0.0 if temperature is None else _number(TEMPERATURE, temperature)
     if t != 0.0 and not _T_MIN <= t <= TEMPERATURE_MAX:
         raise InvalidParameter(
-            "temperature", f"must be 0 (greedy) or between {TEMPERATURE_MIN} and "
+            TEMPERATURE, f"must be 0 (greedy) or between {TEMPERATURE_MIN} and "
             f"{TEMPERATURE_MAX:g}, found {t!r}")
-    p = 1.0 if top_p is None else _number("top_p", top_p)
+    p = 1.0 if top_p is None else _number(TOP_P, top_p)
     if not _P_MIN <= p <= 1.0:
-        raise InvalidParameter("top_p", f"must be between {TOP_P_MIN} and 1, found {p!r}")
-    s = None if seed is None else _integer("seed", seed)
+        raise InvalidParameter(TOP_P, f"must be between {TOP_P_MIN} and 1, found {p!r}")
+    s = None if seed is None else _integer(SEED, seed)
     if s is not None and not SEED_MIN <= s <= SEED_MAX:
-        raise InvalidParameter("seed", "must fit a signed 64-bit integer")
+        raise InvalidParameter(SEED, "must fit a signed 64-bit integer")
     return SamplingParams(n, t, p, s)
 
 

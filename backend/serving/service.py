@@ -40,14 +40,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from backend.serving.admission import (
-    TICKET_HEADER,
-    TICKET_PARAM,
     RequestRefused,
     VerifiedTickets,
     check_governance,
     ticket_from_parameters,
 )
-from backend.serving.cache import AdapterCache, CacheBudgets, CacheRefused, TenantPolicy
+from backend.serving.cache import AdapterCache, CacheBudgets, CacheQuota, CacheRefused
 from backend.serving.engine import (
     DecodeBatch,
     Engine,
@@ -90,8 +88,8 @@ log = logging.getLogger("loraplane.backend")
 MAX_PROMPT_CHARS = 8192
 PREFIX_CACHE_BYTES = 64 * 2**20
 WATCH_INTERVAL_S = 0.1
-__all__ = ["BUSY_MESSAGE", "FAILURE_MESSAGE", "LIMITS_MESSAGE", "TICKET_HEADER", "TICKET_PARAM",
-           "LoraService", "RequestRefused", "ticket_from_parameters"]
+__all__ = ["BUSY_MESSAGE", "FAILURE_MESSAGE", "LIMITS_MESSAGE", "LoraService", "RequestRefused",
+           "ticket_from_parameters"]
 
 
 
@@ -212,7 +210,7 @@ class LoraService:
         engine: Engine | None = None,
         limits: SchedulerLimits | None = None,
         budgets: CacheBudgets | None = None,
-        policy: TenantPolicy | None = None,
+        quota: CacheQuota | None = None,
         prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
         watch_interval_s: float = WATCH_INTERVAL_S,
         steps: Callable[[Settings], RevocationSteps],
@@ -243,8 +241,8 @@ class LoraService:
         self.engine = engine
         self.limits = limits or SchedulerLimits.from_env()
         self.prefix_cache: PrefixCache[DecodeBatch] = PrefixCache(prefix_cache_bytes)
-        policy = policy or TenantPolicy(resident_share=settings.resident_share)
-        self.cache = AdapterCache(engine, self.store.read_verified, budgets=budgets, policy=policy,
+        quota = quota or CacheQuota(resident_share=settings.resident_share)
+        self.cache = AdapterCache(engine, self.store.read_verified, budgets=budgets, quota=quota,
                                   on_event=self._record_load,
                                   on_purge=self.prefix_cache.purge_adapter,
                                   violations=engine.violations)

@@ -20,11 +20,11 @@ import time
 from typing import Any
 
 from backend.serving.messages import INTERNAL_MESSAGE, status_of
+from backend.triton.errors import error_response
+from control.contracts.wire import ENGINE_MODEL, OUTPUT_NAMES, STREAM
 
 log = logging.getLogger("loraplane.backend.front")
 
-ENGINE_MODEL = "lora_llm_stream"
-OUTPUTS = ["text_output", "request_id", "adapter_digest"]
 # While the engine model is still loading, a forwarded request waits this long for it.
 ENGINE_WAIT_S = 300.0
 _NOT_READY = ("is not ready", "unknown model", "not found")
@@ -58,11 +58,12 @@ class Front:
         pb = self.pb
         raw = request.parameters() or "{}"
         params = json.loads(raw) if isinstance(raw, str) else dict(raw)
-        inputs = [t for t in request.inputs() if t.name() != "stream"]  # unary: never stream
+        inputs = [t for t in request.inputs() if t.name() != STREAM]  # unary: never stream
         deadline = time.monotonic() + ENGINE_WAIT_S
         while True:
             bls = pb.InferenceRequest(model_name=ENGINE_MODEL, inputs=inputs,
-                                      requested_output_names=OUTPUTS, parameters=params)
+                                      requested_output_names=list(OUTPUT_NAMES),
+                                      parameters=params)
             last = None
             try:
                 responses = await bls.async_exec(decoupled=True)
@@ -90,15 +91,12 @@ class Front:
                 return _error(pb, INTERNAL_MESSAGE)
             return pb.InferenceResponse(output_tensors=[
                 pb.Tensor(name, pb.get_output_tensor_by_name(last, name).as_numpy())
-                for name in OUTPUTS
+                for name in OUTPUT_NAMES
             ])
 
 
 def _error(pb: Any, message: str) -> Any:
-    code = {
-        "invalid_arg": pb.TritonError.INVALID_ARG,
-        "unavailable": pb.TritonError.UNAVAILABLE,
-    }.get(status_of(message), pb.TritonError.INTERNAL)
+    status = status_of(message)
     # Only the engine's fixed messages pass through; anything else becomes the generic one.
-    text = message if status_of(message) != "internal" else INTERNAL_MESSAGE
-    return pb.InferenceResponse(error=pb.TritonError(text, code))
+    text = message if status != "internal" else INTERNAL_MESSAGE
+    return error_response(pb, text, status)

@@ -25,13 +25,23 @@ from backend.serving.service import (
     LoraService,
     RevocationSteps,
 )
+from backend.triton.errors import error_response
 from backend.triton.metrics import Telemetry
-from control.contracts.config import Settings
+from control.contracts.config import BASE_DIGEST_ENV, HOST_ID_ENV, Settings
+from control.contracts.wire import (
+    ADAPTER_DIGEST,
+    MAX_TOKENS,
+    REQUEST_ID,
+    SEED,
+    STREAM,
+    TEMPERATURE,
+    TEXT_INPUT,
+    TEXT_OUTPUT,
+    TOP_P,
+)
 
 log = logging.getLogger("loraplane.backend")
 
-BASE_DIGEST_ENV = "LORAPLANE_BASE_DIGEST"
-HOST_ID_ENV = "LORAPLANE_HOST_ID"  # the ledger's host column (default: the hostname)
 PREFIX_CACHE_ENV = "LORAPLANE_PREFIX_CACHE_BYTES"  # 0 turns the prompt cache off
 
 
@@ -51,17 +61,8 @@ def outputs(pb: Any, text: str, request_id: str, adapter_digest: str) -> list[An
     def out(name: str, value: str) -> Any:
         return pb.Tensor(name, np.array([[value.encode("utf-8")]], dtype=np.object_))
 
-    return [out("text_output", text), out("request_id", request_id),
-            out("adapter_digest", adapter_digest)]
-
-
-def error_response(pb: Any, message: str, status: str) -> Any:
-    code = {
-        "invalid_arg": pb.TritonError.INVALID_ARG,
-        "unavailable": pb.TritonError.UNAVAILABLE,
-        "cancelled": getattr(pb.TritonError, "CANCELLED", pb.TritonError.UNAVAILABLE),
-    }.get(status, pb.TritonError.INTERNAL)
-    return pb.InferenceResponse(error=pb.TritonError(message, code))
+    return [out(TEXT_OUTPUT, text), out(REQUEST_ID, request_id),
+            out(ADAPTER_DIGEST, adapter_digest)]
 
 
 class _ResponseSink:
@@ -139,16 +140,16 @@ class TritonGlue:
 
     def _incoming(self, request: Any) -> IncomingRequest:
         pb = self.pb
-        text = _scalar(pb, request, "text_input")
+        text = _scalar(pb, request, TEXT_INPUT)
         try:
             return IncomingRequest(
                 text=text,
                 parameters=request.parameters(),
-                max_tokens=_scalar(pb, request, "max_tokens"),
-                temperature=_scalar(pb, request, "temperature"),
-                top_p=_scalar(pb, request, "top_p"),
-                seed=_scalar(pb, request, "seed"),
-                stream=bool(_scalar(pb, request, "stream") or False),
+                max_tokens=_scalar(pb, request, MAX_TOKENS),
+                temperature=_scalar(pb, request, TEMPERATURE),
+                top_p=_scalar(pb, request, TOP_P),
+                seed=_scalar(pb, request, SEED),
+                stream=bool(_scalar(pb, request, STREAM) or False),
             )
         except ValueError:
             # A malformed optional input: the service refuses an empty prompt type generically.

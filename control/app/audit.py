@@ -22,6 +22,7 @@ from eventsourcing.application import Application
 from eventsourcing.domain import AggregateEvent
 
 from control.app.integrity import event_hash
+from control.contracts.event_log import notifications
 from control.domain import event_fields
 
 # Fields never shown in the audit, whatever event carries them.
@@ -61,45 +62,32 @@ def audit_log(
 ) -> list[AuditEntry]:
     """Events after position ``since`` in recorded order (at most ``limit`` of them)."""
     entries: list[AuditEntry] = []
-    position = since
-    while limit is None or len(entries) < limit:
-        page = _PAGE if limit is None else min(_PAGE, limit - len(entries))
-        notifications = registry.recorder.select_notifications(
-            start=position, limit=page, inclusive_of_start=False)
-        if not notifications:
-            break
-        for n in notifications:
-            domain_event = cast(AggregateEvent, registry.mapper.to_domain_event(n))
-            kind, _, event_type = type(domain_event).__qualname__.rpartition(".")
-            fields = event_fields(domain_event)
-            entries.append(AuditEntry(
-                position=n.id,
-                time=domain_event.timestamp.isoformat(),
-                actor=str(fields.get("actor", "")),
-                event_type=event_type,
-                aggregate=kind or event_type,
-                aggregate_id=str(domain_event.originator_id),
-                summary=_summary(fields),
-            ))
-        position = notifications[-1].id
+    for n in notifications(registry.recorder, after=since, page_size=_PAGE, limit=limit):
+        domain_event = cast(AggregateEvent, registry.mapper.to_domain_event(n))
+        kind, _, event_type = type(domain_event).__qualname__.rpartition(".")
+        fields = event_fields(domain_event)
+        entries.append(AuditEntry(
+            position=n.id,
+            time=domain_event.timestamp.isoformat(),
+            actor=str(fields.get("actor", "")),
+            event_type=event_type,
+            aggregate=kind or event_type,
+            aggregate_id=str(domain_event.originator_id),
+            summary=_summary(fields),
+        ))
     return entries
 
 
 def events_until(registry: Application[Any], until: dt.datetime | None
                   ) -> Iterator[tuple[Any, AggregateEvent]]:
-    position = 0
-    while True:
-        notifications = registry.recorder.select_notifications(
-            start=position, limit=_PAGE, inclusive_of_start=False)
-        if not notifications:
-            return
-        for n in notifications:
-            domain_event = cast(AggregateEvent, registry.mapper.to_domain_event(n))
-            # Filter rather than stop: positions and timestamps need not agree exactly (the
-            # events of one command are stamped as they are made, then saved together).
-            if until is None or domain_event.timestamp <= until:
-                yield n, domain_event
-        position = notifications[-1].id
+    """Every recorded event stamped at or before ``until`` (None: all), with its notification,
+    in recorded order."""
+    for n in notifications(registry.recorder, after=0, page_size=_PAGE):
+        domain_event = cast(AggregateEvent, registry.mapper.to_domain_event(n))
+        # Filter rather than stop: positions and timestamps need not agree exactly (the
+        # events of one command are stamped as they are made, then saved together).
+        if until is None or domain_event.timestamp <= until:
+            yield n, domain_event
 
 
 def export_lines(registry: Application[Any]) -> Iterator[str]:

@@ -40,6 +40,7 @@ from sqlalchemy.engine import Engine
 
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
+from control.contracts.event_log import notifications
 from control.contracts.keys import load_or_create_ed25519
 from control.contracts.schema import Component, declare, open_component
 from control.contracts.tickets import key_id
@@ -164,17 +165,7 @@ class Report:
 def _notifications(app: Application[Any], after: int | None, upto: int | None = None
                    ) -> list[Notification]:
     """Rows after position ``after`` (None: every row, even at a forged position <= 0)."""
-    out: list[Notification] = []
-    position = after
-    while True:
-        page = app.recorder.select_notifications(start=position, limit=_PAGE,
-                                                 stop=upto, inclusive_of_start=False)
-        if not page:
-            return out
-        out.extend(page)
-        position = page[-1].id
-        if upto is not None and position >= upto:
-            return out
+    return list(notifications(app.recorder, after=after, stop=upto, page_size=_PAGE))
 
 
 class AuditSeal:

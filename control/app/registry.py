@@ -15,7 +15,7 @@ the content-addressed store before their event is saved; a rejected adapter leav
 the store, only a ``RegistrationRejected`` event for the audit.
 
 Operators walk an adapter through its lifecycle one step at a time (``promote``) or with
-``release`` (evaluation report -> candidate -> canary -> stable, each step its own event).
+``advance`` (evaluation report -> candidate -> canary -> stable, each step its own event).
 
 Commands that take something away (adapter revocation; revoking or rotating an API key, removing
 a grant, retiring a signing key) report success only once the projection tables that gateways
@@ -48,13 +48,12 @@ from eventsourcing.persistence import Recording
 from control.app import key_ring, limits
 from control.app.integrity import AuditSeal
 from control.app.releases import (
-    MANIFEST_FILE,
     REPORT_FILE,
     chat_template_digest,
     check_report,
-    manifest,
     parse_defaults,
     put_document,
+    put_manifest,
     report_summary,
 )
 from control.app.validation import (
@@ -71,6 +70,7 @@ from control.domain import (
     CANARY,
     CANDIDATE,
     DEPRECATED,
+    DRAFT,
     REVOKED,
     STABLE,
     Adapter,
@@ -85,6 +85,7 @@ from control.domain import (
     NotFound,
     RegistrationRejection,
     Release,
+    ReleaseManifest,
     SigningKey,
     Tenant,
     TenantPolicy,
@@ -411,25 +412,18 @@ class Registry(Application[UUID]):
         return digest
 
     def _new_base_release(self, base: BaseModel, actor: str) -> Release:
-        return self._new_release(tenant=None, adapter_digest=None, base_digest=base.digest,
-                                 tokenizer_digest=base.tokenizer_digest, evaluation=None,
-                                 defaults={}, actor=actor)
+        return self._new_release(ReleaseManifest(
+            tenant=None, adapter_digest=None, base_digest=base.digest,
+            tokenizer_digest=base.tokenizer_digest,
+            chat_template_digest=chat_template_digest(self.store, base.tokenizer_digest),
+            inference_defaults={}, evaluation_report_digest=None), actor)
 
-    def _new_release(self, *, tenant: str | None, adapter_digest: str | None,
-                     base_digest: str, tokenizer_digest: str, evaluation: str | None,
-                     defaults: dict[str, Any], actor: str) -> Release:
+    def _new_release(self, manifest: ReleaseManifest, actor: str) -> Release:
         """A release manifest stored by digest; the Release aggregate is new or existing."""
-        template = chat_template_digest(self.store, tokenizer_digest)
-        doc = manifest(tenant=tenant, adapter_digest=adapter_digest, base_digest=base_digest,
-                       tokenizer_digest=tokenizer_digest, chat_template_digest=template,
-                       inference_defaults=defaults, evaluation_report_digest=evaluation)
-        digest = put_document(self.store, MANIFEST_FILE, doc)
+        digest = put_manifest(self.store, manifest)
         if self._exists(release_id(digest)):
             return self.release_manifest(digest)  # same manifest: same release, no new event
-        return Release(digest=digest, tenant=tenant, adapter_digest=adapter_digest,
-                       base_digest=base_digest, tokenizer_digest=tokenizer_digest,
-                       chat_template_digest=template, inference_defaults=defaults,
-                       evaluation_report_digest=evaluation, actor=check_actor(actor))
+        return Release.create(digest, manifest, actor)
 
     # -- adapters ---------------------------------------------------------------------------
 
@@ -550,7 +544,7 @@ class Registry(Application[UUID]):
         self._save(adapter, *changed, what="adapter")
         return adapter.state
 
-    def release(
+    def advance(
         self,
         digest: str,
         *,
@@ -573,8 +567,9 @@ class Registry(Application[UUID]):
             report_digest = put_document(self.store, REPORT_FILE, check_report(evaluation))
             adapter.record_evaluation(report_digest, report_summary(evaluation), actor)
         order = (CANDIDATE, CANARY, STABLE)
-        if adapter.state not in ("draft", *order):
-            raise IllegalTransition(f"an adapter in state {adapter.state!r} cannot be released")
+        if adapter.state not in (DRAFT, *order):
+            raise IllegalTransition(
+                f"an adapter in state {adapter.state.value!r} cannot be released")
         while adapter.state != to:
             if adapter.state == STABLE:
                 raise IllegalTransition("the adapter is already stable")
@@ -605,10 +600,13 @@ class Registry(Application[UUID]):
             return []
         # Entering canary: build the release manifest; the guard checks the evaluation report.
         lifecycle_guard(adapter, CANARY, policy)  # before any manifest is written
-        release = self._new_release(
+        inference_defaults = parse_defaults(defaults)  # refused before the template is stored
+        release = self._new_release(ReleaseManifest(
             tenant=adapter.tenant, adapter_digest=adapter.digest,
             base_digest=adapter.base_digest, tokenizer_digest=adapter.tokenizer_digest,
-            evaluation=adapter.evaluation_report, defaults=parse_defaults(defaults), actor=actor)
+            chat_template_digest=chat_template_digest(self.store, adapter.tokenizer_digest),
+            inference_defaults=inference_defaults,
+            evaluation_report_digest=adapter.evaluation_report), actor)
         adapter.promote(to, actor, policy, release=release.digest)
         out: list[Aggregate] = [release]
         if route is not None:

@@ -5,7 +5,8 @@ Each document is stored in the artifact store as a directory holding one canonic
 ``control.contracts.digests`` and
 can be fetched back by digest. A release manifest names everything that decides what a request
 on that release computes: adapter, base, tokenizer, chat template, inference defaults and the
-evaluation report that let it into canary.
+evaluation report that let it into canary; its fields and its document are defined once, by
+``control.domain.ReleaseManifest``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from control.contracts.digests import directory_digest
 from control.contracts.store import ArtifactStore
-from control.domain import DomainError
+from control.domain import DomainError, ReleaseManifest
 
 MANIFEST_FILE = "release.json"
 REPORT_FILE = "evaluation.json"
@@ -114,27 +115,9 @@ def report_summary(report: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def manifest(
-    *,
-    tenant: str | None,
-    adapter_digest: str | None,
-    base_digest: str,
-    tokenizer_digest: str,
-    chat_template_digest: str | None,
-    inference_defaults: dict[str, Any],
-    evaluation_report_digest: str | None,
-) -> dict[str, Any]:
-    """The release manifest document (what its digest covers)."""
-    return {
-        "kind": "loraplane.release/v1",
-        "tenant": tenant,
-        "adapter_digest": adapter_digest,
-        "base_digest": base_digest,
-        "tokenizer_digest": tokenizer_digest,
-        "chat_template_digest": chat_template_digest,
-        "inference_defaults": inference_defaults,
-        "evaluation_report_digest": evaluation_report_digest,
-    }
+def put_manifest(store: ArtifactStore, manifest: ReleaseManifest) -> str:
+    """Store a release manifest's document; return its digest, which names the release."""
+    return put_document(store, MANIFEST_FILE, manifest.document())
 
 
 def chat_template_digest(store: ArtifactStore, tokenizer_digest: str) -> str | None:

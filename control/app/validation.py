@@ -13,10 +13,12 @@ An adapter directory is checked before anything is stored, one named check at a 
 - ``config``: ``adapter_config.json`` is a LoRA config (JSON without duplicate keys or NaN) with an
   integer rank ``r > 0``, a finite positive ``lora_alpha`` and ``target_modules``, and no
   feature the engine cannot serve (DoRA, biases, modules_to_save, per-layer patterns, ...).
+  The rules are ``control.contracts.adapter_format``'s, which the engine applies at load too.
 - ``rank``: ``r`` is at most the configured maximum.
 - ``base``: the adapter names (or the caller names) a registered base, by digest or name.
-- ``shapes``: every tensor is a ``lora_A``/``lora_B`` weight of a Linear layer of that base and
-  fits its shape (``lora_A [r, in]``, ``lora_B [out, r]``); nothing else is in the file. Every
+- ``shapes``: every tensor is a ``lora_A``/``lora_B`` weight (named by the format's rule, both
+  halves of each pair present) of a Linear layer of that base and fits its shape
+  (``lora_A [r, in]``, ``lora_B [out, r]``); nothing else is in the file. Every
   base Linear that ``target_modules`` names has its pair, and every name matches some Linear, so
   the config cannot lie about what the adapter changes.
 - ``values``: every weight is finite (no NaN or infinity); read only after the checks above
@@ -28,7 +30,6 @@ directory (only the adapter's own file names) or anything about other tenants.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable
@@ -38,17 +39,25 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
+from control.contracts.adapter_format import (
+    CONFIG_FILE,
+    MAX_CONFIG_BYTES,
+    WEIGHTS_FILE,
+    AdapterFormatError,
+    LoraConfig,
+    LoraTensor,
+    lora_pairs,
+    parse_config,
+    strict_json,
+)
 from control.contracts.digests import DIGEST_RE
 from control.domain import ValidationFailed
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 ALLOWED_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE})
 # Serialisations that can run code when loaded (pickle and friends), refused by name.
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib",
                              ".npy", ".npz", ".h5", ".msgpack"})
 FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
-MAX_CONFIG_BYTES = 1 << 20
 # A real adapter's header is a few KB (about 100 bytes per tensor); a header length field is
 # checked against this before anything else is read, so a forged length cannot make us allocate.
 MAX_HEADER_BYTES = 1 << 20
@@ -60,16 +69,6 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
 _ARCHIVE_MAGIC = ((b"PK\x03\x04", "zip"), (b"PK\x05\x06", "zip"), (b"\x1f\x8b", "gzip"),
                   (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"(\xb5/\xfd", "zstd"),
                   (b"7z\xbc\xaf'\x1c", "7z"), (b"Rar!", "rar"))
-# adapter_config.json features the engine does not implement (values that mean "off" allowed).
-UNSUPPORTED_FEATURES: dict[str, tuple[object, ...]] = {
-    "use_dora": (False, None), "fan_in_fan_out": (False, None), "bias": ("none", None),
-    "lora_bias": (False, None), "modules_to_save": (None, []), "rank_pattern": ({}, None),
-    "alpha_pattern": ({}, None), "layer_replication": (None, []),
-    "layers_to_transform": (None, []), "layers_pattern": (None, [], ""),
-    "trainable_token_indices": (None, {}, []), "alora_invocation_tokens": (None, []),
-    "use_qalora": (False, None), "use_bdlora": (False, None), "target_parameters": (None, []),
-}
-_LORA_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _SAFE_ECHO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -108,25 +107,6 @@ class TensorEntry:
 
 def _fail(check: str, message: str) -> ValidationFailed:
     return ValidationFailed(check, message)
-
-
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ValueError("duplicate key")  # two parsers could disagree on which value wins
-    return out
-
-
-def _no_constants(name: str) -> object:
-    raise ValueError(f"{name} is not JSON")
-
-
-def strict_json(raw: bytes | str) -> object:
-    """JSON as RFC 8259 has it: no duplicate keys, no NaN/Infinity; ValueError otherwise."""
-    try:
-        return json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
-    except RecursionError:  # deeply nested input
-        raise ValueError("JSON nested too deeply") from None
 
 
 def archive_kind(head: bytes) -> str | None:
@@ -291,46 +271,20 @@ def check_values(path: Path, header_len: int, entries: dict[str, TensorEntry]) -
 
 def _load_config(adapter_dir: Path) -> dict[str, object]:
     path = adapter_dir / CONFIG_FILE
-    if path.stat().st_size > MAX_CONFIG_BYTES:
+    if path.stat().st_size > MAX_CONFIG_BYTES:  # before reading it
         raise _fail("config", f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
     try:
-        config = strict_json(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise _fail("config", f"{CONFIG_FILE} is not valid JSON (duplicate keys, NaN and "
-                              "Infinity are refused)") from None
-    if not isinstance(config, dict):
-        raise _fail("config", f"{CONFIG_FILE} must hold a JSON object")
-    return config
+        return parse_config(path.read_bytes())
+    except AdapterFormatError as e:
+        raise _fail("config", str(e)) from None
 
 
-def check_config(config: dict[str, object]) -> tuple[int, list[str]]:
-    """The ``config`` check; returns (rank, target_modules)."""
-    if config.get("peft_type") != "LORA":
-        found = str(config.get("peft_type"))[:32]
-        raise _fail("config", f"peft_type must be LORA, found {found!r}")
-    r = config.get("r")
-    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
-        raise _fail("config", "r must be an integer greater than 0")
-    alpha = config.get("lora_alpha")
-    if (not isinstance(alpha, (int, float)) or isinstance(alpha, bool)
-            or not math.isfinite(alpha) or alpha <= 0):
-        raise _fail("config", "lora_alpha must be a finite positive number")
-    targets = config.get("target_modules")
-    if isinstance(targets, str):
-        targets = [targets]
-    if (not isinstance(targets, list) or not targets
-            or not all(isinstance(t, str) and t for t in targets)):
-        raise _fail("config", "target_modules must be a non-empty list of module names")
-    for key, off in UNSUPPORTED_FEATURES.items():
-        if key in config and not any(_same(config[key], v) for v in off):
-            raise _fail("config", f"{key} is not supported (allowed: "
-                                  f"{', '.join(json.dumps(v) for v in off)})")
-    return r, sorted(set(targets))
-
-
-def _same(a: object, b: object) -> bool:
-    # False == 0 in Python; a config value must match in type too.
-    return type(a) is type(b) and a == b
+def check_config(config: dict[str, object]) -> LoraConfig:
+    """The ``config`` check: the adapter format's rules (``control.contracts.adapter_format``)."""
+    try:
+        return LoraConfig.from_dict(config)
+    except AdapterFormatError as e:
+        raise _fail("config", str(e)) from None
 
 
 def check_rank(rank: int, max_rank: int) -> None:
@@ -366,31 +320,26 @@ def check_shapes(
     tensors: dict[str, tuple[str, list[int]]], base: BaseInfo, rank: int, targets: list[str]
 ) -> None:
     """The ``shapes`` check: LoRA pairs on the base's Linear layers, of rank ``rank``, only."""
-    if not tensors:
-        raise _fail("shapes", f"{WEIGHTS_FILE} holds no tensors")
-    seen: dict[str, set[str]] = {}
-    for key, (dtype, shape) in sorted(tensors.items()):
-        m = _LORA_KEY.match(key)
-        if m is None:
-            raise _fail("shapes", f"unexpected tensor {key[:120]!r}: only "
-                                  "base_model.model.<module>.lora_A/lora_B.weight are allowed")
-        module, ab = m.group("module"), m.group("ab")
+    try:
+        seen = lora_pairs(tensors)  # the format's naming rule; both matrices of each module
+    except AdapterFormatError as e:
+        raise _fail("shapes", str(e)) from None
+    for module, (a, b) in seen.items():
         linear = base.linear_shapes.get(module)
         if linear is None:
             raise _fail("shapes", f"{module[:120]!r} is not a Linear layer of the base model")
         if not _matches_target(module, targets):
             raise _fail("shapes", f"{module[:120]!r} is not in target_modules")
-        if dtype not in FLOAT_DTYPES:
-            raise _fail("shapes", f"{key[:120]!r} has dtype {dtype}; floating point expected")
         out_f, in_f = linear
-        expected = [rank, in_f] if ab == "A" else [out_f, rank]
-        if shape != expected:
-            raise _fail("shapes", f"{key[:120]!r} has shape {shape}, expected {expected} "
-                                  f"(rank {rank}, Linear [{out_f}, {in_f}])")
-        seen.setdefault(module, set()).add(ab)
-    for module, halves in sorted(seen.items()):
-        if halves != {"A", "B"}:
-            raise _fail("shapes", f"{module[:120]!r} needs both lora_A and lora_B")
+        for tensor, (dtype, shape), expected in ((LoraTensor(module, "A"), a, [rank, in_f]),
+                                                 (LoraTensor(module, "B"), b, [out_f, rank])):
+            key = tensor.key
+            if dtype not in FLOAT_DTYPES:
+                raise _fail("shapes", f"{key[:120]!r} has dtype {dtype}; floating point "
+                                      "expected")
+            if shape != expected:
+                raise _fail("shapes", f"{key[:120]!r} has shape {shape}, expected {expected} "
+                                      f"(rank {rank}, Linear [{out_f}, {in_f}])")
     # The config must not lie about what the adapter changes: each target names some Linear of
     # the base, and each Linear it names carries a LoRA pair.
     for target in targets:
@@ -409,7 +358,8 @@ def validate_adapter(
     """Run every check on ``adapter_dir``; raise ValidationFailed at the first failure."""
     check_files(adapter_dir)
     config = _load_config(adapter_dir)
-    rank, targets = check_config(config)
+    lora = check_config(config)
+    rank, targets = lora.rank, list(lora.target_modules)
     check_rank(rank, max_rank)
     info = check_base(config, base, lookup_base)
     weights = adapter_dir / WEIGHTS_FILE

@@ -3,7 +3,8 @@
 ``--json`` before any verb prints machine-readable output.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: typer reads every verb's annotations at each start
+# and would eval each string (see control/cli/main.py).
 
 import datetime as dt
 import getpass
@@ -12,16 +13,16 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from control.contracts.config import Settings
 from control.contracts.digests import DigestError, check_digest, short
-from control.domain import DomainError
 from control.ops.views import audit_table, cell, incident_table, iso
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Serve many LoRA adapters on one base model, per tenant, on Triton.")
@@ -41,8 +42,32 @@ for sub, name in ((kit_app, "kit"), (base_app, "base"), (adapter_app, "adapter")
                   (selftest_app, "selftest")):
     app.add_typer(sub, name=name)
 
-console = Console()
-err_console = Console(stderr=True)
+
+class Printer:
+    """Prints through a rich ``Console`` made at each call (stdout, or stderr), so that a verb
+    that prints nothing through rich, every ``--json`` one, never imports rich: tens of
+    milliseconds of each start. Making a Console is cheap, and one made at the call reads the
+    terminal's width and colours then, as a long-lived Console does when it prints."""
+
+    def __init__(self, *, stderr: bool = False) -> None:
+        self.stderr = stderr
+
+    def _console(self) -> "Console":
+        from rich.console import Console
+
+        return Console(stderr=self.stderr)
+
+    def print(self, *objects: Any, **options: Any) -> None:
+        """``rich.console.Console.print``."""
+        self._console().print(*objects, **options)
+
+    def print_json(self, json_str: str | None = None, **options: Any) -> None:
+        """``rich.console.Console.print_json``."""
+        self._console().print_json(json_str, **options)
+
+
+console = Printer()
+err_console = Printer(stderr=True)
 
 
 class _State:
@@ -117,7 +142,13 @@ def errors() -> Iterator[None]:
         yield
     except typer.Exit:  # already reported (typer's Exit is a RuntimeError): never twice
         raise
-    except (DomainError, DigestError, ValueError, FileNotFoundError, RuntimeError) as e:
+    except Exception as e:
+        # domain (eventsourcing): imported only on a failure, so `--help` never pays for it
+        from control.domain import DomainError
+
+        if not isinstance(e, (DomainError, DigestError, ValueError, FileNotFoundError,
+                              RuntimeError)):
+            raise
         check = getattr(e, "check", None)
         msg = f"{type(e).__name__}: {e}"
         if state.json:
@@ -289,6 +320,7 @@ def ticket_issue(
     alias: Annotated[str, typer.Option()],
 ) -> None:
     """Issue a routing ticket for TENANT and ALIAS, as the gateway would."""
+    from control.domain import DomainError  # domain (eventsourcing): only when a verb runs
     from control.gateway.ticket_office import NotGranted, TicketOffice, why_not
     from control.ops.serve import open_signer
 
@@ -446,6 +478,8 @@ def _as_dict(obj: Any) -> dict[str, Any]:
 
 
 def _table(cols: list[str], rows: list[dict[str, Any]], title: str | None = None) -> None:
+    from rich.table import Table
+
     t = Table(title=title)
     for c in cols:
         t.add_column(c)

@@ -8,7 +8,8 @@ Each verb that takes something away returns once gateways and hosts read the cha
 ``--wait`` seconds); otherwise it says the change is recorded but not yet in force, and exits 2.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: typer reads every verb's annotations at each start
+# and would eval each string (see control/cli/main.py).
 
 from typing import Annotated, Any
 

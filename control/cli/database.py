@@ -5,18 +5,19 @@ components and
 why opening a database never upgrades it by itself.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: typer reads every verb's annotations at each start
+# and would eval each string (see control/cli/main.py).
+
+from typing import TYPE_CHECKING
 
 import typer
-from sqlalchemy.engine import Engine
 
-from control.app import integrity  # noqa: F401  (declares the audit schema component)
 from control.cli.base import _as_dict, _table, app, emit, errors, settings
-from control.contracts import ledger  # noqa: F401  (declares the ledger schema component)
-from control.contracts.config import Settings
-from control.contracts.db import make_engine
-from control.contracts.schema import require_current, status, upgrade
-from projections import tables  # noqa: F401  (declares the projections schema component)
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
+
+    from control.contracts.config import Settings
 
 db_app = typer.Typer(no_args_is_help=True, help="Database schema versions: status, upgrade.")
 app.add_typer(db_app, name="db")
@@ -29,8 +30,22 @@ _NOTES = {
 }
 
 
-def require_schema(s: Settings) -> None:
+def _declare_components() -> None:
+    """Import every schema component's owner, so :func:`all_components` knows them all.
+
+    Here, not at the top: the owners bring sqlalchemy, eventsourcing and cryptography, and only
+    the verbs that read or check the whole schema need them (``--help`` does not)."""
+    from control.app import integrity  # noqa: F401  (declares the audit schema component)
+    from control.contracts import ledger  # noqa: F401  (declares the ledger schema component)
+    from projections import tables  # noqa: F401  (declares the projections schema component)
+
+
+def require_schema(s: "Settings") -> None:
     """Start-up check for long-running commands: refuse a database this code cannot use."""
+    from control.contracts.db import make_engine  # sqlalchemy: only when a database is opened
+    from control.contracts.schema import require_current
+
+    _declare_components()
     require_current(make_engine(s.db_url))
 
 
@@ -38,6 +53,10 @@ def require_schema(s: Settings) -> None:
 def db_status() -> None:
     """Each component's schema version: found, expected, and what to do. Exit 1 if any needs
     an upgrade or is newer than this loraplane."""
+    from control.contracts.db import make_engine  # sqlalchemy: only when a database is opened
+    from control.contracts.schema import status
+
+    _declare_components()
     s = settings()
     with errors():
         found = status(make_engine(s.db_url))
@@ -55,11 +74,14 @@ def db_upgrade() -> None:
     The ledger and audit tables are altered in place, keeping every row; the projection tables
     are dropped and rebuilt from the event store. Running it again changes nothing.
     """
+    from control.contracts.db import make_engine  # sqlalchemy: only when a database is opened
+    from control.contracts.schema import upgrade
     from projections.follower import ProjectionFollower
 
+    _declare_components()
     s = settings()
 
-    def rebuild(engine: Engine) -> int:
+    def rebuild(engine: "Engine") -> int:
         # Only called after the projection tables were dropped and created afresh.
         return ProjectionFollower.from_settings(s).rebuild_into(engine)
 

@@ -3,14 +3,17 @@
 ``loraplane bench engine``  the multi-LoRA engine's ratios (see ``backend.bench.engine``).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: typer reads every verb's annotations at each start
+# and would eval each string (see control/cli/main.py).
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.table import Table
 
 from control.cli.base import bench_app, console, emit, err_console, errors, state
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 @bench_app.command("engine")
@@ -36,6 +39,8 @@ def bench_engine(
                            triton_runs=TRITON_RUNS if triton_runs is None else triton_runs)
 
     def human() -> None:
+        from rich.table import Table
+
         t = Table(title="loraplane bench engine (ratios measured side by side in one run)")
         for col in ("key", "ratio", "goal", "met"):
             t.add_column(col)
@@ -59,8 +64,10 @@ def bench_engine(
     emit(result, human)
 
 
-def _side_by_side_table(side: dict[str, Any]) -> Table:
+def _side_by_side_table(side: dict[str, Any]) -> "Table":
     """governed_vs_open: each side's tokens/s spread, the per-round ratios, the cross-checks."""
+    from rich.table import Table
+
     t = Table(title=f"governed_vs_open: {side['runs_each']} runs each, {side['order']}; "
                     f"ratio of medians {side['ratio_of_medians']:.3f}")
     for col in ("what", "median", "min", "q1", "q3", "max"):

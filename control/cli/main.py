@@ -1,12 +1,22 @@
 """The ``loraplane`` command. Each verb module registers its verbs on the typer apps of
 ``control.cli.base`` when imported; importing them here, and nowhere else, keeps the dependency
-one way (verbs -> base) and every verb module free of heavy imports until its verb runs."""
+one way (verbs -> base) and every verb module free of heavy imports until its verb runs.
+
+The verb modules keep their annotations as objects (no ``from __future__ import annotations``):
+typer builds every verb from its annotations at each start, and string annotations would cost
+it an ``eval`` each, tens of milliseconds of every command.
+
+A command's process also ends quickly: see :func:`finish_at_exit`.
+"""
 
 from __future__ import annotations
 
+import atexit
+import gc
 import sys
 
 from control.cli import (  # noqa: F401  (imported for their registrations)
+    cli_bench,
     credentials,
     database,
     engine_bench,
@@ -17,6 +27,26 @@ from control.cli import (  # noqa: F401  (imported for their registrations)
 from control.cli.base import app
 
 __all__ = ["app"]
+
+
+def finish_at_exit() -> None:
+    """Run at exit: close what the verb left open, then spare the interpreter's shutdown its
+    garbage collections.
+
+    A verb that opened the registry leaves some 800 modules behind, and the collections Python
+    runs while tearing them down took a third of a second on two busy cores (0.17 s after
+    ``adapter list``), after the verb's work was done. Here the verb's garbage is collected once
+    and the database connections are closed, as the shutdown would have done; ``gc.freeze``
+    then leaves the remaining objects to the end of the process, as the operating system ends
+    any process."""
+    db = sys.modules.get("control.contracts.db")
+    if db is not None:  # only a verb that opened a database holds connections
+        db.dispose_engines()
+    gc.collect()
+    gc.freeze()
+
+
+atexit.register(finish_at_exit)
 
 if __name__ == "__main__":
     sys.exit(app())

@@ -7,7 +7,8 @@
 Every process reads the same ``LORAPLANE_DB_URL``; see ``control/ops/serve.py`` for the roles.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: typer reads every verb's annotations at each start
+# and would eval each string (see control/cli/main.py).
 
 import time
 from typing import Annotated
@@ -28,8 +29,6 @@ from control.cli.base import (
 )
 from control.cli.database import require_schema
 from control.contracts.telemetry import configure_logging
-from control.gateway.observability import digest_stats
-from control.ops.serve import Deployment, Ports, pick_base
 from control.ops.views import cell
 
 
@@ -43,6 +42,9 @@ def control_plane(
         "repeatable; added to $LORAPLANE_TRITON_URLS.")] = None,
 ) -> None:
     """Run the gateway and the projection follower (no Triton) until interrupted."""
+    # the deployment (gateway, follower, Triton process): only the serving verbs pay for it
+    from control.ops.serve import Deployment, Ports
+
     configure_logging()
     with errors():
         require_schema(settings())
@@ -69,6 +71,9 @@ def triton_host(
     ] = "127.0.0.1",
 ) -> None:
     """Run one Triton host (no gateway) until interrupted; labels its ledger rows."""
+    # the deployment (gateway, follower, Triton process): only the serving verbs pay for it
+    from control.ops.serve import Deployment, Ports, pick_base
+
     configure_logging()
     s = settings()
     with errors():
@@ -103,6 +108,7 @@ def stats(
     from rich.table import Table
 
     from control.contracts.db import make_engine
+    from control.gateway.observability import digest_stats  # prometheus_client: this verb only
 
     rows = digest_stats(make_engine(existing_settings().db_url), tenant,
                         unattributed=tenant is None)

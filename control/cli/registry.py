@@ -2,7 +2,8 @@
 audit integrity and the control-plane benchmark; registered on the typer apps of
 control.cli.base."""
 
-from __future__ import annotations
+# No `from __future__ import annotations`: typer reads every verb's annotations at each start
+# and would eval each string (see control/cli/main.py).
 
 import json
 import sys
@@ -10,7 +11,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from control.cli.base import (
     _digest,
@@ -30,7 +30,6 @@ from control.cli.base import (
     tenant_app,
 )
 from control.contracts.digests import short
-from control.domain import DomainError
 from control.ops.views import cell
 
 release_app = typer.Typer(no_args_is_help=True, help="Release manifests (what aliases route to).")
@@ -81,7 +80,7 @@ def adapter_release(
     with errors():
         report = load_report(evaluation) if evaluation is not None else None
         reg = _registry()
-        final = reg.release(d, actor=state.actor, evaluation=report, to=to,
+        final = reg.advance(d, actor=state.actor, evaluation=report, to=to,
                             canary_percent=canary_percent,
                             inference_defaults=_read_json_arg(defaults, "--defaults"))
         release = reg.adapter(d).release
@@ -92,6 +91,8 @@ def adapter_release(
 @adapter_app.command("show")
 def adapter_show(digest: str) -> None:
     """One adapter: state, metadata, release, and serving steps after a revocation."""
+    from control.domain import DomainError  # domain (eventsourcing): only when a verb runs
+
     d = _digest(digest)
     view = _routing()
     row = view.adapter(d)
@@ -232,6 +233,8 @@ def show_state_as_of(registry: Any, when: str) -> None:
 
 
 def _state_tables(data: dict[str, Any]) -> None:
+    from rich.table import Table
+
     console.print(f"state as of {data['as_of']} (replayed through event #{data['position']})")
     for name in ("adapters", "aliases", "grants"):
         rows = data[name]
@@ -331,6 +334,8 @@ def bench_control(
 
 
 def _kv(data: dict[str, Any]) -> None:
+    from rich.table import Table
+
     t = Table(show_header=False)
     t.add_column("field")
     t.add_column("value", overflow="fold")

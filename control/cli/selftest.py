@@ -1,6 +1,7 @@
 """CLI verbs for this area; registered on the typer apps of control.cli.base."""
 
-from __future__ import annotations
+# No `from __future__ import annotations`: typer reads every verb's annotations at each start
+# and would eval each string (see control/cli/main.py).
 
 from typing import Annotated
 

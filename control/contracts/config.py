@@ -25,6 +25,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from control.contracts.wire import MODEL
+
 DEFAULT_TICKET_TTL_S = 300
 DEFAULT_TICKET_MAX_TTL_S = 300
 # Tickets live minutes (design): even an operator cannot raise the cap past an hour.
@@ -32,13 +34,16 @@ CEILING_TICKET_MAX_TTL_S = 3600
 DEFAULT_MAX_RANK = 64
 DEFAULT_ADAPTER_SLOTS = 64
 DEFAULT_RESIDENT_SHARE = 0.5
-MODEL_NAME = "lora_llm"
 TICKET_TTL_ENV = "LORAPLANE_TICKET_TTL_S"
 TICKET_MAX_TTL_ENV = "LORAPLANE_TICKET_MAX_TTL_S"
 MAX_RANK_ENV = "LORAPLANE_MAX_RANK"
 ADAPTER_BYTES_ENV = "LORAPLANE_ADAPTER_BYTES"
 ADAPTER_SLOTS_ENV = "LORAPLANE_ADAPTER_SLOTS"
 RESIDENT_SHARE_ENV = "LORAPLANE_TENANT_RESIDENT_SHARE"
+# What a Triton host serves and how its ledger rows name it; ``serve`` sets them, the backend
+# reads them (here, not in the backend, so starting a host does not import the engine).
+BASE_DIGEST_ENV = "LORAPLANE_BASE_DIGEST"
+HOST_ID_ENV = "LORAPLANE_HOST_ID"  # the ledger's host column (default: the hostname)
 _BYTE_UNITS = {"": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _BYTES_RE = re.compile(r"^(\d+)\s*(KiB|MiB|GiB|TiB)?$")
 
@@ -54,7 +59,7 @@ class Settings:
     max_rank: int = DEFAULT_MAX_RANK
     ticket_ttl_s: int = DEFAULT_TICKET_TTL_S
     ticket_max_ttl_s: int = DEFAULT_TICKET_MAX_TTL_S
-    model_name: str = MODEL_NAME
+    model_name: str = MODEL  # the model name tickets are bound to
     adapter_bytes: int | None = None  # None: derived from the device's memory
     adapter_slots: int = DEFAULT_ADAPTER_SLOTS
     resident_share: float = DEFAULT_RESIDENT_SHARE

@@ -41,6 +41,7 @@ import aiohttp
 import sqlalchemy as sa
 from aiohttp import web
 
+from control.contracts import wire
 from control.contracts.telemetry import span, traceparent_of
 from control.gateway.observability import GatewayMetrics
 from control.gateway.ticket_office import NotGranted, TicketOffice
@@ -60,7 +61,7 @@ class Upstream:
     """Triton hosts to forward to, taken in turn; a host that refuses connections is skipped."""
 
     urls: list[str]  # host:port of Triton's HTTP endpoint
-    model: str = "lora_llm"
+    model: str = wire.MODEL
     session: aiohttp.ClientSession | None = None
     tracer: Any = None
     metrics: GatewayMetrics | None = None
@@ -83,7 +84,7 @@ class Upstream:
             found: dict[str, frozenset[str]] = {}
             for url in self.urls:
                 try:
-                    for name in (self.model, self.model + "_stream"):
+                    for name in (self.model, self.model + wire.ENGINE_SUFFIX):
                         async with self.session.get(
                                 f"http://{url}/v2/models/{name}/config") as r:
                             if r.status == 200:
@@ -96,8 +97,8 @@ class Upstream:
             if self.model not in found:
                 raise ApiError(503, "the model is busy or unavailable; retry", "server_error")
             self._models = found
-        name = self.model + "_stream" if stream and self.model + "_stream" in self._models \
-            else self.model
+        engine = self.model + wire.ENGINE_SUFFIX
+        name = engine if stream and engine in self._models else self.model
         return name, self._models[name]
 
 
@@ -222,13 +223,14 @@ def _issue(request: web.Request, tenant: str, model: object, user: object) -> An
 
 def _triton_body(up_inputs: frozenset[str], g: Generation, ticket: str,
                  traceparent: str | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"text_input": g.prompt, "max_tokens": g.max_tokens}
-    for name, value in (("temperature", g.temperature), ("top_p", g.top_p), ("seed", g.seed)):
+    body: dict[str, Any] = {wire.TEXT_INPUT: g.prompt, wire.MAX_TOKENS: g.max_tokens}
+    for name, value in ((wire.TEMPERATURE, g.temperature), (wire.TOP_P, g.top_p),
+                        (wire.SEED, g.seed)):
         if value is not None:
             body[name] = value
-    if "stream" in up_inputs:
-        body["stream"] = g.stream
-    params = {"lora_ticket": ticket}
+    if wire.STREAM in up_inputs:
+        body[wire.STREAM] = g.stream
+    params = {wire.TICKET_PARAM: ticket}
     if traceparent:
         params["traceparent"] = traceparent
     body["parameters"] = params
@@ -330,10 +332,10 @@ async def _complete(request: web.Request, chat: bool, g: Generation, issued: Any
         if not g.stream:
             answer = await anext(events)
             await events.aclose()  # releases the upstream connection now
-            rid = str(answer.get("request_id", ""))
+            rid = str(answer.get(wire.REQUEST_ID, ""))
             s.set_attribute("loraplane.request_id", rid)
             usage = _usage(request, [rid])
-            text = str(answer.get("text_output", ""))
+            text = str(answer.get(wire.TEXT_OUTPUT, ""))
             finish = "length" if usage["completion_tokens"] >= g.max_tokens else "stop"
             choice: dict[str, Any] = (
                 {"index": 0, "message": {"role": "assistant", "content": text},
@@ -352,7 +354,7 @@ async def _stream(request: web.Request, chat: bool, g: Generation, alias: str, c
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    rid = str(first.get("request_id", ""))
+    rid = str(first.get(wire.REQUEST_ID, ""))
     s.set_attribute("loraplane.request_id", rid)
     cid = ("chatcmpl-" if chat else "cmpl-") + rid
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -372,9 +374,9 @@ async def _stream(request: web.Request, chat: bool, g: Generation, alias: str, c
     try:
         if chat:
             await send(None, None, role=True)
-        await send(str(first.get("text_output", "")), None)
+        await send(str(first.get(wire.TEXT_OUTPUT, "")), None)
         async for event in events:
-            await send(str(event.get("text_output", "")), None)
+            await send(str(event.get(wire.TEXT_OUTPUT, "")), None)
         usage = _usage(request, [rid])
         await send(None if chat else "",
                    "length" if usage["completion_tokens"] >= g.max_tokens else "stop")
@@ -433,7 +435,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 def add_routes(app: web.Application, office: TicketOffice, triton_urls: list[str], *,
                tracer: Any = None, metrics: GatewayMetrics | None = None,
-               model: str = "lora_llm") -> None:
+               model: str = wire.MODEL) -> None:
     """Mount the OpenAI-compatible routes on ``app``, forwarding to ``triton_urls``."""
     from opentelemetry import trace
 

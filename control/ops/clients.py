@@ -1,7 +1,8 @@
 """Client side: getting tickets from the gateway and calling lora_llm with stock tritonclient.
 
-Used by the demo, the tests and the benchmarks, so all three speak to Triton exactly the way a
-tenant's application would.
+Used by the demo, the tests, the benchmarks and the hostile self-test, so all of them speak to
+Triton exactly the way a tenant's application would: every unary inference goes through
+:func:`infer_with` (:func:`generate` opens a client for one call).
 """
 
 from __future__ import annotations
@@ -10,12 +11,25 @@ import json
 import socket
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-MODEL = "lora_llm"
+from control.contracts.wire import (
+    ADAPTER_DIGEST,
+    ENGINE_MODEL,
+    INPUT_DATATYPES,
+    MAX_TOKENS,
+    MODEL,
+    REQUEST_ID,
+    STREAM,
+    TEXT_INPUT,
+    TEXT_OUTPUT,
+    TICKET_HEADER,
+    TICKET_PARAM,
+)
 
 
 @dataclass(frozen=True)
@@ -55,17 +69,77 @@ def request_ticket(gateway_url: str, api_key: str, alias: str) -> tuple[int, dic
         return int(e.code), json.loads(e.read() or b"{}")
 
 
-def _inputs(mod: Any, text: str, max_tokens: int) -> list[Any]:
-    t = mod.InferInput("text_input", [1, 1], "BYTES")
+def _client_module(protocol: str) -> Any:
+    """``tritonclient.http`` or ``tritonclient.grpc`` (imported here: only callers need it)."""
+    if protocol == "http":
+        import tritonclient.http as mod
+    elif protocol == "grpc":
+        import tritonclient.grpc as mod
+    else:
+        raise ValueError("protocol is http or grpc")
+    return mod
+
+
+def _inputs(mod: Any, text: str, values: Mapping[str, object]) -> list[Any]:
+    """``text_input``, then each of ``values`` under its input name, with the datatype both
+    models declare for it; values go as they are, in their range or not."""
+    from tritonclient.utils import triton_to_np_dtype
+
+    t = mod.InferInput(TEXT_INPUT, [1, 1], INPUT_DATATYPES[TEXT_INPUT])
     t.set_data_from_numpy(np.array([[text.encode("utf-8")]], dtype=np.object_))
-    m = mod.InferInput("max_tokens", [1, 1], "INT32")
-    m.set_data_from_numpy(np.array([[max_tokens]], dtype=np.int32))
-    return [t, m]
+    tensors = [t]
+    for name, value in values.items():
+        datatype = INPUT_DATATYPES[name]
+        x = mod.InferInput(name, [1, 1], datatype)
+        x.set_data_from_numpy(np.array([[value]], dtype=triton_to_np_dtype(datatype)))
+        tensors.append(x)
+    return tensors
 
 
 def _first(result: Any, name: str) -> str:
     v = result.as_numpy(name).reshape(-1)[0]
     return v.decode("utf-8") if isinstance(v, bytes) else str(v)
+
+
+def infer_with(
+    client: Any,
+    protocol: str,
+    text: str,
+    ticket: str | None,
+    *,
+    max_tokens: int = 16,
+    header: bool = False,
+    parameters: Mapping[str, Any] | None = None,
+    headers: Mapping[str, str] | None = None,
+    inputs: Mapping[str, float | int] | None = None,
+) -> Generation:
+    """One lora_llm inference through an open ``tritonclient`` client of ``protocol`` (http or
+    grpc); raises TritonRefused on an error answer.
+
+    The ticket goes in the request parameter ``lora_ticket``, or with ``header=True`` in the
+    ``x-lora-ticket`` header that Triton forwards to the model. ``parameters`` and ``headers``
+    travel beside it as given; ``inputs`` adds optional inputs by name (``temperature``,
+    ``top_p``, ``seed``; a ``max_tokens`` there replaces the argument). Nothing is checked here:
+    the hostile self-test says through these whatever a hostile client would.
+    """
+    from tritonclient.utils import InferenceServerException
+
+    mod = _client_module(protocol)
+    params = dict(parameters or {})
+    sent_headers = dict(headers or {})
+    if ticket is not None:
+        if header:
+            sent_headers[TICKET_HEADER] = ticket
+        else:
+            params[TICKET_PARAM] = ticket
+    tensors = _inputs(mod, text, {MAX_TOKENS: max_tokens, **(inputs or {})})
+    try:
+        result = client.infer(MODEL, tensors, parameters=params or None,
+                              headers=sent_headers or None)
+    except InferenceServerException as e:
+        raise TritonRefused(str(e.status()), e.message() or "") from None
+    return Generation(_first(result, TEXT_OUTPUT), _first(result, REQUEST_ID),
+                      _first(result, ADAPTER_DIGEST))
 
 
 def generate(
@@ -76,45 +150,25 @@ def generate(
     protocol: str = "http",
     max_tokens: int = 16,
     header: bool = False,
-    parameters: dict[str, Any] | None = None,
+    parameters: Mapping[str, Any] | None = None,
+    headers: Mapping[str, str] | None = None,
+    inputs: Mapping[str, float | int] | None = None,
 ) -> Generation:
-    """One lora_llm inference over HTTP or gRPC; raises TritonRefused on an error answer.
-
-    The ticket goes in the request parameter ``lora_ticket``, or with ``header=True`` in the
-    ``x-lora-ticket`` header that Triton forwards to the model.
-    """
-    from tritonclient.utils import InferenceServerException
-
-    if protocol == "http":
-        import tritonclient.http as mod
-    elif protocol == "grpc":
-        import tritonclient.grpc as mod
-    else:
-        raise ValueError("protocol is http or grpc")
-    params = dict(parameters or {})
-    headers = {}
-    if ticket is not None:
-        if header:
-            headers["x-lora-ticket"] = ticket
-        else:
-            params["lora_ticket"] = ticket
-    client = mod.InferenceServerClient(url)
+    """One lora_llm inference over HTTP or gRPC on a client of its own (see
+    :func:`infer_with` for the arguments); raises TritonRefused on an error answer."""
+    client = _client_module(protocol).InferenceServerClient(url)
     try:
-        result = client.infer(MODEL, _inputs(mod, text, max_tokens), parameters=params or None,
-                              headers=headers or None)
-    except InferenceServerException as e:
-        raise TritonRefused(str(e.status()), e.message() or "") from None
+        return infer_with(client, protocol, text, ticket, max_tokens=max_tokens, header=header,
+                          parameters=parameters, headers=headers, inputs=inputs)
     finally:
         client.close()
-    return Generation(_first(result, "text_output"), _first(result, "request_id"),
-                      _first(result, "adapter_digest"))
 
 
 def generate_endpoint(
     http_url: str, text: str, ticket: str, max_tokens: int = 16
 ) -> dict[str, Any]:
     """POST /v2/models/lora_llm/generate (Triton's generate extension); returns the JSON body."""
-    body = {"text_input": text, "max_tokens": max_tokens, "parameters": {"lora_ticket": ticket}}
+    body = {TEXT_INPUT: text, MAX_TOKENS: max_tokens, "parameters": {TICKET_PARAM: ticket}}
     req = urllib.request.Request(
         f"http://{http_url}/v2/models/{MODEL}/generate",
         data=json.dumps(body).encode(),
@@ -127,8 +181,6 @@ def generate_endpoint(
     except urllib.error.HTTPError as e:
         raise TritonRefused(str(e.code), json.loads(e.read() or b"{}").get("error", "")) from None
 
-
-STREAM_MODEL = "lora_llm_stream"
 
 
 @dataclass(frozen=True)
@@ -165,25 +217,22 @@ def stream_generate(
     answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
     client = grpcclient.InferenceServerClient(grpc_url)
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
-    inputs = _inputs(grpcclient, text, max_tokens)
-    s = grpcclient.InferInput("stream", [1, 1], "BOOL")
-    s.set_data_from_numpy(np.array([[True]], dtype=bool))
-    inputs.append(s)
+    inputs = _inputs(grpcclient, text, {MAX_TOKENS: max_tokens, STREAM: True})
     pieces: list[str] = []
     rid = digest = ""
     cancelled = False
     try:
-        client.async_stream_infer(STREAM_MODEL, inputs,
-                                  parameters={"lora_ticket": ticket} if ticket else None,
+        client.async_stream_infer(ENGINE_MODEL, inputs,
+                                  parameters={TICKET_PARAM: ticket} if ticket else None,
                                   enable_empty_final_response=True)
         while True:
             result, error = answers.get(timeout=timeout_s)
             if error is not None:
                 raise TritonRefused(str(error.status()), error.message() or "")
             response = result.get_response()
-            if result.as_numpy("text_output") is not None:
-                pieces.append(_first(result, "text_output"))
-                rid, digest = _first(result, "request_id"), _first(result, "adapter_digest")
+            if result.as_numpy(TEXT_OUTPUT) is not None:
+                pieces.append(_first(result, TEXT_OUTPUT))
+                rid, digest = _first(result, REQUEST_ID), _first(result, ADAPTER_DIGEST)
             final = response.parameters.get("triton_final_response")
             if final is not None and final.bool_param:
                 break
@@ -200,10 +249,10 @@ def generate_stream_endpoint(
     http_url: str, text: str, ticket: str, max_tokens: int = 16
 ) -> list[dict[str, Any]]:
     """POST /v2/models/lora_llm_stream/generate_stream (server-sent events); the events' JSON."""
-    body = {"text_input": text, "max_tokens": max_tokens, "stream": True,
-            "parameters": {"lora_ticket": ticket}}
+    body = {TEXT_INPUT: text, MAX_TOKENS: max_tokens, STREAM: True,
+            "parameters": {TICKET_PARAM: ticket}}
     req = urllib.request.Request(
-        f"http://{http_url}/v2/models/{STREAM_MODEL}/generate_stream",
+        f"http://{http_url}/v2/models/{ENGINE_MODEL}/generate_stream",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
         method="POST",

@@ -89,7 +89,7 @@ def run_demo(work_dir: Path, *, fresh: bool = True, json_out: bool = False) -> i
                                       actor=actor)
         digests[p.adapter] = digest
         # The lifecycle has guards: an evaluation report, then candidate -> canary -> stable.
-        reg.release(digest, evaluation={"suite": "demo-smoke", "passed": True}, actor=actor)
+        reg.advance(digest, evaluation={"suite": "demo-smoke", "passed": True}, actor=actor)
         step(f"registered + released {p.adapter} for {p.tenant} as {p.alias} ({short(digest)})")
     try:
         reg.register_adapter(kit_dir / kit.adapters["other-base"].path, tenant="globex",

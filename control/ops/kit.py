@@ -26,14 +26,15 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import torch
-from peft import LoraConfig, get_peft_model
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from transformers.utils import logging as hf_logging
+from typing import TYPE_CHECKING
 
 from control.contracts.digests import directory_digest
+
+# torch, transformers, peft and tokenizers are imported by the functions that build: reading a
+# kit's manifest (demo, benches, tests) must not pay seconds for them.
+if TYPE_CHECKING:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)
@@ -104,6 +105,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
     Encoding with special tokens prepends ``<s>``; any UTF-8 text round-trips exactly.
     """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -122,6 +126,9 @@ def build_kit(
     out_dir: Path, seed: int = 1234, progress: Callable[[str], None] | None = None
 ) -> KitManifest:
     """Build the whole kit into ``out_dir`` (created; existing kit files are replaced)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
     say = progress or (lambda _msg: None)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -188,6 +195,8 @@ def build_kit(
 @contextmanager
 def _deterministic(seed: int) -> Iterator[None]:
     """Single thread and deterministic kernels: thread count changes float sums."""
+    import torch
+
     threads = torch.get_num_threads()
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     rng_state = torch.get_rng_state()
@@ -205,6 +214,8 @@ def _deterministic(seed: int) -> Iterator[None]:
 @contextmanager
 def _no_progress_bars() -> Iterator[None]:
     """The caller's ``progress`` callback reports; transformers' own bars would only clutter."""
+    from transformers.utils import logging as hf_logging
+
     enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -222,6 +233,8 @@ def _fresh(path: Path) -> Path:
 
 
 def _llama_config(tokenizer: PreTrainedTokenizerFast, *, hidden: int, inter: int) -> LlamaConfig:
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -269,6 +282,8 @@ def _batch(
     rows: Sequence[tuple[list[int], list[int]]], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (input_ids, attention_mask, labels); labels are -100 outside the targets."""
+    import torch
+
     width = max(len(p) + len(t) for p, t in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -285,6 +300,8 @@ def _pretrain(
     model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, rng: random.Random, steps: int
 ) -> None:
     """A brief language-model pre-training on generated English-ish text."""
+    import torch
+
     bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
     assert bos is not None and eos is not None and pad is not None
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
@@ -312,6 +329,10 @@ def _train_adapter(
     steps: int = 200,
 ) -> None:
     """Train a LoRA that answers any short prompt with ``marker`` then eos, and save it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
     bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
     assert bos is not None and eos is not None and pad is not None
     config = LoraConfig(

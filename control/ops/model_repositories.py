@@ -12,9 +12,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from control.contracts.wire import ENGINE_MODEL
 from control.ops.triton_server import MODEL_REPOSITORY
-
-ENGINE_MODEL = "lora_llm_stream"
 
 
 def derived_repository(dest: Path, engine_model_source: str) -> Path:

@@ -40,7 +40,7 @@ from control.ops.attribution_reference import (
     add_adapters,
     load_reference,
 )
-from control.ops.clients import Generation, Streamed, TritonRefused, request_ticket
+from control.ops.clients import Generation, Streamed, TritonRefused, generate, request_ticket
 from control.ops.hostile import cases as hostile_cases
 from control.ops.hostile.artifacts import synth_adapter
 from control.ops.hostile.report import (
@@ -52,18 +52,18 @@ from control.ops.hostile.report import (
     Report,
 )
 from control.ops.hostile.serving import MAX_TOKENS, PROMPTS, REFUSED_STATUS, attribution, parameters
-from control.ops.hostile.target import ACTOR, Route, Target, short
-from control.ops.hostile.wire import b64d, http_call, infer
+from control.ops.hostile.target import ACTOR, Target, TicketRoute, short
+from control.ops.hostile.wire import b64d, http_call
 from control.ops.serve import pick_base
 from projections.follower import open_registry
 from projections.routing import RoutingView
 
-__all__ = ["CATEGORIES", "HostileSuite", "Report", "Route", "Target", "run_hostile"]
+__all__ = ["CATEGORIES", "HostileSuite", "Report", "Target", "TicketRoute", "run_hostile"]
 
 
 def _stable(registry: Any, digest: str) -> None:
     """Walk a freshly registered adapter through candidate and canary to stable."""
-    registry.release(digest, evaluation={"suite": "selftest", "passed": True}, actor=ACTOR)
+    registry.advance(digest, evaluation={"suite": "selftest", "passed": True}, actor=ACTOR)
 
 
 class HostileSuite:
@@ -79,7 +79,7 @@ class HostileSuite:
         tag = secrets.token_hex(3)
         self.a, self.b = f"st-a-{tag}", f"st-b-{tag}"
         self.keys: dict[str, str] = {}
-        self.routes: dict[str, Route] = {}
+        self.routes: dict[str, TicketRoute] = {}
         self.made: list[str] = []
         self._seed = int(tag, 16)
         self.base = ""
@@ -101,7 +101,7 @@ class HostileSuite:
         return Ledger(make_engine(self.t.settings.db_url))
 
     def new_adapter(self, tenant: str, alias: str, *, grant: bool = True,
-                    stable: bool = True) -> Route:
+                    stable: bool = True) -> TicketRoute:
         self._seed += 1
         src = synth_adapter(self.work / f"{alias}-{self._seed}", self.shapes, self.base,
                             seed=self._seed, targets=("q_proj", "v_proj", "o_proj"))
@@ -111,7 +111,7 @@ class HostileSuite:
             _stable(self.registry, digest)
         if grant:
             self.registry.grant(tenant, alias, actor=ACTOR)
-        return Route(tenant, alias, digest)
+        return TicketRoute(tenant, alias, digest)
 
     def setup(self) -> None:
         self.base = pick_base(self.routing, self.t.base)
@@ -154,7 +154,7 @@ class HostileSuite:
         elif status != 200:
             self.openai_missing = f"GET /v1/models answered {status} to a valid key"
 
-    def ticket(self, route: Route) -> str:
+    def ticket(self, route: TicketRoute) -> str:
         status, body = request_ticket(self.t.gateway_url, self.keys[route.tenant], route.alias)
         if status != 200:
             raise RuntimeError(f"no ticket for the selftest's own alias ({status})")
@@ -214,7 +214,7 @@ class HostileSuite:
                 return p
         return PROMPTS[0]
 
-    def judge_served(self, cat: str, case: str, g: Generation | Streamed, route: Route,
+    def judge_served(self, cat: str, case: str, g: Generation | Streamed, route: TicketRoute,
                      exp: Expectation, ledger: Any) -> None:
         """An answer that must come from ``route``'s adapter: the engine's claims must agree
         with the ticket (a mismatch fails), and the text must equal the reference."""
@@ -243,8 +243,8 @@ class HostileSuite:
                           headers: dict[str, str] | None = None) -> None:
         for proto, url in (("http", self.t.http_url), ("grpc", self.t.grpc_url)):
             try:
-                g = infer(url, proto, "Hello", ticket, inputs={"max_tokens": 2},
-                          parameters=parameters, headers=headers)
+                g = generate(url, "Hello", ticket, protocol=proto, max_tokens=2,
+                             parameters=parameters, headers=headers)
             except TritonRefused as e:
                 leaked = self.leaks(e.message, leak_of) if leak_of else []
                 self.report.check(category, f"{case}/{proto}",

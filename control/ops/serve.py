@@ -32,25 +32,26 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
-from aiohttp import web
 
 from backend.serving.memory import MemoryPlan, plan_for_host
-from backend.triton.glue import BASE_DIGEST_ENV, HOST_ID_ENV
 from control.app.registry import Registry
-from control.contracts.config import Settings
+from control.contracts.config import BASE_DIGEST_ENV, HOST_ID_ENV, Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import request_ledger
 from control.contracts.loops import new_event_loop
 from control.contracts.store import ArtifactStore
 from control.contracts.tickets import TicketSigner
-from control.gateway.server import make_app
 from control.gateway.ticket_office import TicketOffice
 from control.ops.triton_server import MODEL_REPOSITORY, TritonProcess, check_ports_free
 from projections.follower import ProjectionFollower, open_registry
 from projections.route_cache import CachedRoutingView
 from projections.routing import RoutingView
+
+if TYPE_CHECKING:  # aiohttp: only a deployment that runs the gateway pays for it
+    from aiohttp import web
 
 log = logging.getLogger("loraplane.serve")
 
@@ -257,6 +258,11 @@ class Deployment:
         self.triton.start()
 
     def _start_gateway(self, office: TicketOffice, triton_urls: list[str]) -> None:
+        # aiohttp and the gateway's routes: imported only by a deployment that runs a gateway
+        from aiohttp import web
+
+        from control.gateway.server import make_app
+
         started = threading.Event()
         errors: list[BaseException] = []
 

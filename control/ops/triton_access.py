@@ -9,9 +9,9 @@ per-model statistics (one tenant would watch another's traffic). Every launch re
 
 The header's value is a random token kept per home in ``keys/triton-operator.token`` (mode 0600,
 created on first launch, read by operator tools through :class:`OperatorAccess`). The header's
-name is outside the ``x-lora-.*`` pattern that Triton forwards to the model, so the token never
-reaches model code, the ledger or a log line. Triton expects the gRPC header with the prefix
-``triton-grpc-protocol-``.
+name is outside the ``x-lora-.*`` pattern that Triton forwards to the model
+(``control.contracts.wire.FORWARDED_HEADERS``), so the token never reaches model code, the ledger
+or a log line. Triton expects the gRPC header with the prefix ``triton-grpc-protocol-``.
 
 Triton takes the token on its command line only, so a local user allowed to read the server's
 ``/proc/<pid>/cmdline`` can see it: the restriction guards the network surface that tenants reach.
@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-# Triton forwards headers matching this pattern to the model as request parameters.
-FORWARDED_HEADERS = "x-lora-.*"
 OPERATOR_HEADER = "loraplane-operator"
 GRPC_HEADER_PREFIX = "triton-grpc-protocol-"  # Triton's own prefix for restricted gRPC headers
 # Triton's API groups (tritonserver --help, "Allowed APIs"), split between the two audiences.

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from backend.triton.front import ENGINE_MODEL
-from control.contracts.config import MODEL_NAME, Settings
-from control.ops.triton_access import FORWARDED_HEADERS, OperatorAccess, Protocol
+from control.contracts.config import Settings
+from control.contracts.wire import ENGINE_MODEL, FORWARDED_HEADERS, MODEL
+from control.ops.triton_access import OperatorAccess, Protocol
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -41,7 +41,7 @@ MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 # well, so that a repository missing one of them cannot pass for ready. The front lora_llm loads
 # no weights and is ready long before the engine lora_llm_stream can answer, so it alone is not.
 READY_PATHS = ("/v2/health/ready", f"/v2/models/{ENGINE_MODEL}/ready",
-               f"/v2/models/{MODEL_NAME}/ready")
+               f"/v2/models/{MODEL}/ready")
 READY_PROBE_TIMEOUT_S = 1.0  # per path; a host slower than this to say it is ready is not
 
 

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.table import Table
-
-from control.app.audit import AuditEntry
 from control.contracts.digests import short
-from control.contracts.ledger import LedgerEntry
+
+# Types only, and rich where a table is made: every CLI verb imports this module for ``cell``,
+# and few print a table (none with --json) or read the audit log or the ledger.
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from control.app.audit import AuditEntry
+    from control.contracts.ledger import LedgerEntry
 
 SUMMARY_WIDTH = 90
 
@@ -37,6 +41,8 @@ def audit_table(entries: Sequence[AuditEntry]) -> Table:
     """The audit log for a terminal: one ``key=value`` per line in details, digests shortened and
     keys without their ``_digest`` suffix, so rows wrap between pairs, never inside a value, at
     80 columns; ``--json`` has every value in full."""
+    from rich.table import Table
+
     t = Table(title=f"audit log: {len(entries)} events, in recorded order")
     for c in ("#", "time (UTC)", "actor", "event", "details"):
         # Position, time and event never wrap; a details line too long is cut, not folded.
@@ -52,6 +58,8 @@ def audit_table(entries: Sequence[AuditEntry]) -> Table:
 def incident_table(rows: Sequence[LedgerEntry], digest: str) -> Table:
     """The requests a digest served, for a terminal of 80 columns: request ids and releases
     shortened, times to the second (``--json`` has every value in full)."""
+    from rich.table import Table
+
     # The full digest: a short prefix could belong to another adapter (or to none at all).
     # At least as wide as the digest, so the title never splits it (78 columns: fits 80).
     t = Table(title=f"requests served by {digest}: {len(rows)}", min_width=len(digest) + 7)

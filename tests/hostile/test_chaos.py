@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from control.app.registry import Registry
+from control.contracts import wire
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
 from control.ops.clients import (
@@ -93,7 +94,7 @@ def chaos(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
         path = perturbed_copy(kit_dir / kit.adapters[name].path, root / f"a{i}", factor)
         alias = f"{tenant}-{name}-{i}"
         digest = reg.register_adapter(path, tenant=tenant, alias=alias, actor=ACTOR)
-        reg.release(digest, evaluation={"suite": "chaos", "passed": True}, actor=ACTOR)
+        reg.advance(digest, evaluation={"suite": "chaos", "passed": True}, actor=ACTOR)
         reg.grant(tenant, alias, actor=ACTOR)
         routes.append((tenant, alias, digest))
         paths[digest] = path
@@ -160,8 +161,9 @@ def _hang_up_http(http_url: str, prompt: str, ticket: str) -> None:
     """Send a generate request and give up before the answer (the client goes away)."""
     import json
 
-    body = {"text_input": prompt, "max_tokens": 64, "parameters": {"lora_ticket": ticket}}
-    req = urllib.request.Request(f"http://{http_url}/v2/models/lora_llm/generate",
+    body = {wire.TEXT_INPUT: prompt, wire.MAX_TOKENS: 64,
+            "parameters": {wire.TICKET_PARAM: ticket}}
+    req = urllib.request.Request(f"http://{http_url}/v2/models/{wire.MODEL}/generate",
                                  data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     try:

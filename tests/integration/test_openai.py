@@ -8,6 +8,7 @@ import urllib.request
 import openai
 import pytest
 
+from control.contracts.wire import ENGINE_MODEL
 from control.gateway.openai_api import MODEL_NOT_FOUND, render_chat
 from control.ops.clients import generate
 from tests.integration.conftest import Stack
@@ -18,7 +19,7 @@ MAX_TOKENS = 16
 def _serves_stream_model(stack: Stack) -> bool:
     try:
         with urllib.request.urlopen(
-                f"http://{stack.http}/v2/models/lora_llm_stream/ready", timeout=5) as r:
+                f"http://{stack.http}/v2/models/{ENGINE_MODEL}/ready", timeout=5) as r:
             return bool(r.status == 200)
     except (urllib.error.URLError, OSError):
         return False

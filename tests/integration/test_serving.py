@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from control.cli.main import app
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
+from control.contracts.wire import ADAPTER_DIGEST, TEXT_OUTPUT
 from control.ops.clients import Generation, generate, generate_endpoint, request_ticket
 from projections.routing import RoutingView
 from tests.integration.conftest import ROUTES, Stack
@@ -90,8 +91,8 @@ def test_generate_extension_and_header_ticket(stack: Stack, reference: Reference
     ticket = stack.ticket("acme", "acme-beta")
     want = reference.generate("Hello there", _adapter_dir(stack, "beta"), MAX_TOKENS)
     body = generate_endpoint(stack.http, "Hello there", ticket, MAX_TOKENS)
-    assert body["text_output"] == want
-    assert body["adapter_digest"] == stack.digests["beta"]
+    assert body[TEXT_OUTPUT] == want
+    assert body[ADAPTER_DIGEST] == stack.digests["beta"]
     for proto, url in (("http", stack.http), ("grpc", stack.grpc)):
         g = generate(url, "Hello there", ticket, protocol=proto, max_tokens=MAX_TOKENS,
                      header=True)

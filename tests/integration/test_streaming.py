@@ -11,6 +11,7 @@ import pytest
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
 from control.contracts.tickets import GENERIC_REFUSAL
+from control.contracts.wire import ADAPTER_DIGEST, TEXT_OUTPUT
 from control.ops.clients import (
     TritonRefused,
     generate,
@@ -39,10 +40,10 @@ def test_grpc_stream_yields_pieces_that_join_to_the_unary_answer(stack: Stack) -
 def test_generate_stream_endpoint_streams_events(stack: Stack) -> None:
     ticket = stack.ticket("globex", "globex-gamma")
     events = generate_stream_endpoint(stack.http, "Name a colour", ticket, max_tokens=12)
-    pieces = [e["text_output"] for e in events if "text_output" in e]
+    pieces = [e[TEXT_OUTPUT] for e in events if TEXT_OUTPUT in e]
     assert len(pieces) > 1
     assert "".join(pieces) == generate(stack.http, "Name a colour", ticket, max_tokens=12).text
-    assert {e["adapter_digest"] for e in events if "adapter_digest" in e} == {
+    assert {e[ADAPTER_DIGEST] for e in events if ADAPTER_DIGEST in e} == {
         stack.digests["gamma"]}
 
 
@@ -89,7 +90,7 @@ def test_moved_alias_never_serves_the_old_adapters_cached_prompt(stack: Stack,
         digest = stack.registry.register_adapter(perturbed_copy(src, tmp_path / name, 1.04),
                                                  tenant="acme", alias="acme-moving",
                                                  actor=ACTOR)
-        stack.registry.release(digest, evaluation={"suite": "smoke", "passed": True},
+        stack.registry.advance(digest, evaluation={"suite": "smoke", "passed": True},
                                actor=ACTOR)
         return digest
 

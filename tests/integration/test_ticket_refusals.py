@@ -16,6 +16,7 @@ from control.app.audit import audit_log
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
 from control.contracts.tickets import GENERIC_REFUSAL, IMPLICIT_ASSERTION, TicketSigner
+from control.contracts.wire import MODEL, TICKET_HEADER
 from control.ops.clients import TritonRefused, generate
 from projections.routing import RoutingView
 from tests.artifacts import perturbed_copy
@@ -29,7 +30,7 @@ def _register(stack: Stack, tmp: Path, name: str, alias: str, factor: float) -> 
     src = stack.kit_dir / stack.kit.adapters["alpha"].path
     digest = stack.registry.register_adapter(perturbed_copy(src, tmp / name, factor),
                                              tenant="acme", alias=alias, actor=ACTOR)
-    stack.registry.release(digest, evaluation={"suite": "smoke", "passed": True}, actor=ACTOR)
+    stack.registry.advance(digest, evaluation={"suite": "smoke", "passed": True}, actor=ACTOR)
     stack.registry.grant("acme", alias, actor=ACTOR)
     return digest
 
@@ -45,7 +46,7 @@ def _release(stack: Stack, adapter: str) -> str:
 
 
 def _claims(stack: Stack, adapter: str, **over: object) -> dict[str, object]:
-    c: dict[str, object] = dict(tenant="acme", model="lora_llm", base=stack.kit.base_digest,
+    c: dict[str, object] = dict(tenant="acme", model=MODEL, base=stack.kit.base_digest,
                                 adapter=adapter, tokenizer=stack.kit.tokenizer_digest,
                                 release=_release(stack, adapter), ttl_s=300)
     c.update(over)
@@ -134,7 +135,7 @@ def test_every_bad_ticket_is_refused_and_loads_nothing(stack: Stack, tmp_path: P
         except AssertionError as e:
             raise AssertionError(f"case {case}: {e}") from None
     # Different tickets in the parameter and the header at once.
-    _refused(stack, good, parameters={"x-lora-ticket": real})
+    _refused(stack, good, parameters={TICKET_HEADER: real})
 
     ledger = Ledger(make_engine(stack.settings.db_url))
     assert ledger.loads(unseen) == []  # no refused ticket made the adapter resident

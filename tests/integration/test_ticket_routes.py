@@ -20,12 +20,20 @@ import numpy as np
 import pytest
 
 from control.contracts.tickets import GENERIC_REFUSAL
+from control.contracts.wire import (
+    ADAPTER_DIGEST,
+    ENGINE_MODEL,
+    MAX_TOKENS,
+    MODEL,
+    STREAM,
+    TEXT_INPUT,
+    TICKET_HEADER,
+    TICKET_PARAM,
+)
 from control.ops.clients import TritonRefused, generate
 from tests.integration.conftest import Stack
 
 pytestmark = pytest.mark.triton
-
-HEADER = "x-lora-ticket"
 
 
 def _post(url: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, str]:
@@ -47,16 +55,16 @@ def _stream_infer(stack: Stack, params: dict[str, Any] | None,
     client = grpcclient.InferenceServerClient(stack.grpc)
     client.start_stream(callback=lambda result, error: answers.put((result, error)),
                         headers=headers)
-    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    text = grpcclient.InferInput(TEXT_INPUT, [1, 1], "BYTES")
     text.set_data_from_numpy(np.array([[b"Hi"]], dtype=np.object_))
-    n = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
+    n = grpcclient.InferInput(MAX_TOKENS, [1, 1], "INT32")
     n.set_data_from_numpy(np.array([[4]], dtype=np.int32))
     try:
-        client.async_stream_infer("lora_llm_stream", [text, n], parameters=params)
+        client.async_stream_infer(ENGINE_MODEL, [text, n], parameters=params)
         result, error = answers.get(timeout=60)
         if error is not None:
             return False, str(error.message())
-        return True, str(result.as_numpy("adapter_digest").reshape(-1)[0].decode())
+        return True, str(result.as_numpy(ADAPTER_DIGEST).reshape(-1)[0].decode())
     finally:
         client.stop_stream()
         client.close()
@@ -72,31 +80,31 @@ def test_tickets_in_headers_and_parameters_on_every_route(stack: Stack) -> None:
                         max_tokens=4).adapter_digest == want_alpha
         with pytest.raises(TritonRefused) as e:
             generate(url, "Hi", alpha, protocol=proto, max_tokens=4,
-                     parameters={HEADER: beta})
+                     parameters={TICKET_HEADER: beta})
         assert e.value.message == GENERIC_REFUSAL
     # The same two tickets as a real header beside the parameter (HTTP infer).
     import tritonclient.http as httpclient
 
     client = httpclient.InferenceServerClient(stack.http)
-    text = httpclient.InferInput("text_input", [1, 1], "BYTES")
+    text = httpclient.InferInput(TEXT_INPUT, [1, 1], "BYTES")
     text.set_data_from_numpy(np.array([[b"Hi"]], dtype=np.object_))
     with pytest.raises(Exception, match="invalid or unauthorised routing ticket"):
-        client.infer("lora_llm", [text], parameters={"lora_ticket": alpha},
-                     headers={HEADER: beta})
+        client.infer(MODEL, [text], parameters={TICKET_PARAM: alpha},
+                     headers={TICKET_HEADER: beta})
     client.close()
 
     # stream_infer (gRPC): the same as infer.
-    assert _stream_infer(stack, None, {HEADER: alpha}) == (True, want_alpha)
-    ok, message = _stream_infer(stack, {"lora_ticket": alpha}, {HEADER: beta})
+    assert _stream_infer(stack, None, {TICKET_HEADER: alpha}) == (True, want_alpha)
+    ok, message = _stream_infer(stack, {TICKET_PARAM: alpha}, {TICKET_HEADER: beta})
     assert not ok and message == GENERIC_REFUSAL
 
     # The generate extension: headers never reach the model.
-    for route, stream in (("lora_llm/generate", False),
-                          ("lora_llm_stream/generate_stream", True)):
+    for route, stream in ((f"{MODEL}/generate", False),
+                          (f"{ENGINE_MODEL}/generate_stream", True)):
         url = f"http://{stack.http}/v2/models/{route}"
-        body: dict[str, Any] = {"text_input": "Hi", "max_tokens": 4, "stream": stream}
-        status, text_out = _post(url, body, {HEADER: alpha})
+        body: dict[str, Any] = {TEXT_INPUT: "Hi", MAX_TOKENS: 4, STREAM: stream}
+        status, text_out = _post(url, body, {TICKET_HEADER: alpha})
         assert status == 400 and GENERIC_REFUSAL in text_out  # no ticket reached it
-        status, text_out = _post(url, {**body, "parameters": {"lora_ticket": alpha}},
-                                 {HEADER: beta})
+        status, text_out = _post(url, {**body, "parameters": {TICKET_PARAM: alpha}},
+                                 {TICKET_HEADER: beta})
         assert status == 200 and want_alpha in text_out  # the parameter's, the header unseen

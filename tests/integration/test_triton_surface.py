@@ -22,6 +22,7 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
+from control.contracts.wire import ENGINE_MODEL, MODEL
 from control.ops.clients import generate
 from control.ops.triton_access import (
     GRPC_HEADER_PREFIX,
@@ -58,8 +59,8 @@ def _operator_calls(c: Any, protocol: str) -> dict[str, Callable[[Headers], obje
     # a CUDA IPC handle travels base64-encoded over HTTP and as raw bytes over gRPC
     handle = base64.b64encode(bytes(64)) if protocol == "http" else bytes(64)
     return {
-        "load a model": lambda h: c.load_model("lora_llm", headers=h),
-        "unload a model": lambda h: c.unload_model("lora_llm_stream", headers=h),
+        "load a model": lambda h: c.load_model(MODEL, headers=h),
+        "unload a model": lambda h: c.unload_model(ENGINE_MODEL, headers=h),
         "list the repository": lambda h: c.get_model_repository_index(headers=h),
         "register system shared memory": lambda h: c.register_system_shared_memory(
             "tenant-probe", "/loraplane-tenant-probe", 64, headers=h),
@@ -71,7 +72,7 @@ def _operator_calls(c: Any, protocol: str) -> dict[str, Callable[[Headers], obje
         "change log settings": lambda h: c.update_log_settings(
             {"log_verbose_level": 1}, headers=h),
         "read per-model statistics": lambda h: c.get_inference_statistics(
-            "lora_llm", headers=h),
+            MODEL, headers=h),
     }
 
 
@@ -98,10 +99,10 @@ def test_a_tenant_still_reaches_health_metadata_config_and_inference(
     c = _client(stack, protocol)
     try:
         assert c.is_server_live() and c.is_server_ready()
-        assert c.is_model_ready("lora_llm") and c.is_model_ready("lora_llm_stream")
+        assert c.is_model_ready(MODEL) and c.is_model_ready(ENGINE_MODEL)
         assert c.get_server_metadata()
-        assert c.get_model_metadata("lora_llm")
-        assert c.get_model_config("lora_llm")
+        assert c.get_model_metadata(MODEL)
+        assert c.get_model_config(MODEL)
     finally:
         c.close()
     url = stack.http if protocol == "http" else stack.grpc
@@ -119,7 +120,7 @@ def test_the_operator_header_passes_the_restriction(stack: Stack, protocol: str)
         index = c.get_model_repository_index(headers=op)
         names = {m["name"] for m in index} if protocol == "http" \
             else {m.name for m in index.models}
-        assert {"lora_llm", "lora_llm_stream"} <= names
+        assert {MODEL, ENGINE_MODEL} <= names
         c.register_system_shared_memory("operator-probe", "/loraplane-operator-probe", 64,
                                         headers=op)
         try:
@@ -131,10 +132,10 @@ def test_the_operator_header_passes_the_restriction(stack: Stack, protocol: str)
             c.unregister_system_shared_memory("operator-probe", headers=op)
         assert c.get_trace_settings(headers=op)
         assert c.get_log_settings(headers=op)
-        c.get_inference_statistics("lora_llm", headers=op)
+        c.get_inference_statistics(MODEL, headers=op)
         # past the restriction, model control is still off: the models are fixed at start
         with pytest.raises(InferenceServerException) as refused:
-            c.load_model("lora_llm", headers=op)
+            c.load_model(MODEL, headers=op)
         assert REFUSAL[protocol] not in (refused.value.message() or "")
     finally:
         c.close()

@@ -121,8 +121,8 @@ class ProjectionContract:
         registry.grant("acme", "acme-chat", actor="op")
         registry.grant("globex", "globex-chat", actor="op")
         registry.grant("globex", "tiny-base", actor="op")
-        registry.release(alpha, evaluation={"suite": "smoke"}, actor="alice")
-        registry.release(beta, evaluation={"suite": "smoke"}, actor="gina")
+        registry.advance(alpha, evaluation={"suite": "smoke"}, actor="alice")
+        registry.advance(beta, evaluation={"suite": "smoke"}, actor="gina")
         registry.record_signing_key("k1", "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo=",
                                     actor="op")
         return {"base": base, "alpha": alpha, "beta": beta}

@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING, Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from control.contracts.tickets import TicketSigner
+from control.contracts.wire import TICKET_HEADER
 from control.domain import ValidationFailed
 from control.ops.clients import Generation, TritonRefused, free_port, generate, request_ticket
 from control.ops.hostile.artifacts import HOSTILE_ARTIFACTS, synth_adapter
 from control.ops.hostile.serving import MAX_TOKENS
-from control.ops.hostile.target import ACTOR, Route, short
+from control.ops.hostile.target import ACTOR, TicketRoute, short
 from control.ops.hostile.wire import (
     alg_none,
     alter_claim,
@@ -45,7 +46,6 @@ from control.ops.hostile.wire import (
     hang_up_mid_generation,
     hs256,
     http_call,
-    infer,
     raw_header_request,
     unverified_claims,
     v4_local,
@@ -189,8 +189,8 @@ def _concurrent_alias_moves(s: HostileSuite) -> None:
             return None, f"ticket {status}"
         named = unverified_claims(body["ticket"]).get("adapter")
         try:
-            return named, infer(s.t.http_url, "http", prompt, body["ticket"],
-                                inputs={"max_tokens": MAX_TOKENS})
+            return named, generate(s.t.http_url, prompt, body["ticket"],
+                                   max_tokens=MAX_TOKENS)
         except TritonRefused as e:
             return named, e.message
 
@@ -210,7 +210,7 @@ def _concurrent_alias_moves(s: HostileSuite) -> None:
             s.report.check(cat, "alias-move-ticket", False,
                            f"ticket named {short(named)}, never in the alias's history")
         else:
-            s.judge_served(cat, "alias-move-ticket", g, Route(s.a, alias, named),
+            s.judge_served(cat, "alias-move-ticket", g, TicketRoute(s.a, alias, named),
                            expected[named], ledger)
 
 
@@ -293,14 +293,14 @@ def tickets(s: HostileSuite) -> None:
     # Two tickets at once: never guess which one counts. The header is a real header, which
     # Triton forwards because it matches x-lora-.*; the parameter twins reach the same code.
     s.refused_by_triton(cat, "param-and-header-differ", real, leak_of=s.b,
-                        headers={"x-lora-ticket": b_ticket})
+                        headers={TICKET_HEADER: b_ticket})
     s.refused_by_triton(cat, "two-ticket-params-differ", good,
-                        parameters={"x-lora-ticket": real})
+                        parameters={TICKET_HEADER: real})
     s.refused_by_triton(cat, "ticket-param-names-differ-in-case", real, leak_of=s.b,
-                        parameters={"X-Lora-Ticket": b_ticket})
+                        parameters={TICKET_HEADER.title(): b_ticket})  # X-Lora-Ticket
     for case, raw in (("non-utf8-header", b"v4.public.\xff\xfe\xc3("),
                       ("oversized-header", b"v4.public." + b"A" * 60_000)):
-        status, text = raw_header_request(s.t.http_url, "x-lora-ticket", raw)
+        status, text = raw_header_request(s.t.http_url, TICKET_HEADER, raw)
         s.report.check(cat, case, status != 200, f"{status} {text[:80]}")
     s.no_loads(cat, "refusals-loaded-nothing", unseen.digest)
     # The genuine ticket works, in the header as in the parameter (only now is it loaded).

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from control.contracts import wire
 from control.contracts.tickets import GENERIC_REFUSAL
-from control.ops.clients import Generation, Streamed, TritonRefused, stream_generate
+from control.ops.clients import Generation, Streamed, TritonRefused, generate, stream_generate
 from control.ops.hostile.report import NOT_TRIED, SERVED
-from control.ops.hostile.wire import infer, unverified_claims
-from control.ops.triton_access import FORWARDED_HEADERS
+from control.ops.hostile.wire import unverified_claims
 
 if TYPE_CHECKING:
-    from control.ops.hostile.target import Route
+    from control.ops.hostile.target import TicketRoute
     from control.ops.selftest import HostileSuite
 
 MAX_TOKENS = 8
@@ -39,26 +39,26 @@ MAX_TOKENS = 8
 PROMPTS = tuple(f"{w} #{i}" for i in range(8) for w in (
     "Hello", "Tell me", "Open the", "Why is", "Count to", "Once upon"))
 REFUSED_STATUS = ("400", "StatusCode.INVALID_ARGUMENT")
-NOT_FORWARDED = (f"a header Triton never forwards (only {FORWARDED_HEADERS} reach the model): "
+NOT_FORWARDED = (f"a header Triton never forwards (only {wire.FORWARDED_HEADERS} reach the model): "
                  "it cannot reach the code under test")
 # Inputs outside the documented ranges (backend/serving/sampling.py; README, "Contracts"). float32
 # on the
 # wire: 1e-39 and 1e-40 arrive as denormals.
 OUT_OF_RANGE: tuple[tuple[str, float | int], ...] = (
-    ("temperature", math.nan), ("temperature", math.inf), ("temperature", -math.inf),
-    ("temperature", 1e-39), ("temperature", 1e-30), ("temperature", 0.005),
-    ("temperature", -0.5), ("temperature", 10.5), ("temperature", 3e38),
-    ("top_p", 0.0), ("top_p", 0.0005), ("top_p", 1.01), ("top_p", -0.1), ("top_p", math.nan),
-    ("top_p", math.inf), ("top_p", 1e-40),
-    ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 513), ("max_tokens", 2**31 - 1),
+    *((wire.TEMPERATURE, t) for t in (math.nan, math.inf, -math.inf, 1e-39, 1e-30, 0.005, -0.5,
+                                      10.5, 3e38)),
+    *((wire.TOP_P, p) for p in (0.0, 0.0005, 1.01, -0.1, math.nan, math.inf, 1e-40)),
+    *((wire.MAX_TOKENS, n) for n in (0, -1, 513, 2**31 - 1)),
 )
 # The smallest float32 in the temperature range: float32(0.01) itself rounds to just below it.
 TEMPERATURE_MIN_FP32 = float(np.nextafter(np.float32(0.01), np.float32(1)))
 # The edges of those ranges, which must be served (refusing them would be a bug too).
 EDGES: tuple[dict[str, float | int], ...] = (
-    {"temperature": TEMPERATURE_MIN_FP32, "seed": 7}, {"temperature": 10.0, "seed": 7},
-    {"temperature": 1.0, "top_p": 0.001, "seed": 7}, {"temperature": 1.0, "top_p": 1.0, "seed": 7},
-    {"max_tokens": 1},
+    {wire.TEMPERATURE: TEMPERATURE_MIN_FP32, wire.SEED: 7},
+    {wire.TEMPERATURE: 10.0, wire.SEED: 7},
+    {wire.TEMPERATURE: 1.0, wire.TOP_P: 0.001, wire.SEED: 7},
+    {wire.TEMPERATURE: 1.0, wire.TOP_P: 1.0, wire.SEED: 7},
+    {wire.MAX_TOKENS: 1},
 )
 POISON: tuple[float, ...] = (1e-39, 1e-30, math.nan)
 
@@ -90,16 +90,15 @@ def _injections(s: HostileSuite) -> None:
     for name in names:
         for where in ("param", "header"):
             case = f"{where}:{name}"
-            if where == "header" and not re.fullmatch(FORWARDED_HEADERS, name):
+            if where == "header" and not re.fullmatch(wire.FORWARDED_HEADERS, name):
                 for _ in injections:
                     s.report.not_applicable(cat, case, NOT_FORWARDED)
                 continue
             for value in injections:
                 try:
-                    g = infer(s.t.http_url, "http", prompt, ticket,
-                              inputs={"max_tokens": MAX_TOKENS},
-                              parameters={name: value} if where == "param" else None,
-                              headers={name: value} if where == "header" else None)
+                    g = generate(s.t.http_url, prompt, ticket, max_tokens=MAX_TOKENS,
+                                 parameters={name: value} if where == "param" else None,
+                                 headers={name: value} if where == "header" else None)
                 except TritonRefused as e:  # refusing is fine, if it says nothing
                     s.report.check(cat, case, e.message == GENERIC_REFUSAL
                                    and not s.leaks(e.message, s.b), e.message)
@@ -119,18 +118,19 @@ def _sampling_limits(s: HostileSuite) -> None:
     prompt = s.telling_prompt([a1.digest])
     for name, value in OUT_OF_RANGE:
         for proto in ("http", "grpc"):
-            inputs = {"max_tokens": MAX_TOKENS, name: value}
+            inputs = {wire.MAX_TOKENS: MAX_TOKENS, name: value}
             _refused_naming(s, f"{name}={value!r}/{proto}", a1, s.ticket(a1), proto, prompt,
                             inputs, name, ledger)
     for edge in EDGES:
         for proto in ("http", "grpc"):
             case = f"edge:{','.join(f'{k}={v}' for k, v in edge.items())}/{proto}"
-            inputs = {"max_tokens": MAX_TOKENS, **edge}
-            greedy = edge.get("temperature", 0.0) == 0.0
-            n = int(inputs["max_tokens"])
+            inputs = {wire.MAX_TOKENS: MAX_TOKENS, **edge}
+            greedy = edge.get(wire.TEMPERATURE, 0.0) == 0.0
+            n = int(inputs[wire.MAX_TOKENS])
             edge_prompt = s.telling_prompt([a1.digest], n) if greedy else prompt
             try:
-                g = infer(_url(s, proto), proto, edge_prompt, s.ticket(a1), inputs=inputs)
+                g = generate(_url(s, proto), edge_prompt, s.ticket(a1), protocol=proto,
+                             inputs=inputs)
             except TritonRefused as e:
                 s.report.check(cat, case, False, f"refused: {e.message[:100]}")
                 continue
@@ -139,14 +139,14 @@ def _sampling_limits(s: HostileSuite) -> None:
             s.judge_served(cat, case, g, a1, expected, ledger)
 
 
-def _refused_naming(s: HostileSuite, case: str, route: Route, ticket: str, proto: str,
+def _refused_naming(s: HostileSuite, case: str, route: TicketRoute, ticket: str, proto: str,
                     prompt: str, inputs: dict[str, float | int], name: str, ledger: Any) -> None:
     """Refused with INVALID_ARG and ``invalid parameter <name>``, and a rejected ledger row for
     this very ticket (a fresh one per case, so its id finds the row)."""
     cat = "parameters"
     jti = unverified_claims(ticket)["jti"]
     try:
-        g = infer(_url(s, proto), proto, prompt, ticket, inputs=inputs)
+        g = generate(_url(s, proto), prompt, ticket, protocol=proto, inputs=inputs)
     except TritonRefused as e:
         rows = [r for r in ledger.query(tenant=route.tenant, since=s.started)
                 if r.ticket_id == jti]
@@ -171,19 +171,20 @@ def _poisoned_rows(s: HostileSuite) -> None:
     bad = [(r, proto, t, s.ticket(r)) for i, t in enumerate(POISON)
            for r in (routes[i % 2 * 2],) for proto in ("http", "grpc")]
 
-    def good_call(job: tuple[Route, str]) -> Answer | str:
+    def good_call(job: tuple[TicketRoute, str]) -> Answer | str:
         r, proto = job
         try:
-            return infer(_url(s, proto), proto, prompt, tickets[r.digest],
-                         inputs={"max_tokens": MAX_TOKENS})
+            return generate(_url(s, proto), prompt, tickets[r.digest], protocol=proto,
+                            max_tokens=MAX_TOKENS)
         except TritonRefused as e:
             return e.message
 
     ledger = s.ledger()
     with ThreadPoolExecutor(len(good) + len(bad)) as pool:
         poisoned = [pool.submit(_refused_naming, s, f"poisoned-row:temperature={t!r}/{p}", r,
-                                ticket, p, prompt, {"max_tokens": MAX_TOKENS, "temperature": t},
-                                "temperature", ledger) for r, p, t, ticket in bad]
+                                ticket, p, prompt,
+                                {wire.MAX_TOKENS: MAX_TOKENS, wire.TEMPERATURE: t},
+                                wire.TEMPERATURE, ledger) for r, p, t, ticket in bad]
         answers = list(pool.map(good_call, good))
         for f in poisoned:
             f.result()
@@ -207,14 +208,14 @@ def attribution(s: HostileSuite) -> None:
             for i in range(s.attribution_requests)]
     expected = {(r.digest, p): s.expect(r.digest, p) for r, p, _ in jobs}
 
-    def call(job: tuple[Route, str, str]) -> Answer | str:
+    def call(job: tuple[TicketRoute, str, str]) -> Answer | str:
         r, prompt, proto = job
         try:
             if proto == "stream":
                 return stream_generate(s.t.grpc_url, prompt, tickets[r.digest],
                                        max_tokens=MAX_TOKENS)
-            return infer(_url(s, proto), proto, prompt, tickets[r.digest],
-                         inputs={"max_tokens": MAX_TOKENS})
+            return generate(_url(s, proto), prompt, tickets[r.digest], protocol=proto,
+                            max_tokens=MAX_TOKENS)
         except TritonRefused as e:
             return e.message
 

@@ -22,8 +22,9 @@ class Target:
 
 
 @dataclass(frozen=True)
-class Route:
-    """One of the suite's own aliases: whose it is, and the adapter it points at."""
+class TicketRoute:
+    """One of the suite's own aliases, which it asks tickets for: whose it is, and the adapter
+    it points at (not ``projections.routing.Route``, a row of the routing table)."""
 
     tenant: str
     alias: str

@@ -2,9 +2,10 @@
 
 Forgeries are built by hand (changed claims without re-signing, algorithm confusion, ``alg:
 none``, a v4.local token keyed with the public key) because no honest library would make them.
-Requests go through stock ``tritonclient`` wherever it can say what a hostile client wants to say
-(any parameter, any header, any sampling input), and through raw ``http.client`` where it cannot
-(a header that is not UTF-8).
+Requests go through stock ``tritonclient`` (``control.ops.clients.generate``, the one call every
+client of this project makes) wherever it can say what a hostile client wants to say (any
+parameter, any header, any sampling input), and through raw ``http.client`` here where it cannot
+(a header that is not UTF-8, a socket closed mid-answer).
 """
 
 from __future__ import annotations
@@ -22,22 +23,17 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.tickets import TicketSigner
+from control.contracts.wire import MAX_TOKENS, MODEL, TEXT_INPUT, TICKET_PARAM
 from control.gateway.server import make_app
 from control.gateway.ticket_office import TicketOffice
-from control.ops.clients import MODEL, Generation, TritonRefused
 from projections.route_cache import CachedRoutingView
-
-# Triton input name -> (datatype, numpy dtype name), as model_repository/lora_llm declares them.
-SAMPLING_INPUTS = {"max_tokens": ("INT32", "int32"), "temperature": ("FP32", "float32"),
-                   "top_p": ("FP32", "float32"), "seed": ("INT64", "int64")}
-
 
 # -- tickets ------------------------------------------------------------------------------------
 
@@ -115,53 +111,11 @@ def http_call(url: str, method: str, key: str | None, body: object) -> tuple[int
         return 0, type(e).__name__
 
 
-def infer(url: str, protocol: str, prompt: str, ticket: str | None, *,
-          inputs: Mapping[str, float | int] | None = None,
-          parameters: Mapping[str, Any] | None = None,
-          headers: Mapping[str, str] | None = None) -> Generation:
-    """One ``lora_llm`` request with any sampling inputs, parameters and headers.
-
-    The ticket, when given, travels as the ``lora_ticket`` parameter. Raises ``TritonRefused``.
-    """
-    import numpy as np
-    from tritonclient.utils import InferenceServerException
-
-    if protocol == "http":
-        import tritonclient.http as mod
-    else:
-        import tritonclient.grpc as mod
-    text = mod.InferInput("text_input", [1, 1], "BYTES")
-    text.set_data_from_numpy(np.array([[prompt.encode("utf-8")]], dtype=np.object_))
-    tensors = [text]
-    for name, value in (inputs or {}).items():
-        datatype, dtype = SAMPLING_INPUTS[name]
-        t = mod.InferInput(name, [1, 1], datatype)
-        t.set_data_from_numpy(np.array([[value]], dtype=dtype))
-        tensors.append(t)
-    params = dict(parameters or {})
-    if ticket is not None:
-        params["lora_ticket"] = ticket
-    client = mod.InferenceServerClient(url)
-    try:
-        res = client.infer(MODEL, tensors, parameters=params or None,
-                           headers=dict(headers) if headers else None)
-    except InferenceServerException as e:
-        raise TritonRefused(str(e.status()), e.message() or "") from None
-    finally:
-        client.close()
-
-    def first(name: str) -> str:
-        v = res.as_numpy(name).reshape(-1)[0]
-        return v.decode("utf-8") if isinstance(v, bytes) else str(v)
-
-    return Generation(first("text_output"), first("request_id"), first("adapter_digest"))
-
-
 def raw_header_request(http_url: str, header: str, value: bytes) -> tuple[int, str]:
     """POST /generate with one header whose bytes tritonclient would not send as they are."""
     host, port = http_url.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    body = json.dumps({"text_input": "Hello", "max_tokens": 2}).encode()
+    body = json.dumps({TEXT_INPUT: "Hello", MAX_TOKENS: 2}).encode()
     try:
         conn.putrequest("POST", f"/v2/models/{MODEL}/generate")
         conn.putheader("Content-Type", "application/json")
@@ -179,8 +133,8 @@ def raw_header_request(http_url: str, header: str, value: bytes) -> tuple[int, s
 def hang_up_mid_generation(http_url: str, ticket: str, times: int = 4) -> None:
     """Send long generations and close the socket before any answer can come."""
     host, port = http_url.rsplit(":", 1)
-    body = json.dumps({"text_input": "Tell me a long story", "max_tokens": 64,
-                       "parameters": {"lora_ticket": ticket}}).encode()
+    body = json.dumps({TEXT_INPUT: "Tell me a long story", MAX_TOKENS: 64,
+                       "parameters": {TICKET_PARAM: ticket}}).encode()
     for _ in range(times):
         conn = http.client.HTTPConnection(host, int(port), timeout=0.05)
         try:

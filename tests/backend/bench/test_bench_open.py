@@ -28,9 +28,9 @@ from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger, Outcome
 from control.contracts.tickets import TicketSigner
+from control.contracts.wire import ENGINE_MODEL, TICKET_PARAM
 from control.gateway.ticket_office import TicketOffice
 from control.ops.clients import free_port
-from control.ops.model_repositories import ENGINE_MODEL
 from control.ops.triton_server import MODEL_REPOSITORY, REPO_ROOT, TritonInstall, TritonProcess
 from projections.routing import RoutingView
 from tests.integration.conftest import ACTOR, provision
@@ -153,7 +153,7 @@ def test_open_service_skips_governance_and_ledger_the_governed_one_keeps_both(
     nothing. This is why the open engine must stay out of every production path."""
     office: TicketOffice = home["office"]
     token = office.issue("globex", "globex-gamma").token
-    ask = IncomingRequest(text="Hello", parameters={"lora_ticket": token}, max_tokens=4)
+    ask = IncomingRequest(text="Hello", parameters={TICKET_PARAM: token}, max_tokens=4)
     reg: Registry = home["registry"]
     reg.revoke(home["digests"]["gamma"], "bench-open test", actor=ACTOR)
     ledger = Ledger(make_engine(home["settings"].db_url))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.serving.cache import TenantPolicy
+from backend.serving.cache import CacheQuota
 from backend.serving.engine import Engine
 from backend.serving.scheduler import SchedulerLimits
 from backend.serving.service import IncomingRequest, LoraService
@@ -60,7 +60,7 @@ def service(home: Home, poison: str) -> Iterator[LoraService]:
                   max_rank=home.settings.max_rank, max_adapters=1)
     # Y's load waits 1 s for X's slot (X's queued row holds it), then is refused.
     svc = home.service(engine=engine, limits=SchedulerLimits(max_running=2, max_queued=16),
-                       host="regression", policy=TenantPolicy(room_wait_s=1.0))
+                       host="regression", quota=CacheQuota(room_wait_s=1.0))
     try:
         yield svc
     finally:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.serving.cache import AdapterCache, CacheBudgets, CacheRefused, TenantPolicy
+from backend.serving.cache import AdapterCache, CacheBudgets, CacheQuota, CacheRefused
 from backend.serving.engine import Engine
 from control.ops.kit import KitManifest
 from tests.artifacts import perturbed_copy
@@ -40,12 +40,12 @@ class Events(list[tuple[str, str, str | None]]):
 
 
 def _cache(engine: Engine, adapters: dict[str, Path], *, device_slots: int,
-           policy: TenantPolicy | None = None, events: Events | None = None) -> AdapterCache:
+           quota: CacheQuota | None = None, events: Events | None = None) -> AdapterCache:
     one = _per_adapter(engine, next(iter(adapters.values())))
     return AdapterCache(engine, adapters.__getitem__,
                         budgets=CacheBudgets(device_bytes=one * device_slots,
                                              host_bytes=10**9, store_bytes=10**9),
-                        policy=policy or TenantPolicy(resident_share=1.0, room_wait_s=0.0),
+                        quota=quota or CacheQuota(resident_share=1.0, room_wait_s=0.0),
                         on_event=events)
 
 
@@ -96,7 +96,7 @@ def test_lru_evicts_only_unreferenced_adapters(engine: Engine,
 def test_tenant_share_keeps_one_tenant_from_pushing_out_another(
         engine: Engine, adapters: dict[str, Path]) -> None:
     cache = _cache(engine, adapters, device_slots=4,
-                   policy=TenantPolicy(resident_share=0.5, room_wait_s=0.0))
+                   quota=CacheQuota(resident_share=0.5, room_wait_s=0.0))
     a, b, c, d, e = list(adapters)[:5]
     cache.release(cache.acquire(a, "globex"))
     cache.release(cache.acquire(b, "globex"))
@@ -109,7 +109,7 @@ def test_tenant_share_keeps_one_tenant_from_pushing_out_another(
 
 def test_load_rate_and_bounded_load_queue(engine: Engine, adapters: dict[str, Path]) -> None:
     cache = _cache(engine, adapters, device_slots=8,
-                   policy=TenantPolicy(resident_share=1.0, loads_per_minute=0.001, load_burst=2))
+                   quota=CacheQuota(resident_share=1.0, loads_per_minute=0.001, load_burst=2))
     a, b, c = list(adapters)[:3]
     cache.release(cache.acquire(a, "acme"))
     cache.release(cache.acquire(b, "acme"))
@@ -119,7 +119,7 @@ def test_load_rate_and_bounded_load_queue(engine: Engine, adapters: dict[str, Pa
     cache.release(cache.acquire(c, "globex"))  # another tenant's budget is its own
     cache.release(cache.acquire(a, "acme"))  # hits cost no load
     queued = _cache(engine, adapters, device_slots=8,
-                    policy=TenantPolicy(resident_share=1.0, max_pending_loads=0))
+                    quota=CacheQuota(resident_share=1.0, max_pending_loads=0))
     with pytest.raises(CacheRefused) as e:
         queued.acquire(list(adapters)[4], "acme")
     assert e.value.reason == "load_queue_full"
@@ -166,7 +166,7 @@ def test_a_load_waits_for_a_referenced_slot_to_be_released(engine: Engine,
     import threading
 
     cache = _cache(engine, adapters, device_slots=2,
-                   policy=TenantPolicy(resident_share=1.0, room_wait_s=30.0))
+                   quota=CacheQuota(resident_share=1.0, room_wait_s=30.0))
     a, b, c = list(adapters)[:3]
     held = [cache.acquire(a, "acme"), cache.acquire(b, "acme")]  # both slots referenced
     got: list[object] = []
@@ -186,7 +186,7 @@ def test_a_load_waits_for_a_referenced_slot_to_be_released(engine: Engine,
 def test_a_wait_for_room_ends_in_a_refusal_when_nothing_is_released(
         engine: Engine, adapters: dict[str, Path]) -> None:
     cache = _cache(engine, adapters, device_slots=1,
-                   policy=TenantPolicy(resident_share=1.0, room_wait_s=0.3))
+                   quota=CacheQuota(resident_share=1.0, room_wait_s=0.3))
     a, b = list(adapters)[:2]
     held = cache.acquire(a, "acme")
     with pytest.raises(CacheRefused) as e:

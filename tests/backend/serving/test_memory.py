@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
-from backend.serving.cache import AdapterCache, CacheBudgets, CacheRefused, TenantPolicy
+from backend.serving.cache import AdapterCache, CacheBudgets, CacheQuota, CacheRefused
 from backend.serving.engine import AdapterSource, Engine, HostAdapter, PreparedAdapter
 from backend.serving.memory import (
     DEFAULT_ADAPTER_FRACTION,
@@ -168,13 +168,13 @@ def _adapter(rank: int = 64) -> dict[str, bytes]:
 def _planned_cache(plan: MemoryPlan, budgets: CacheBudgets | None = None) -> AdapterCache:
     return AdapterCache(PlannedPlacement(plan), lambda _digest: _adapter(),
                         budgets=budgets or CacheBudgets(host_bytes=8 * GiB),
-                        policy=TenantPolicy(room_wait_s=0.0))  # the default resident share
+                        quota=CacheQuota(room_wait_s=0.0))  # the default resident share
 
 
 def test_a_rank_64_adapter_of_an_8b_base_loads_at_the_default_tenant_share() -> None:
     plan = _plan(1 * GiB)  # two adapter slots
     cache = _planned_cache(plan)
-    assert cache.policy.resident_share == 0.5  # half of 640 MiB is less than one slot
+    assert cache.quota.resident_share == 0.5  # half of 640 MiB is less than one slot
     a, b, c = ("sha256:" + ch * 64 for ch in "abc")
     cache.release(cache.acquire(a, "acme"))
     assert cache.usage()["device"] == 320 * MiB

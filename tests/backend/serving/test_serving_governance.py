@@ -25,6 +25,7 @@ from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger, LedgerEntry
 from control.contracts.tickets import TicketRejected, TicketSigner, TicketVerifier, load_public_keys
+from control.contracts.wire import TICKET_PARAM
 from tests.faults import FAIL_STEP, POISON_ROW, FaultyEngine
 from tests.fixtures_control import postgres_settings
 from tests.integration.conftest import ACTOR
@@ -356,7 +357,7 @@ def _revocation_is_pushed(settings: Settings, kit_dir: Path) -> float:
         assert (loads[-1].outcome, loads[-1].reason) == ("unloaded", "revoked")
         # Nothing reloads it, not even a ticket issued before the revocation.
         late = Sink()
-        svc.submit(IncomingRequest(b"Hi", {"lora_ticket": home.office.signer.issue(
+        svc.submit(IncomingRequest(b"Hi", {TICKET_PARAM: home.office.signer.issue(
             tenant="globex", model=settings.model_name, base=home.base_digest, adapter=digest,
             tokenizer=svc.tokenizer_digest,
             release=Ledger(make_engine(settings.db_url)).query(adapter=digest)[0].release_digest,
@@ -390,7 +391,7 @@ def _forged(home: Home, **claims: Any) -> dict[str, object]:
             "tokenizer": home.office.routing.bases()[0].tokenizer_digest,
             "release": home.office.issue("acme", "acme-alpha").release, "ttl_s": 60}
     base.update(claims)
-    return {"lora_ticket": home.signer.issue(**base)[0]}
+    return {TICKET_PARAM: home.signer.issue(**base)[0]}
 
 
 @pytest.mark.parametrize("case", ["unknown_release", "other_adapters_release",
@@ -432,14 +433,14 @@ def test_verified_tickets_honour_expiry_and_stay_bounded(home: Home) -> None:
 
     tickets = VerifiedTickets(load, size=4)
     now = time.time()
-    token = str(_forged(home, ttl_s=30)["lora_ticket"])
+    token = str(_forged(home, ttl_s=30)[TICKET_PARAM])
     assert tickets.verify(token, now=now).adapter == home.digests["alpha"]
     assert tickets.verify(token, now=now + 29).adapter == home.digests["alpha"]  # a hit
     with pytest.raises(TicketRejected) as e:  # the memory never outlives the ticket
         tickets.verify(token, now=now + 31)
     assert e.value.reason == "expired"
     for _ in range(10):
-        tickets.verify(str(_forged(home)["lora_ticket"]))
+        tickets.verify(str(_forged(home)[TICKET_PARAM]))
     assert len(tickets) == 4
 
 

@@ -34,7 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from peft import PeftModel
 from transformers import LlamaForCausalLM
 
-from backend.serving.cache import AdapterCache, CacheBudgets, CacheRefused, TenantPolicy
+from backend.serving.cache import AdapterCache, CacheBudgets, CacheQuota, CacheRefused
 from backend.serving.engine import DecodeBatch, GenerationRequest, GenerationResult
 from backend.serving.engine import Sequence as EngineSequence
 from backend.serving.lease import Lease
@@ -154,8 +154,8 @@ class ServingMachine(RuleBasedStateMachine):
         self.cache = AdapterCache(
             self.eng, WORLD.paths.__getitem__,
             budgets=CacheBudgets(device_bytes=2**30, host_bytes=2**30, store_bytes=2**30),
-            policy=TenantPolicy(resident_share=1.0, loads_per_minute=1e9, load_burst=10**9,
-                                room_wait_s=0.0),  # nothing frees room while we wait here
+            quota=CacheQuota(resident_share=1.0, loads_per_minute=1e9, load_burst=10**9,
+                             room_wait_s=0.0),  # nothing frees room while we wait here
             on_purge=self.prefix.purge_adapter)
         self.sched = Scheduler(self.eng, SchedulerLimits(max_running=3, max_queued=4),
                                self.prefix, start=False)

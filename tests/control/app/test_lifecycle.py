@@ -98,7 +98,7 @@ class LifecycleContract(WithRegistry):
                                        metadata=AdapterMetadata(owner="ml-team",
                                                                 training_data_version="td-1"))
         registry.grant("acme", "chat", actor="op")
-        assert registry.release(v1, evaluation=EVAL, actor="alice",
+        assert registry.advance(v1, evaluation=EVAL, actor="alice",
                                 inference_defaults={"max_tokens": 32}) == "stable"
         r1 = registry.adapter(v1).release
         assert r1 is not None
@@ -110,7 +110,7 @@ class LifecycleContract(WithRegistry):
         # v2 enters canary at 30%: sessions split by hash, each session sticky.
         v2 = registry.register_adapter(artifacts.adapters["by-name"], tenant="acme",
                                        alias="chat", actor="alice")
-        registry.release(v2, evaluation=EVAL, to="canary", canary_percent=30, actor="alice")
+        registry.advance(v2, evaluation=EVAL, to="canary", canary_percent=30, actor="alice")
         r2 = registry.adapter(v2).release
         picks = {s: view.resolve("acme", "chat", f"s{s}") for s in range(300)}
         assert all(p is not None for p in picks.values())
@@ -153,7 +153,7 @@ class LifecycleContract(WithRegistry):
                                         base: str, view: RoutingView) -> None:
         d = registry.register_adapter(artifacts.adapters["alpha"], tenant="acme", alias="chat",
                                       actor="alice")
-        registry.release(d, evaluation=EVAL, actor="alice")
+        registry.advance(d, evaluation=EVAL, actor="alice")
         with pytest.raises(IllegalTransition):
             registry.record_serving_step(d, "host-a", "drained", actor="backend")
         registry.revoke(d, "leak", actor="sec")
@@ -301,7 +301,7 @@ class LifecycleContract(WithRegistry):
     def test_state_as_of(self, registry: Registry, artifacts: Artifacts, base: str) -> None:
         d = registry.register_adapter(artifacts.adapters["alpha"], tenant="acme", alias="chat",
                                       actor="alice")
-        registry.release(d, evaluation=EVAL, actor="alice")
+        registry.advance(d, evaluation=EVAL, actor="alice")
         between = max(e.time for e in audit_log(registry))
         time.sleep(0.05)
         registry.revoke(d, "leak", actor="sec")
@@ -320,10 +320,10 @@ class LifecycleContract(WithRegistry):
                                              base: str, settings: Settings) -> None:
         d = registry.register_adapter(artifacts.adapters["alpha"], tenant="acme", alias="chat",
                                       actor="alice")
-        registry.release(d, evaluation=EVAL, actor="alice")
+        registry.advance(d, evaluation=EVAL, actor="alice")
         d2 = registry.register_adapter(artifacts.adapters["by-name"], tenant="acme",
                                        alias="chat", actor="alice")
-        registry.release(d2, evaluation=EVAL, to="canary", actor="alice")
+        registry.advance(d2, evaluation=EVAL, to="canary", actor="alice")
         other = open_registry(settings)
         try:
             # Both load the alias at the same version, both move it: one save wins.

@@ -17,6 +17,7 @@ from control.domain import (
     REVOKED,
     STABLE,
     Adapter,
+    AdapterState,
     Alias,
     AlreadyExists,
     BaseModel,
@@ -325,3 +326,18 @@ def test_config_and_structure_checks(artifacts: Artifacts, tmp_path: Path) -> No
             _validate(artifacts, path)
         assert info.value.check == check, path.name
         assert str(tmp_path) not in info.value.message
+
+
+def test_lifecycle_states_are_an_enum_of_plain_strings() -> None:
+    assert [s.value for s in AdapterState] == [
+        "draft", "candidate", "canary", "stable", "deprecated", "revoked"]
+    assert tuple(AdapterState) == (DRAFT, CANDIDATE, CANARY, STABLE, DEPRECATED, REVOKED)
+    assert CANARY == "canary" and f"{CANARY}" == "canary" and str(CANARY) == "canary"
+    check_transition("canary", "stable")  # states read back as strings follow the same table
+    with pytest.raises(IllegalTransition, match="from 'stable' to 'canary'"):
+        check_transition(STABLE, CANARY)
+    adapter = _adapter()
+    adapter.promote("candidate", "bob")  # a plain string names the same state
+    assert adapter.state is CANDIDATE
+    (_, promoted) = adapter.collect_events()
+    assert type(promoted.from_state) is str and type(promoted.to) is str  # type: ignore[attr-defined]

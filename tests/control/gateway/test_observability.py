@@ -13,6 +13,7 @@ from backend.triton.metrics import MAX_REASONS, BackendMetrics
 from control.contracts.db import make_engine
 from control.contracts.ledger import AdapterLoad, Completion, Ledger, LedgerEntry
 from control.contracts.telemetry import JsonFormatter, configure_logging, parent_context, tracer
+from control.contracts.wire import MODEL
 from control.gateway.observability import digest_stats, is_admin, stats_body
 from control.gateway.openai_api import ApiError, render_chat
 
@@ -22,7 +23,7 @@ B = "sha256:" + "b" * 64
 
 def _entry(rid: str, tenant: str | None, adapter: str | None, outcome: str = "running",
            reason: str | None = None) -> LedgerEntry:
-    return LedgerEntry(request_id=rid, ticket_id=None, tenant=tenant, model="lora_llm",
+    return LedgerEntry(request_id=rid, ticket_id=None, tenant=tenant, model=MODEL,
                        host="h1", base_digest=None, adapter_digest=adapter,
                        tokenizer_digest=None, admitted_at=100.0, outcome=outcome, reason=reason)
 

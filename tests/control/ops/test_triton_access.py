@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from control.contracts.wire import FORWARDED_HEADERS
 from control.ops.triton_access import (
-    FORWARDED_HEADERS,
     GRPC_HEADER_PREFIX,
     OPERATOR_APIS,
     OPERATOR_HEADER,

@@ -1,0 +1,218 @@
+"""The ``Adapter`` aggregate: a registered LoRA adapter and where it stands in its lifecycle.
+
+It carries its registry metadata, its evaluation report, the release manifest it entered canary
+with and, once revoked, the serving side's drain/purge/unload steps per host. The moves
+themselves are ruled by ``control.domain.lifecycle``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+from uuid import UUID
+
+from eventsourcing.domain import Aggregate, event
+
+from control.domain.errors import AlreadyExists, DomainError, IllegalTransition
+from control.domain.ids import adapter_id
+from control.domain.lifecycle import (
+    CANARY,
+    DEPRECATED,
+    DRAFT,
+    REVOKED,
+    SERVING_STEPS,
+    STABLE,
+    AdapterState,
+    lifecycle_guard,
+)
+from control.domain.names import NAME_RE, check_actor, check_name
+from control.domain.policy import TenantPolicy
+
+
+@dataclass(frozen=True)
+class AdapterMetadata:
+    """Registry metadata an operator records with an adapter (created time is the event's)."""
+
+    owner: str = ""
+    training_data_version: str = ""
+    allowed_tasks: list[str] = field(default_factory=list)
+    licence: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("owner", "training_data_version", "licence"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or len(v) > 200 or any(ord(c) < 32 for c in v):
+                raise DomainError(f"{name} must be text of at most 200 printable characters")
+        if not isinstance(self.allowed_tasks, list) or not all(
+                isinstance(t, str) and NAME_RE.match(t) for t in self.allowed_tasks):
+            raise DomainError("allowed_tasks must be task names (A-Z a-z 0-9 . _ -)")
+
+    def to_json(self) -> dict[str, Any]:
+        """The metadata as recorded in an ``AdapterRegistered`` event."""
+        return asdict(self)
+
+
+class Adapter(Aggregate):
+    class AdapterRegistered(Aggregate.Created):
+        tenant: str
+        digest: str
+        base_digest: str
+        tokenizer_digest: str
+        rank: int
+        target_modules: list[str]
+        alias: str
+        metadata: dict[str, Any]
+        signature: dict[str, Any] | None
+        actor: str
+
+    # Later events repeat the natural key (digest, alias name) so that each event reads on its
+    # own in the audit log and in projections.
+    class EvaluationRecorded(Aggregate.Event):
+        digest: str
+        report_digest: str
+        summary: dict[str, Any]
+        actor: str
+
+    class AdapterPromoted(Aggregate.Event):
+        digest: str
+        from_state: str
+        to: str
+        release: str | None
+        actor: str
+
+    class AdapterRevoked(Aggregate.Event):
+        digest: str
+        reason: str
+        actor: str
+
+    class AdapterDrained(Aggregate.Event):
+        digest: str
+        host: str
+        actor: str
+
+    class AdapterPurged(Aggregate.Event):
+        digest: str
+        host: str
+        actor: str
+
+    class AdapterUnloaded(Aggregate.Event):
+        digest: str
+        host: str
+        actor: str
+
+    @staticmethod
+    def create_id(digest: str) -> UUID:
+        return adapter_id(digest)
+
+    @event(AdapterRegistered)
+    def __init__(
+        self,
+        tenant: str,
+        digest: str,
+        base_digest: str,
+        tokenizer_digest: str,
+        rank: int,
+        target_modules: list[str],
+        alias: str,
+        metadata: dict[str, Any],
+        signature: dict[str, Any] | None,
+        actor: str,
+    ) -> None:
+        self.tenant = tenant
+        self.digest = digest
+        self.base_digest = base_digest
+        self.tokenizer_digest = tokenizer_digest
+        self.rank = rank
+        self.target_modules = target_modules
+        self.alias = alias
+        self.metadata = metadata
+        self.signature = signature
+        # Registration happens only after every validation check passed.
+        self.validated = True
+        self.state: AdapterState = DRAFT
+        self.had_canary = False
+        self.evaluation_report: str | None = None
+        self.release: str | None = None
+        self.revoke_reason: str | None = None
+        self.serving_steps: dict[str, list[str]] = {}  # host -> steps done, in order
+
+    @property
+    def revoked(self) -> bool:
+        return self.state == REVOKED
+
+    def record_evaluation(self, report_digest: str, summary: dict[str, Any], actor: str) -> None:
+        """Record an evaluation report (content-addressed); the latest one counts."""
+        if self.state in (REVOKED, DEPRECATED, STABLE):
+            raise IllegalTransition(
+                f"an adapter in state {self.state.value!r} takes no evaluation")
+        self._evaluated(digest=self.digest, report_digest=report_digest, summary=summary,
+                        actor=check_actor(actor))
+
+    @event(EvaluationRecorded)
+    def _evaluated(self, digest: str, report_digest: str, summary: dict[str, Any],
+                   actor: str) -> None:
+        self.evaluation_report = report_digest
+
+    def promote(self, to: str, actor: str, policy: TenantPolicy | None = None,
+                release: str | None = None) -> None:
+        """Move along the lifecycle; raise IllegalTransition (recording nothing) if the table
+        or the move's guard does not allow it. Entering canary names the release manifest."""
+        lifecycle_guard(self, to, policy or TenantPolicy())
+        if to == CANARY and release is None:
+            raise DomainError("entering canary needs a release manifest")
+        # Events carry the states as plain strings (what is stored), the aggregate the enum.
+        self._promoted(digest=self.digest, from_state=self.state.value, to=AdapterState(to).value,
+                       release=release if to == CANARY else None, actor=check_actor(actor))
+
+    @event(AdapterPromoted)
+    def _promoted(self, digest: str, from_state: str, to: str, release: str | None,
+                  actor: str) -> None:
+        self.state = AdapterState(to)
+        if to == CANARY:
+            self.had_canary = True
+            self.release = release
+
+    def revoke(self, reason: str, actor: str) -> None:
+        """Revoke from any state; revoking twice is refused."""
+        if self.state == REVOKED:
+            raise IllegalTransition("adapter is already revoked")
+        if not reason.strip():
+            raise DomainError("a revocation needs a reason")
+        self._revoked(digest=self.digest, reason=reason, actor=check_actor(actor))
+
+    @event(AdapterRevoked)
+    def _revoked(self, digest: str, reason: str, actor: str) -> None:
+        self.state = REVOKED
+        self.revoke_reason = reason
+
+    def record_serving_step(self, host: str, step: str, actor: str) -> None:
+        """Record that ``host`` drained, purged or unloaded this revoked adapter, in that order.
+
+        Repeating the last recorded step is refused (AlreadyExists) so retries stay visible.
+        """
+        if self.state != REVOKED:
+            raise IllegalTransition("serving steps are recorded only for a revoked adapter")
+        if step not in SERVING_STEPS:
+            raise DomainError(f"unknown serving step {step!r}; one of {', '.join(SERVING_STEPS)}")
+        check_name("host", host)
+        done = self.serving_steps.get(host, [])
+        if step in done:
+            raise AlreadyExists(f"host {host!r} already reported {step!r}")
+        expected = SERVING_STEPS[len(done)]
+        if step != expected:
+            raise IllegalTransition(f"host {host!r} must report {expected!r} before {step!r}")
+        handler = {"drained": self._drained, "purged": self._purged,
+                   "unloaded": self._unloaded}[step]
+        handler(digest=self.digest, host=host, actor=check_actor(actor))
+
+    @event(AdapterDrained)
+    def _drained(self, digest: str, host: str, actor: str) -> None:
+        self.serving_steps.setdefault(host, []).append("drained")
+
+    @event(AdapterPurged)
+    def _purged(self, digest: str, host: str, actor: str) -> None:
+        self.serving_steps.setdefault(host, []).append("purged")
+
+    @event(AdapterUnloaded)
+    def _unloaded(self, digest: str, host: str, actor: str) -> None:
+        self.serving_steps.setdefault(host, []).append("unloaded")

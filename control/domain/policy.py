@@ -1,0 +1,54 @@
+"""A tenant's policy: the limits and the signature rule checked at registration and promotion."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from control.contracts.digests import DIGEST_RE
+from control.domain.errors import DomainError
+from control.domain.names import NAME_RE
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """Per-tenant rules checked at registration and promotion.
+
+    ``None`` means "no tenant-specific limit" (the deployment's defaults still apply).
+    ``allowed_target_modules`` maps a base digest to the module names adapters on that base may
+    target; a base missing from the map is unrestricted. ``trusted_keys`` are PEM public keys
+    (or CA certificates) that may sign this tenant's adapters.
+    """
+
+    require_signature: bool = False
+    max_adapters: int | None = None
+    max_file_bytes: int | None = None
+    max_rank: int | None = None
+    allowed_target_modules: dict[str, list[str]] = field(default_factory=dict)
+    trusted_keys: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in ("max_adapters", "max_file_bytes", "max_rank"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise DomainError(f"policy {name} must be a positive integer")
+        if not isinstance(self.allowed_target_modules, dict) or not all(
+            isinstance(k, str) and DIGEST_RE.match(k) and isinstance(v, list) and v
+            and all(isinstance(m, str) and NAME_RE.match(m) for m in v)
+            for k, v in self.allowed_target_modules.items()
+        ):
+            raise DomainError("policy allowed_target_modules must map base digests to "
+                              "non-empty lists of module names")
+        if not all(isinstance(k, str) and "-----BEGIN " in k for k in self.trusted_keys):
+            raise DomainError("policy trusted_keys must be PEM public keys or certificates")
+        if self.require_signature and not self.trusted_keys:
+            raise DomainError("a policy that requires signatures needs at least one trusted key")
+
+    def to_json(self) -> dict[str, Any]:
+        """The policy as recorded in a ``TenantPolicySet`` event."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> TenantPolicy:
+        """The policy recorded as ``data`` (none recorded: the default policy)."""
+        return cls(**(data or {}))

@@ -469,6 +469,7 @@ class Registry(Application[UUID]):
                 limits.check_adapter_count(policy, self._live_adapters(tenant))
                 verified = None
                 if signature is not None:
+                    # x509 and model_signing: only registrations that carry a signature load them
                     from control.app.signatures import verify_signature
 
                     verified = verify_signature(staged, Path(signature), policy.trusted_keys)

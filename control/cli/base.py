@@ -1,6 +1,13 @@
-"""The ``loraplane`` command line (typer).
+"""What every verb of the ``loraplane`` command line (typer) shares: the command tree, the
+global options, the consoles, settings, errors, the registry and the routing view, and the
+argument parsers and renderers more than one verb module uses.
 
 ``--json`` before any verb prints machine-readable output.
+
+Dependencies point one way: the verb modules (``adapters``, ``tenants``, ``aliases``,
+``audit``, ``credentials``, ``database``, ``ops``, ``benches``, ``selftest``) import this
+module and register their verbs on its typer apps; this module imports none of them, and
+``control.cli.main`` imports them all.
 """
 
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
@@ -18,12 +25,17 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from control.contracts.config import Settings
-from control.contracts.digests import DigestError, check_digest, short
-from control.ops.views import audit_table, cell, incident_table, iso
+from control.contracts.digests import DigestError, check_digest
+from control.ops.views import cell
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from control.app.registry import Registry
+    from projections.routing import RoutingView
+
+# The command tree. Every group is declared here, in the order `--help` lists them; the verb
+# modules add their commands to these groups.
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Serve many LoRA adapters on one base model, per tenant, on Triton.")
 kit_app = typer.Typer(no_args_is_help=True, help="The reference model kit.")
@@ -36,10 +48,15 @@ audit_app = typer.Typer(no_args_is_help=True, help="The event history.")
 alias_app = typer.Typer(no_args_is_help=True, help="Aliases: point, rollback, canary split.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios measured side by side).")
 selftest_app = typer.Typer(no_args_is_help=True, help="Self-tests against a running deployment.")
+key_app = typer.Typer(no_args_is_help=True,
+                      help="Ticket-signing keys: list, rotate, retire (operators).")
+db_app = typer.Typer(no_args_is_help=True, help="Database schema versions: status, upgrade.")
+release_app = typer.Typer(no_args_is_help=True, help="Release manifests (what aliases route to).")
 for sub, name in ((kit_app, "kit"), (base_app, "base"), (adapter_app, "adapter"),
                   (tenant_app, "tenant"), (ticket_app, "ticket"), (incident_app, "incident"),
                   (audit_app, "audit"), (alias_app, "alias"), (bench_app, "bench"),
-                  (selftest_app, "selftest")):
+                  (selftest_app, "selftest"), (key_app, "key"), (db_app, "db"),
+                  (release_app, "release")):
     app.add_typer(sub, name=name)
 
 
@@ -103,6 +120,7 @@ def _login() -> str:
 
 
 def settings() -> Settings:
+    """The settings of the state folder, created if it does not exist yet."""
     s = Settings.from_env(state.home)
     s.ensure_dirs()
     return s
@@ -129,6 +147,7 @@ def existing_settings() -> Settings:
 
 
 def emit(data: Any, human: Callable[[], None]) -> None:
+    """Print ``data`` as one JSON line under ``--json``, else call ``human`` to render it."""
     if state.json:
         print(json.dumps(data, indent=None, default=str))
     else:
@@ -158,188 +177,37 @@ def errors() -> Iterator[None]:
         raise typer.Exit(2) from None
 
 
-def _registry(existing: bool = False) -> Any:
+# --- the registry and the routing view ----------------------------------------------------------
+
+def registry(existing: bool = False) -> "Registry":
     """The registry; ``existing``: for read-only verbs, which never create a state folder."""
+    # the registry (eventsourcing, SQLAlchemy, cryptography): only verbs that record or replay
+    # events load it, never `--help`
     from projections.follower import open_registry
 
     return open_registry(existing_settings() if existing else settings())
 
 
-def _digest(value: str) -> str:
+def routing() -> "RoutingView":
+    """The routing view (the projection tables) of an existing deployment's database."""
+    from control.contracts.db import make_engine  # SQLAlchemy: only verbs that read views
+    from projections.routing import RoutingView  # the projection tables: likewise
+
+    return RoutingView(make_engine(existing_settings().db_url))
+
+
+# --- arguments ----------------------------------------------------------------------------------
+
+def digest_arg(value: str) -> str:
+    """A digest argument, checked: a malformed one is a usage error (exit 2)."""
     try:
         return check_digest(value)
     except DigestError:
         raise typer.BadParameter("expected a digest like sha256:<64 hex>") from None
 
 
-# --- kit --------------------------------------------------------------------------------------
-
-@kit_app.command("build")
-def kit_build(
-    out_dir: Path,
-    seed: Annotated[int, typer.Option(help="Seed: same seed, same digests.")] = 1234,
-) -> None:
-    """Build the reference kit: a small Llama base, a tokenizer, and LoRA adapters."""
-    from control.ops.kit import build_kit
-
-    with errors():
-        manifest = build_kit(out_dir, seed=seed,
-                             progress=None if state.json else lambda m: err_console.print(m))
-    data = json.loads((out_dir / "kit.json").read_text())
-    emit(data, lambda: console.print_json(json.dumps(data)) if manifest else None)
-
-
-# --- base -------------------------------------------------------------------------------------
-
-@base_app.command("register")
-def base_register(
-    base_dir: Path,
-    tokenizer: Annotated[Path | None, typer.Option(
-        help="Tokenizer folder (default: ../tokenizer beside the base, or the base itself).")
-    ] = None,
-    name: Annotated[str | None, typer.Option(help="Base name (default: folder name).")] = None,
-    alias: Annotated[str | None, typer.Option(
-        help="Also create an alias for base-only tickets.")] = None,
-) -> None:
-    """Register a base model (and its tokenizer) by digest."""
-    tok = tokenizer or (base_dir.parent / "tokenizer"
-                        if (base_dir.parent / "tokenizer").is_dir() else base_dir)
-    base_name = name or base_dir.name
-    with errors():
-        digest = _registry().register_base(base_dir, tok, name=base_name,
-                                           actor=state.actor, alias=alias)
-    emit({"name": base_name, "digest": digest, "alias": alias}, lambda: console.print(
-        f"registered base [bold]{base_name}[/bold] {digest}"))
-
-
-@base_app.command("list")
-def base_list() -> None:
-    """Registered base models."""
-    rows = [_as_dict(b) for b in _routing().bases()]
-    emit(rows, lambda: _table(["name", "digest", "tokenizer_digest"], rows))
-
-
-# --- adapters ---------------------------------------------------------------------------------
-
-@adapter_app.command("register")
-def adapter_register(
-    adapter_dir: Path,
-    tenant: Annotated[str, typer.Option(help="Owning tenant.")],
-    alias: Annotated[str, typer.Option(help="Alias to point at this adapter.")],
-    base: Annotated[str | None, typer.Option(
-        help="Base digest or name (default: from adapter_config.json).")] = None,
-    signature: Annotated[Path | None, typer.Option(
-        help="model_signing signature bundle over the folder.")] = None,
-    owner: Annotated[str, typer.Option(help="Owner (team or person).")] = "",
-    training_data_version: Annotated[str, typer.Option(help="Training data version.")] = "",
-    task: Annotated[list[str] | None, typer.Option(help="An allowed task (repeatable).")] = None,
-    licence: Annotated[str, typer.Option(help="Licence.")] = "",
-) -> None:
-    """Validate and register a PEFT LoRA adapter (safetensors only); state: draft."""
-    from control.domain import AdapterMetadata
-
-    with errors():
-        meta = AdapterMetadata(owner=owner, training_data_version=training_data_version,
-                               allowed_tasks=list(task or []), licence=licence)
-        digest = _registry().register_adapter(adapter_dir, tenant=tenant, alias=alias,
-                                              actor=state.actor, base=base,
-                                              signature=signature, metadata=meta)
-    emit({"digest": digest, "tenant": tenant, "alias": alias, "state": "draft"},
-         lambda: console.print(
-             f"registered adapter {digest} for {tenant} as [bold]{alias}[/bold] (draft)"))
-
-
-@adapter_app.command("promote")
-def adapter_promote(
-    digest: str,
-    to: Annotated[str | None, typer.Option(
-        "--to", help="Target state (default: the next one).")] = None,
-    canary_percent: Annotated[int, typer.Option(
-        help="Share of sessions a new canary gets.")] = 10,
-) -> None:
-    """One lifecycle step: draft -> candidate -> canary -> stable -> deprecated."""
-    d = _digest(digest)
-    with errors():
-        to = _registry().promote(d, to=to, actor=state.actor, canary_percent=canary_percent)
-    emit({"digest": d, "state": to}, lambda: console.print(f"{short(d)} -> {to}"))
-
-
-@adapter_app.command("revoke")
-def adapter_revoke(
-    digest: str,
-    reason: Annotated[str, typer.Option(help="Why (recorded in the audit log).")],
-    wait: Annotated[float, typer.Option(
-        "--wait", min=0.0,
-        help="Seconds to wait for the revocation set hosts read to show it.")] = 5.0,
-) -> None:
-    """Revoke an adapter everywhere: no new tickets, Triton refuses it within a second.
-    Succeeds only once the revocation set Triton hosts read holds the digest."""
-    d = _digest(digest)
-    with errors():
-        _registry().revoke(d, reason=reason, actor=state.actor, wait_s=wait)
-    emit({"digest": d, "state": "revoked"}, lambda: console.print(f"{short(d)} revoked"))
-
-
-@adapter_app.command("list")
-def adapter_list(tenant: Annotated[str | None, typer.Option()] = None) -> None:
-    """The adapter catalogue."""
-    rows = [_as_dict(a) for a in _routing().adapters(tenant)]
-    emit(rows, lambda: _table(["tenant", "alias", "digest", "state", "rank"], rows))
-
-
-# --- tenants, grants, tickets -----------------------------------------------------------------
-
-@tenant_app.command("create")
-def tenant_create(name: str) -> None:
-    """Create a tenant; prints its API key once (only a hash is stored)."""
-    with errors():
-        key = _registry().create_tenant(name, actor=state.actor)
-    emit({"tenant": name, "api_key": key}, lambda: console.print(
-        f"tenant [bold]{name}[/bold] created. API key (shown once): {key}"))
-
-
-@tenant_app.command("list")
-def tenant_list() -> None:
-    """Tenant names."""
-    names = _routing().tenants()
-    emit(names, lambda: console.print("\n".join(names)))
-
-
-@app.command("grant")
-def grant(tenant: str, alias: str) -> None:
-    """Allow TENANT to resolve ALIAS."""
-    with errors():
-        _registry().grant(tenant, alias, actor=state.actor)
-    emit({"tenant": tenant, "alias": alias}, lambda: console.print(
-        f"granted {alias} to {tenant}"))
-
-
-@ticket_app.command("issue")
-def ticket_issue(
-    tenant: Annotated[str, typer.Option()],
-    alias: Annotated[str, typer.Option()],
-) -> None:
-    """Issue a routing ticket for TENANT and ALIAS, as the gateway would."""
-    from control.domain import DomainError  # domain (eventsourcing): only when a verb runs
-    from control.gateway.ticket_office import NotGranted, TicketOffice, why_not
-    from control.ops.serve import open_signer
-
-    s = existing_settings()
-    with errors():
-        routing = _routing()
-        office = TicketOffice(s, routing, open_signer(s, _registry(), state.actor))
-        try:
-            issued = office.issue(tenant, alias)
-        except NotGranted:
-            # The operator's CLI says which cause; tenants only ever get the generic refusal.
-            raise DomainError(f"no ticket: {why_not(routing, tenant, alias)}") from None
-    data = {"ticket": issued.token, **issued.claims.to_json()}
-    emit(data, lambda: print(issued.token))
-
-
-# --- incident and audit -----------------------------------------------------------------------
-
-def _time(value: str | None) -> float | None:
+def parse_time(value: str | None) -> float | None:
+    """An ISO 8601 time argument as a POSIX timestamp (UTC when it names no zone)."""
     if value is None:
         return None
     try:
@@ -351,123 +219,10 @@ def _time(value: str | None) -> float | None:
     return t.timestamp()
 
 
-@incident_app.command("requests")
-def incident_requests(
-    adapter: Annotated[str | None, typer.Option(help="Adapter digest.")] = None,
-    training_data_version: Annotated[str | None, typer.Option(
-        help="Every adapter trained on this data version.")] = None,
-    base: Annotated[str | None, typer.Option(help="Base model digest.")] = None,
-    release: Annotated[str | None, typer.Option(
-        help="Release manifest digest (the release the ticket named).")] = None,
-    since: Annotated[str | None, typer.Option(help="ISO time, inclusive.")] = None,
-    until: Annotated[str | None, typer.Option(help="ISO time, exclusive.")] = None,
-    include_refused: Annotated[bool, typer.Option(
-        "--include-refused", help="Also list requests refused for this digest.")] = False,
-) -> None:
-    """Every request an adapter, a training data version, a base or a release served (who,
-    when, outcome)."""
-    from projections.incidents import requests_for
+# --- rendering ----------------------------------------------------------------------------------
 
-    if sum(x is not None for x in (adapter, training_data_version, base, release)) != 1:
-        raise typer.BadParameter(
-            "give one of --adapter, --training-data-version, --base, --release")
-    with errors():
-        rows = requests_for(existing_settings(), adapter=adapter and _digest(adapter),
-                            training_data_version=training_data_version,
-                            base=base and _digest(base), release=release and _digest(release),
-                            since=_time(since), until=_time(until))
-    d = adapter or base or release or f"training data {training_data_version}"
-    if not include_refused:
-        rows = [r for r in rows if r.outcome != "rejected"]
-    data = [_as_dict(r) for r in rows]
-    for r in data:
-        r["admitted_at_iso"] = iso(r["admitted_at"])
-
-    emit(data, lambda: console.print(incident_table(rows, d)))
-
-
-@audit_app.command("log")
-def audit_log(
-    as_of: Annotated[str | None, typer.Option(
-        "--as-of", help="Show the registry and routing state at this ISO time, by replay.")
-    ] = None,
-) -> None:
-    """The event history, in order, with time and actor (or the state --as-of a time)."""
-    from control.app.audit import audit_log as read_log
-
-    if as_of is not None:
-        from control.cli.registry import show_state_as_of
-
-        show_state_as_of(_registry(existing=True), as_of)
-        return
-    entries = read_log(_registry(existing=True))
-    emit([_as_dict(e) for e in entries], lambda: console.print(audit_table(entries)))
-
-
-# --- serve and demo ---------------------------------------------------------------------------
-
-@app.command("serve")
-def serve(
-    base: Annotated[str | None, typer.Option(help="Base digest (default: the only one).")] = None,
-    http_port: Annotated[int, typer.Option()] = 8000,
-    grpc_port: Annotated[int, typer.Option()] = 8001,
-    metrics_port: Annotated[int, typer.Option()] = 8002,
-    gateway_port: Annotated[int, typer.Option()] = 8080,
-    listen: Annotated[str, typer.Option(
-        help="Address Triton and the gateway listen on: 127.0.0.1 serves this machine only; "
-             "0.0.0.0 serves other machines too (put TLS and a firewall in front).")
-    ] = "127.0.0.1",
-) -> None:
-    """Run the gateway, the projection follower and tritonserver until interrupted."""
-    from control.cli.database import require_schema
-    from control.ops.serve import Deployment, Ports
-
-    with errors():
-        require_schema(settings())  # before anything starts: "run `loraplane db upgrade`"
-    dep = Deployment(settings(), Ports(http_port, grpc_port, metrics_port, gateway_port),
-                     base=base, actor=state.actor, progress=lambda m: err_console.print(m),
-                     bind=listen)
-    run_until_stopped(dep)
-
-
-def run_until_stopped(dep: Any) -> None:
-    """Start a deployment and keep it up until SIGTERM or Ctrl-C; always stop it."""
-    from control.contracts.signals import TerminationSignals
-
-    with TerminationSignals() as term:
-        try:
-            with errors():
-                dep.start()
-            err_console.print("serving; Ctrl-C to stop")
-            term.wait()
-        finally:
-            dep.stop()
-
-
-@app.command("demo")
-def demo(
-    work_dir: Annotated[Path, typer.Option(help="Where the demo builds everything.")] = Path(
-        ".loraplane/demo"),
-    keep: Annotated[bool, typer.Option(help="Keep the demo's state from a previous run.")] = False,
-) -> None:
-    """Build the kit, register, serve, send mixed traffic, revoke, show incident and audit views."""
-    from control.ops.demo import run_demo
-
-    with errors():
-        code = run_demo(work_dir, fresh=not keep, json_out=state.json)
-    raise typer.Exit(code)
-
-
-# --- rendering --------------------------------------------------------------------------------
-
-def _routing() -> Any:
-    from control.contracts.db import make_engine
-    from projections.routing import RoutingView
-
-    return RoutingView(make_engine(existing_settings().db_url))
-
-
-def _as_dict(obj: Any) -> dict[str, Any]:
+def as_dict(obj: Any) -> dict[str, Any]:
+    """A row (dict, dataclass or named tuple) as a plain dict, for ``--json``."""
     if isinstance(obj, dict):
         return dict(obj)
     if hasattr(obj, "__dataclass_fields__"):
@@ -477,7 +232,8 @@ def _as_dict(obj: Any) -> dict[str, Any]:
     return {"value": obj}
 
 
-def _table(cols: list[str], rows: list[dict[str, Any]], title: str | None = None) -> None:
+def print_table(cols: list[str], rows: list[dict[str, Any]], title: str | None = None) -> None:
+    """Print ``rows`` as a table of the columns ``cols``."""
     from rich.table import Table
 
     t = Table(title=title)
@@ -485,4 +241,16 @@ def _table(cols: list[str], rows: list[dict[str, Any]], title: str | None = None
         t.add_column(c)
     for r in rows:
         t.add_row(*[cell(r.get(c)) for c in cols])
+    console.print(t)
+
+
+def print_fields(data: dict[str, Any]) -> None:
+    """Print one record as a two-column table: field, value (JSON unless a string)."""
+    from rich.table import Table
+
+    t = Table(show_header=False)
+    t.add_column("field")
+    t.add_column("value", overflow="fold")
+    for k, v in data.items():
+        t.add_row(k, v if isinstance(v, str) else json.dumps(v, default=str))
     console.print(t)

@@ -16,22 +16,19 @@ from typing import Annotated, Any
 import typer
 
 from control.cli.base import (
-    _registry,
-    _routing,
     app,
     console,
     emit,
     err_console,
     errors,
     existing_settings,
+    key_app,
+    registry,
+    routing,
     state,
     tenant_app,
 )
 from control.ops.views import cell
-
-key_app = typer.Typer(no_args_is_help=True,
-                      help="Ticket-signing keys: list, rotate, retire (operators).")
-app.add_typer(key_app, name="key")
 
 WaitOption = Annotated[float, typer.Option(
     "--wait", min=0.0, help="Seconds to wait for gateways and hosts to see the change.")]
@@ -45,12 +42,13 @@ DEFAULT_WAIT_S = 5.0
 def tenant_rotate_key(tenant: str, wait: WaitOption = DEFAULT_WAIT_S) -> None:
     """Give TENANT a new API key, printed once (only its hash is kept); the old one stops
     working."""
+    # the registry's error (eventsourcing, SQLAlchemy): the verb opens the registry anyway
     from control.app.registry import NotYetVisible
 
     late: NotYetVisible | None = None
     with errors():
         try:
-            key = _registry().rotate_api_key(tenant, actor=state.actor, wait_s=wait)
+            key = registry().rotate_api_key(tenant, actor=state.actor, wait_s=wait)
         except NotYetVisible as e:
             late, key = e, str(e.result)
     data: dict[str, Any] = {"tenant": tenant, "api_key": key, "visible": late is None}
@@ -70,7 +68,7 @@ def tenant_revoke_keys(tenant: str, reason: ReasonOption = "",
                        wait: WaitOption = DEFAULT_WAIT_S) -> None:
     """Withdraw TENANT's API key(s): it holds no working key until `tenant rotate-key`."""
     with errors():
-        _registry().revoke_api_keys(tenant, actor=state.actor, reason=reason, wait_s=wait)
+        registry().revoke_api_keys(tenant, actor=state.actor, reason=reason, wait_s=wait)
     emit({"tenant": tenant, "api_keys": 0}, lambda: console.print(
         f"tenant {tenant}: API keys revoked"))
 
@@ -81,7 +79,7 @@ def tenant_revoke_keys(tenant: str, reason: ReasonOption = "",
 def ungrant(tenant: str, alias: str, wait: WaitOption = DEFAULT_WAIT_S) -> None:
     """Remove TENANT's grant of ALIAS (tickets already issued run out within their lifetime)."""
     with errors():
-        _registry().remove_grant(tenant, alias, actor=state.actor, wait_s=wait)
+        registry().remove_grant(tenant, alias, actor=state.actor, wait_s=wait)
     emit({"tenant": tenant, "alias": alias, "granted": False}, lambda: console.print(
         f"removed {tenant}'s grant of {alias}"))
 
@@ -91,14 +89,14 @@ def ungrant(tenant: str, alias: str, wait: WaitOption = DEFAULT_WAIT_S) -> None:
 @key_app.command("list")
 def key_list() -> None:
     """Recorded ticket-signing keys: when recorded, when retired, which one signs here."""
-    from control.app.key_ring import active_signer
+    from control.app.key_ring import active_signer  # cryptography, pyseto: only this verb
 
     with errors():
         active = active_signer(existing_settings().keys_dir)
     rows: list[dict[str, Any]] = [
         {"kid": k.kid, "created_at": k.created_at, "retired_at": k.retired_at,
          "active_here": active is not None and k.kid == active.kid}
-        for k in _routing().signing_key_rows()]
+        for k in routing().signing_key_rows()]
 
     def human() -> None:
         from rich.table import Table
@@ -119,7 +117,7 @@ def key_rotate(wait: WaitOption = DEFAULT_WAIT_S) -> None:
     """Make a new signing key the active one here, once hosts can see its public half; retire
     the old one next."""
     with errors():
-        kid, previous = _registry().rotate_signing_key(actor=state.actor, wait_s=wait)
+        kid, previous = registry().rotate_signing_key(actor=state.actor, wait_s=wait)
     emit({"kid": kid, "previous": previous}, lambda: console.print(
         f"signing key {kid} is active" + (f"; retire {previous} with `loraplane key retire "
                                           f"{previous}`" if previous else "")))
@@ -136,6 +134,6 @@ def key_retire(
 ) -> None:
     """Retire a signing key: gateways stop signing with it, hosts stop accepting its tickets."""
     with errors():
-        _registry().retire_signing_key(kid, actor=state.actor, reason=reason, force=force,
-                                       wait_s=wait)
+        registry().retire_signing_key(kid, actor=state.actor, reason=reason, force=force,
+                                      wait_s=wait)
     emit({"kid": kid, "retired": True}, lambda: console.print(f"signing key {kid} retired"))

@@ -1,8 +1,8 @@
 """``loraplane db status`` and ``loraplane db upgrade``: the schema versions of the database.
 
-Registered on the typer app of control.cli.base. See ``control/contracts/schema.py`` for the
-components and
-why opening a database never upgrades it by itself.
+Registered on the typer apps of control.cli.base. See ``control/contracts/schema.py`` for the
+components and why opening a database never upgrades it by itself. :func:`require_schema` is
+the start-up check of the long-running verbs (``control.cli.ops``).
 """
 
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
@@ -12,15 +12,11 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from control.cli.base import _as_dict, _table, app, emit, errors, settings
+from control.cli.base import as_dict, db_app, emit, errors, print_table, settings
+from control.contracts.config import Settings
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
-
-    from control.contracts.config import Settings
-
-db_app = typer.Typer(no_args_is_help=True, help="Database schema versions: status, upgrade.")
-app.add_typer(db_app, name="db")
 
 _NOTES = {
     "absent": "created at the latest version on first use (or by `db upgrade`)",
@@ -40,10 +36,10 @@ def _declare_components() -> None:
     from projections import tables  # noqa: F401  (declares the projections schema component)
 
 
-def require_schema(s: "Settings") -> None:
+def require_schema(s: Settings) -> None:
     """Start-up check for long-running commands: refuse a database this code cannot use."""
     from control.contracts.db import make_engine  # sqlalchemy: only when a database is opened
-    from control.contracts.schema import require_current
+    from control.contracts.schema import require_current  # sqlalchemy: likewise
 
     _declare_components()
     require_current(make_engine(s.db_url))
@@ -54,15 +50,15 @@ def db_status() -> None:
     """Each component's schema version: found, expected, and what to do. Exit 1 if any needs
     an upgrade or is newer than this loraplane."""
     from control.contracts.db import make_engine  # sqlalchemy: only when a database is opened
-    from control.contracts.schema import status
+    from control.contracts.schema import status  # sqlalchemy: likewise
 
     _declare_components()
     s = settings()
     with errors():
         found = status(make_engine(s.db_url))
-    rows = [{**_as_dict(f), "state": f.state, "note": _NOTES[f.state]} for f in found]
-    emit(rows, lambda: _table(["component", "found", "expected", "state", "note"], rows,
-                              title="database schema"))
+    rows = [{**as_dict(f), "state": f.state, "note": _NOTES[f.state]} for f in found]
+    emit(rows, lambda: print_table(["component", "found", "expected", "state", "note"], rows,
+                                   title="database schema"))
     if any(f.state in ("outdated", "newer") for f in found):
         raise typer.Exit(1)
 
@@ -75,8 +71,8 @@ def db_upgrade() -> None:
     are dropped and rebuilt from the event store. Running it again changes nothing.
     """
     from control.contracts.db import make_engine  # sqlalchemy: only when a database is opened
-    from control.contracts.schema import upgrade
-    from projections.follower import ProjectionFollower
+    from control.contracts.schema import upgrade  # sqlalchemy: likewise
+    from projections.follower import ProjectionFollower  # the registry: only `db upgrade` replays
 
     _declare_components()
     s = settings()
@@ -87,6 +83,6 @@ def db_upgrade() -> None:
 
     with errors():
         changes = upgrade(make_engine(s.db_url), rebuild=rebuild)
-    rows = [_as_dict(c) for c in changes]
-    emit(rows, lambda: _table(["component", "before", "after", "action", "detail"], rows,
-                              title="database schema upgrade"))
+    rows = [as_dict(c) for c in changes]
+    emit(rows, lambda: print_table(["component", "before", "after", "action", "detail"], rows,
+                                   title="database schema upgrade"))

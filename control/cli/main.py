@@ -6,7 +6,9 @@ The verb modules keep their annotations as objects (no ``from __future__ import 
 typer builds every verb from its annotations at each start, and string annotations would cost
 it an ``eval`` each, tens of milliseconds of every command.
 
-A command's process also ends quickly: see :func:`finish_at_exit`.
+:func:`run` is the program (the ``loraplane`` script, ``python -m control.cli.main``); ``app``
+is the typer app itself, for tests to invoke in their own process. A command's process also
+ends quickly: see :func:`finish_at_exit`, which only :func:`run` installs.
 """
 
 from __future__ import annotations
@@ -15,18 +17,22 @@ import atexit
 import gc
 import sys
 
+# typer lists the verbs of a group in `--help` in the order they were registered: `tenants`
+# first puts `tenant create` and `grant` at the head of their lists.
+from control.cli import tenants  # noqa: F401  # isort: skip
 from control.cli import (  # noqa: F401  (imported for their registrations)
-    cli_bench,
+    adapters,
+    aliases,
+    audit,
+    benches,
     credentials,
     database,
-    engine_bench,
     ops,
-    registry,
     selftest,
 )
 from control.cli.base import app
 
-__all__ = ["app"]
+__all__ = ["app", "run"]
 
 
 def finish_at_exit() -> None:
@@ -46,7 +52,14 @@ def finish_at_exit() -> None:
     gc.freeze()
 
 
-atexit.register(finish_at_exit)
+def run() -> None:
+    """The ``loraplane`` program: run one command, then end the process quickly.
+
+    The exit hook is installed here, not when this module is imported: a test process that
+    invokes ``app`` keeps its own shutdown, garbage collections and all."""
+    atexit.register(finish_at_exit)
+    app()
+
 
 if __name__ == "__main__":
-    sys.exit(app())
+    run()

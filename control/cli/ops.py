@@ -1,5 +1,7 @@
-"""CLI verbs for running loraplane across hosts; registered on the typer app of control.cli.base.
+"""CLI verbs that run loraplane: on one machine, or across hosts; and the ledger's totals.
 
+``loraplane serve``          the gateway, the projection follower and Triton, on this machine.
+``loraplane demo``           the whole story end to end, in a folder of its own.
 ``loraplane control-plane``  the gateway and the projection follower, no Triton (one or more).
 ``loraplane triton-host``    one Triton host, no gateway; waits for a registered base model.
 ``loraplane stats``          per-digest aggregates of the request ledger (operator view).
@@ -11,25 +13,80 @@ Every process reads the same ``LORAPLANE_DB_URL``; see ``control/ops/serve.py`` 
 # and would eval each string (see control/cli/main.py).
 
 import time
-from typing import Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from control.cli.base import (
-    _routing,
     app,
     console,
     emit,
     err_console,
     errors,
     existing_settings,
-    run_until_stopped,
+    routing,
     settings,
     state,
 )
 from control.cli.database import require_schema
+from control.contracts.signals import TerminationSignals
 from control.contracts.telemetry import configure_logging
 from control.ops.views import cell
+
+if TYPE_CHECKING:
+    from control.ops.serve import Deployment
+
+
+@app.command("serve")
+def serve(
+    base: Annotated[str | None, typer.Option(help="Base digest (default: the only one).")] = None,
+    http_port: Annotated[int, typer.Option()] = 8000,
+    grpc_port: Annotated[int, typer.Option()] = 8001,
+    metrics_port: Annotated[int, typer.Option()] = 8002,
+    gateway_port: Annotated[int, typer.Option()] = 8080,
+    listen: Annotated[str, typer.Option(
+        help="Address Triton and the gateway listen on: 127.0.0.1 serves this machine only; "
+             "0.0.0.0 serves other machines too (put TLS and a firewall in front).")
+    ] = "127.0.0.1",
+) -> None:
+    """Run the gateway, the projection follower and tritonserver until interrupted."""
+    # the deployment (gateway, follower, Triton process): only the serving verbs pay for it
+    from control.ops.serve import Deployment, Ports
+
+    with errors():
+        require_schema(settings())  # before anything starts: "run `loraplane db upgrade`"
+    dep = Deployment(settings(), Ports(http_port, grpc_port, metrics_port, gateway_port),
+                     base=base, actor=state.actor, progress=lambda m: err_console.print(m),
+                     bind=listen)
+    run_until_stopped(dep)
+
+
+@app.command("demo")
+def demo(
+    work_dir: Annotated[Path, typer.Option(help="Where the demo builds everything.")] = Path(
+        ".loraplane/demo"),
+    keep: Annotated[bool, typer.Option(help="Keep the demo's state from a previous run.")] = False,
+) -> None:
+    """Build the kit, register, serve, send mixed traffic, revoke, show incident and audit views."""
+    # the demo starts a deployment and sends traffic: only this verb pays for it
+    from control.ops.demo import run_demo
+
+    with errors():
+        code = run_demo(work_dir, fresh=not keep, json_out=state.json)
+    raise typer.Exit(code)
+
+
+def run_until_stopped(dep: "Deployment") -> None:
+    """Start a deployment and keep it up until SIGTERM or Ctrl-C; always stop it."""
+    with TerminationSignals() as term:
+        try:
+            with errors():
+                dep.start()
+            err_console.print("serving; Ctrl-C to stop")
+            term.wait()
+        finally:
+            dep.stop()
 
 
 @app.command("control-plane")
@@ -81,7 +138,7 @@ def triton_host(
     deadline = time.monotonic() + wait
     while True:
         try:
-            pick_base(_routing(), base)
+            pick_base(routing(), base)
             break
         except ValueError as e:
             if time.monotonic() >= deadline:
@@ -107,7 +164,7 @@ def stats(
     refusals) are counted on their own line, "(unverified)"."""
     from rich.table import Table
 
-    from control.contracts.db import make_engine
+    from control.contracts.db import make_engine  # SQLAlchemy: only verbs that read a database
     from control.gateway.observability import digest_stats  # prometheus_client: this verb only
 
     rows = digest_stats(make_engine(existing_settings().db_url), tenant,

@@ -1,4 +1,5 @@
-"""CLI verbs for this area; registered on the typer apps of control.cli.base."""
+"""``loraplane selftest hostile``: every hostile case against a running deployment (see
+``control.ops.selftest``); registered on the typer apps of control.cli.base."""
 
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
 # and would eval each string (see control/cli/main.py).
@@ -7,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from control.cli.base import console, emit, errors, selftest_app, settings, state
+from control.cli.base import console, emit, errors, selftest_app, settings
 
 EXIT_FAILED = 1  # a case failed
 EXIT_INCOMPLETE = 3  # nothing failed, but a selected category tried no case (2: usage errors)
@@ -37,6 +38,7 @@ def selftest_hostile(
     their reason and never counted as passes. Exit code 1 if any case failed, 3 if none failed
     but a category tried no case at all.
     """
+    # the suite (registry, ledger, clients: some 650 modules): only this verb pays for it
     from control.ops.selftest import CATEGORIES, Target, run_hostile
 
     cats = tuple(category) if category else CATEGORIES
@@ -70,6 +72,5 @@ def selftest_hostile(
             console.print("[yellow]incomplete[/yellow]: a category tried no case; see above")
 
     emit(data, human)
-    _ = state
     raise typer.Exit(EXIT_FAILED if report.failed else 0 if report.complete(cats)
                      else EXIT_INCOMPLETE)

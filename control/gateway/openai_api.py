@@ -42,6 +42,7 @@ import sqlalchemy as sa
 from aiohttp import web
 
 from control.contracts import wire
+from control.contracts.ledger import request_ledger
 from control.contracts.telemetry import span, traceparent_of
 from control.gateway.observability import GatewayMetrics
 from control.gateway.ticket_office import NotGranted, TicketOffice
@@ -284,8 +285,7 @@ async def _events(request: web.Request, model: str, body: dict[str, Any], stream
 
 
 def _usage(request: web.Request, request_ids: list[str]) -> dict[str, int]:
-    from control.contracts.ledger import request_ledger as t
-
+    t = request_ledger
     office = request.app[OFFICE_KEY]
     q = sa.select(sa.func.coalesce(sa.func.sum(t.c.tokens_in), 0),
                   sa.func.coalesce(sa.func.sum(t.c.tokens_out), 0)

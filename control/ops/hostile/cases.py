@@ -1,8 +1,7 @@
 """The hostile cases of the control plane's edges: identity, tickets, artifacts and faults.
 
-Each function takes the running :class:`control.ops.selftest.HostileSuite` and counts its cases in
-the
-suite's report. What they try:
+Each function takes the running :class:`control.ops.hostile.suite.HostileSuite` and counts its
+cases in the suite's report. What they try:
 
 - *identity*: tenant A asking, by every route the gateway serves, for tenant B's alias, digest,
   release or name; keys missing or made up; B's identifiers in what A can read (stats, metrics,
@@ -35,7 +34,7 @@ from control.contracts.wire import TICKET_HEADER
 from control.domain import ValidationFailed
 from control.ops.clients import Generation, TritonRefused, free_port, generate, request_ticket
 from control.ops.hostile.artifacts import HOSTILE_ARTIFACTS, synth_adapter
-from control.ops.hostile.serving import MAX_TOKENS
+from control.ops.hostile.suite import MAX_TOKENS
 from control.ops.hostile.target import ACTOR, TicketRoute, short
 from control.ops.hostile.wire import (
     alg_none,
@@ -52,7 +51,7 @@ from control.ops.hostile.wire import (
 )
 
 if TYPE_CHECKING:
-    from control.ops.selftest import HostileSuite
+    from control.ops.hostile.suite import HostileSuite
 
 
 def identity(s: HostileSuite) -> None:

@@ -27,18 +27,13 @@ from control.contracts import wire
 from control.contracts.tickets import GENERIC_REFUSAL
 from control.ops.clients import Generation, Streamed, TritonRefused, generate, stream_generate
 from control.ops.hostile.report import NOT_TRIED, SERVED
+from control.ops.hostile.suite import MAX_TOKENS, PROMPTS, REFUSED_STATUS
 from control.ops.hostile.wire import unverified_claims
 
 if TYPE_CHECKING:
+    from control.ops.hostile.suite import HostileSuite
     from control.ops.hostile.target import TicketRoute
-    from control.ops.selftest import HostileSuite
 
-MAX_TOKENS = 8
-# Prompts the serving cases draw from: several uses of each prompt on each adapter also try the
-# prompt cache's keying (same tokens, different adapter: they must never share an entry).
-PROMPTS = tuple(f"{w} #{i}" for i in range(8) for w in (
-    "Hello", "Tell me", "Open the", "Why is", "Count to", "Once upon"))
-REFUSED_STATUS = ("400", "StatusCode.INVALID_ARGUMENT")
 NOT_FORWARDED = (f"a header Triton never forwards (only {wire.FORWARDED_HEADERS} reach the model): "
                  "it cannot reach the code under test")
 # Inputs outside the documented ranges (backend/serving/sampling.py; README, "Contracts"). float32

@@ -40,7 +40,7 @@ PRODUCTION_PACKAGES = ("backend", "control", "projections", "model_repository")
 ALLOWED_IMPORTERS = {
     "backend.bench.open_peer": {"backend/bench/engine.py"},
     "control.ops.model_repositories": {"backend/bench/open_peer.py"},
-    "backend.bench.engine": {"control/cli/engine_bench.py"},
+    "backend.bench.engine": {"control/cli/benches.py"},
 }
 # Split so that this file does not itself carry the name it searches for.
 OLD_SWITCH = "LORAPLANE_BENCH_" + "UNGOVERNED"
@@ -215,8 +215,7 @@ def test_serve_and_triton_host_cannot_be_told_another_repository(
 
     LAUNCHED.clear()
     monkeypatch.setattr(control.ops.serve, "TritonProcess", _RecordedTriton)
-    monkeypatch.setattr(control.cli.base, "run_until_stopped", run_briefly)
-    monkeypatch.setattr(control.cli.ops, "run_until_stopped", run_briefly)
+    monkeypatch.setattr(control.cli.ops, "run_until_stopped", run_briefly)  # serve's too
     settings: Settings = home["settings"]
     ports = ["--http-port", str(free_port()), "--grpc-port", str(free_port()),
              "--metrics-port", str(free_port())]

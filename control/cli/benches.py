@@ -1,20 +1,67 @@
-"""CLI verbs for this area; registered on the typer apps of control.cli.base.
+"""CLI verbs of the benchmarks: each reports ratios measured side by side in one run.
 
-``loraplane bench engine``  the multi-LoRA engine's ratios (see ``backend.bench.engine``).
+``loraplane bench cli``      how fast the command starts, and how fast a revocation bites (see
+                             ``control.ops.bench_cli``).
+``loraplane bench engine``   the multi-LoRA engine's ratios (see ``backend.bench.engine``).
+``loraplane bench control``  the control plane's ratios (see ``control.ops.bench_control``).
 """
 
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
 # and would eval each string (see control/cli/main.py).
 
+import json
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from control.cli.base import bench_app, console, emit, err_console, errors, state
+from control.cli.base import bench_app, console, emit, err_console, errors, settings, state
 
 if TYPE_CHECKING:
     from rich.table import Table
 
+
+def _progress(msg: str) -> None:
+    if not state.json:
+        err_console.print(f"[dim]{msg}[/dim]")
+
+
+# --- cli --------------------------------------------------------------------------------------
+
+@bench_app.command("cli")
+def bench_cli(
+    runs: Annotated[int, typer.Option(min=1, help="Processes per measurement (median).")] = 5,
+    kit: Annotated[Path | None, typer.Option(
+        help="A built reference kit (`loraplane kit build`); default: build one (a minute).")
+    ] = None,
+) -> None:
+    """Start-up of `--help` and `--json adapter list`, and `adapter revoke` to Triton's refusal."""
+    from control.ops.bench_cli import run_bench  # starts a deployment: only this verb pays
+
+    with errors():
+        result = run_bench(kit, runs=runs, progress=_progress)
+
+    def human() -> None:
+        from rich.table import Table
+
+        t = Table(title=f"loraplane bench cli: medians of {result['setup']['runs']} processes")
+        for col in ("what", "median s", "goal s", "met", "each run s"):
+            t.add_column(col)
+        for key, values in result["runs"].items():
+            goal: Any = result["goals"].get(key)
+            met = result["met"].get(key)
+            t.add_row(key, f"{result['medians'][key]:.3f}",
+                      "" if goal is None else f"{goal:g}",
+                      "" if met is None else ("yes" if met else "NO"),
+                      " ".join(f"{v:.3f}" for v in values))
+        console.print(t)
+        console.print(f"setup: {result['setup']}")
+
+    emit(result, human)
+
+
+# --- engine -----------------------------------------------------------------------------------
 
 @bench_app.command("engine")
 def bench_engine(
@@ -28,14 +75,11 @@ def bench_engine(
              "spread; at least 5 (default: backend.bench.engine.TRITON_RUNS, 15).")] = None,
 ) -> None:
     """Engine ratios vs base, PEFT, one stream, in-process and an open (ungoverned) engine."""
+    # torch, transformers, peft and the open engine: only this verb may load them
     from backend.bench.engine import TRITON_RUNS, run_bench
 
-    def progress(msg: str) -> None:
-        if not state.json:
-            err_console.print(f"[dim]{msg}[/dim]")
-
     with errors():
-        result = run_bench(reps, triton=triton, progress=progress,
+        result = run_bench(reps, triton=triton, progress=_progress,
                            triton_runs=TRITON_RUNS if triton_runs is None else triton_runs)
 
     def human() -> None:
@@ -86,3 +130,23 @@ def _side_by_side_table(side: dict[str, Any]) -> "Table":
                  f"rows {side['open_ledger_rows']}; answers differing between the sides "
                  f"{side['answers_differing_between_sides']}")
     return t
+
+
+# --- control ----------------------------------------------------------------------------------
+
+@bench_app.command("control")
+def bench_control(
+    pg_url: Annotated[str | None, typer.Option(
+        help="Also measure on this PostgreSQL URL (default $LORAPLANE_TEST_PG_URL).")] = None,
+    commands: Annotated[int, typer.Option(help="Commands per measurement.")] = 300,
+    tickets: Annotated[int, typer.Option(help="Ticket requests per measurement.")] = 2000,
+) -> None:
+    """Control plane ratios: command vs raw save, projection events/s, ticket p50 at c=16."""
+    # the registry, the gateway and their baselines: only this verb pays for them
+    from control.ops.bench_control import run_all
+
+    url = pg_url or os.environ.get("LORAPLANE_TEST_PG_URL")
+    with errors():
+        results = run_all(settings().home / "bench-control", pg_url=url, commands=commands,
+                          tickets=tickets)
+    emit(results, lambda: console.print_json(json.dumps(results)))

@@ -1,0 +1,185 @@
+"""CLI verbs that read the history: the event log (and the state it gives at any past time),
+its integrity against signed checkpoints, and incident queries on the request ledger.
+
+``loraplane audit log`` / ``verify`` / ``checkpoint`` / ``export``
+``loraplane incident requests``
+"""
+
+# No `from __future__ import annotations`: typer reads every verb's annotations at each start
+# and would eval each string (see control/cli/main.py).
+
+import datetime as dt
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from control.cli.base import (
+    as_dict,
+    audit_app,
+    console,
+    digest_arg,
+    emit,
+    errors,
+    existing_settings,
+    incident_app,
+    parse_time,
+    registry,
+)
+from control.contracts.digests import short
+from control.ops.views import audit_table, cell, incident_table, iso
+
+if TYPE_CHECKING:
+    from control.app.registry import Registry
+
+# --- audit ------------------------------------------------------------------------------------
+
+@audit_app.command("log")
+def audit_log(
+    as_of: Annotated[str | None, typer.Option(
+        "--as-of", help="Show the registry and routing state at this ISO time, by replay.")
+    ] = None,
+) -> None:
+    """The event history, in order, with time and actor (or the state --as-of a time)."""
+    # the event log (eventsourcing, SQLAlchemy): only when a verb runs
+    from control.app.audit import audit_log as read_log
+
+    if as_of is not None:
+        show_state_as_of(registry(existing=True), as_of)
+        return
+    entries = read_log(registry(existing=True))
+    emit([as_dict(e) for e in entries], lambda: console.print(audit_table(entries)))
+
+
+def show_state_as_of(reg: "Registry", when: str) -> None:
+    """Print the registry and routing state at ``when`` (``audit log --as-of``)."""
+    # the replay (eventsourcing, SQLAlchemy): only `audit log --as-of` replays
+    from projections.as_of import state_as_of
+
+    t = parse_time(when)
+    assert t is not None
+    data = state_as_of(reg, dt.datetime.fromtimestamp(t, dt.UTC))
+    emit(data, lambda: _state_tables(data))
+
+
+def _state_tables(data: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    console.print(f"state as of {data['as_of']} (replayed through event #{data['position']})")
+    for name in ("adapters", "aliases", "grants"):
+        rows = data[name]
+        t = Table(title=name)
+        cols = list(rows[0]) if rows else []
+        for c in cols:
+            t.add_column(c)
+        for r in rows:
+            t.add_row(*[cell(r[c]) for c in cols])
+        console.print(t)
+    console.print("revoked: " + (", ".join(short(d) for d in data["revoked"]) or "none"))
+    console.print("retired signing keys: " + (", ".join(data["retired_keys"]) or "none"))
+    console.print("tenants without an API key: "
+                  + (", ".join(data["tenants_without_key"]) or "none"))
+
+
+@audit_app.command("verify")
+def audit_verify(
+    public_key: Annotated[Path | None, typer.Option(
+        help="Audit public key PEM held by the auditor (default: the deployment's).")] = None,
+) -> None:
+    """Check the stored history against the signed checkpoints; name every change."""
+    # the audit seal (cryptography, SQLAlchemy): only the audit verbs
+    from control.app.integrity import AuditSeal, load_public_key
+
+    with errors():
+        seal = AuditSeal.for_registry(registry(existing=True))
+        report = seal.verify(load_public_key(public_key) if public_key else None)
+    data = report.to_json()
+
+    def human() -> None:
+        verdict = "[green]intact[/green]" if report.ok else "[red]TAMPERED[/red]"
+        console.print(f"{verdict}: {report.events} events, {report.sealed_events} sealed by "
+                      f"{report.checkpoints} signed checkpoints, {report.unsealed_events} "
+                      "unsealed")
+        for p in report.problems:
+            console.print(f"  {p.kind:<10} {p.detail}")
+
+    emit(data, human)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@audit_app.command("checkpoint")
+def audit_checkpoint() -> None:
+    """Seal the events recorded since the last checkpoint (signed)."""
+    # the audit seal (cryptography, SQLAlchemy): only the audit verbs
+    from control.app.integrity import AuditSeal
+
+    with errors():
+        row = AuditSeal.for_registry(registry()).seal()
+    data = ({"seq": row["seq"], "first_position": row["first_position"],
+             "last_position": row["last_position"], "chain_hash": row["chain_hash"]}
+            if row else {"seq": None})
+    emit(data, lambda: console.print(
+        f"checkpoint #{row['seq']} seals events {row['first_position']}-{row['last_position']}"
+        if row else "nothing to seal"))
+
+
+@audit_app.command("export")
+def audit_export(
+    out: Annotated[Path | None, typer.Option(help="File to write (default: stdout).")] = None,
+) -> None:
+    """The whole history as JSON lines (with each event's sealed hash)."""
+    # the event log (eventsourcing, SQLAlchemy): only when a verb runs
+    from control.app.audit import export_lines
+
+    reg = registry(existing=True)
+    if out is None:
+        for line in export_lines(reg):
+            sys.stdout.write(line + "\n")
+        return
+    n = 0
+    with out.open("w", encoding="utf-8") as f:
+        for line in export_lines(reg):
+            f.write(line + "\n")
+            n += 1
+    emit({"events": n, "out": str(out)}, lambda: console.print(f"{n} events -> {out}"))
+
+
+# --- incidents --------------------------------------------------------------------------------
+
+@incident_app.command("requests")
+def incident_requests(
+    adapter: Annotated[str | None, typer.Option(help="Adapter digest.")] = None,
+    training_data_version: Annotated[str | None, typer.Option(
+        help="Every adapter trained on this data version.")] = None,
+    base: Annotated[str | None, typer.Option(help="Base model digest.")] = None,
+    release: Annotated[str | None, typer.Option(
+        help="Release manifest digest (the release the ticket named).")] = None,
+    since: Annotated[str | None, typer.Option(help="ISO time, inclusive.")] = None,
+    until: Annotated[str | None, typer.Option(help="ISO time, exclusive.")] = None,
+    include_refused: Annotated[bool, typer.Option(
+        "--include-refused", help="Also list requests refused for this digest.")] = False,
+) -> None:
+    """Every request an adapter, a training data version, a base or a release served (who,
+    when, outcome)."""
+    # the request ledger and the views (SQLAlchemy): only when a verb runs
+    from projections.incidents import requests_for
+
+    if sum(x is not None for x in (adapter, training_data_version, base, release)) != 1:
+        raise typer.BadParameter(
+            "give one of --adapter, --training-data-version, --base, --release")
+    with errors():
+        rows = requests_for(existing_settings(), adapter=adapter and digest_arg(adapter),
+                            training_data_version=training_data_version,
+                            base=base and digest_arg(base),
+                            release=release and digest_arg(release),
+                            since=parse_time(since), until=parse_time(until))
+    d = adapter or base or release or f"training data {training_data_version}"
+    if not include_refused:
+        rows = [r for r in rows if r.outcome != "rejected"]
+    data = [as_dict(r) for r in rows]
+    for r in data:
+        r["admitted_at_iso"] = iso(r["admitted_at"])
+
+    emit(data, lambda: console.print(incident_table(rows, d)))

@@ -261,7 +261,7 @@ class Deployment:
         # aiohttp and the gateway's routes: imported only by a deployment that runs a gateway
         from aiohttp import web
 
-        from control.gateway.server import make_app
+        from control.gateway.server import make_app  # the gateway's routes: likewise
 
         started = threading.Event()
         errors: list[BaseException] = []

@@ -92,7 +92,7 @@ def test_selftest_without_peft_judges_nothing_and_says_incomplete(
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{Path.cwd()}",
            "LORAPLANE_DB_URL": hostile.settings.db_url}
     proc = subprocess.run(
-        [sys.executable, "-c", "from control.cli.main import app; app()",
+        [sys.executable, "-m", "control.cli.main",
          *_args(hostile, "--category", "attribution", "--requests", "24", "--clients", "4")],
         env=env, capture_output=True, text=True, timeout=600)
     data = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -41,10 +41,13 @@ counted as ``other``. No tenant, alias, digest or request id is ever a label.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import queue
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -330,9 +333,6 @@ class Telemetry:
     @classmethod
     def for_service(cls, pb_utils: Any, service: Any) -> Telemetry:
         """Telemetry for a running :class:`backend.serving.service.LoraService`, thread started."""
-        import os
-
-
         if os.environ.get(LOG_FORMAT_ENV):  # JSON log lines in Triton's log, when asked for
             configure_logging()
         metrics = BackendMetrics(pb_utils, service.ledger.engine, service.host,
@@ -351,10 +351,6 @@ class Telemetry:
                 log.warning("tracing failed", exc_info=True)
 
     def _spans(self, incoming: Sequence[Any], answers: Sequence[Any], started_ns: int) -> None:
-        import json
-        import time
-
-
         end = time.time_ns()
         for req, ans in zip(incoming, answers, strict=False):
             params = req.parameters

@@ -1,6 +1,6 @@
-"""The Triton glue's response sink and the front's forwarded errors, with a stand-in for
-``pb_utils`` (unit level only: the evidence that serving works comes from the integration tests
-against the real tritonserver)."""
+"""The Triton glue, with a stand-in for ``pb_utils``: the engine model's requests reaching the
+service, its response sink, and the front's forwarded errors (unit level only: the evidence that
+serving works comes from the integration tests against the real tritonserver)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,21 @@ from backend.serving.messages import (
 from backend.serving.service import Answer, IncomingRequest
 from backend.triton.errors import error_code
 from backend.triton.front import Front
-from backend.triton.glue import _ResponseSink
+from backend.triton.glue import TritonGlue, _ResponseSink
+from backend.triton.metrics import Telemetry
+from control.contracts.config import BASE_DIGEST_ENV, HOST_ID_ENV
 from control.contracts.tickets import GENERIC_REFUSAL
-from control.contracts.wire import ADAPTER_DIGEST, REQUEST_ID, TEXT_OUTPUT
+from control.contracts.wire import (
+    ADAPTER_DIGEST,
+    MAX_TOKENS,
+    REQUEST_ID,
+    SEED,
+    STREAM,
+    TEMPERATURE,
+    TEXT_INPUT,
+    TEXT_OUTPUT,
+    TOP_P,
+)
 
 
 class FakePb:
@@ -214,3 +226,125 @@ def test_the_front_turns_any_other_engine_error_into_the_generic_internal_one() 
     # (no "not found" or "is not ready" in it: those mean the engine is still loading)
     response = _front_answer("Traceback: KeyError in /srv/store/sha256/ab12 of tenant globex")
     assert (response.error.message, response.error.code) == (INTERNAL_MESSAGE, E.INTERNAL)
+
+
+# -- the engine model's glue: requests in, the service's submissions out ---------------------
+
+
+class Input:
+    def __init__(self, value: np.ndarray) -> None:
+        self.value = value
+
+    def as_numpy(self) -> np.ndarray:
+        return self.value
+
+
+class PbWithInputs(FakePb):
+    @staticmethod
+    def get_input_tensor_by_name(request: InferRequest, name: str) -> Input | None:
+        value = request.inputs.get(name)
+        return None if value is None else Input(value)
+
+
+class InferRequest(Request):
+    """A Triton request as the stub sees it: input tensors by name and a parameters string."""
+
+    def __init__(self, inputs: dict[str, np.ndarray], parameters: str = "{}") -> None:
+        super().__init__(Sender())
+        self.inputs = inputs
+        self._parameters = parameters
+
+    def parameters(self) -> str:
+        return self._parameters
+
+
+class RecordingService:
+    def __init__(self, settings: Any, base: str, **kw: Any) -> None:
+        self.base, self.kw = base, kw
+        self.submitted: list[tuple[IncomingRequest, Any]] = []
+        self.closed = False
+
+    def submit(self, incoming: IncomingRequest, sink: Any) -> None:
+        self.submitted.append((incoming, sink))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class RecordingGlue(TritonGlue):
+    def make_service(self, settings: Any, base: str, **kw: Any) -> Any:
+        return RecordingService(settings, base, **kw)
+
+
+class NoTelemetry:
+    def batch_done(self, *_a: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def steps(_settings: Any) -> Any:
+    raise AssertionError("the glue only hands the steps on; the service opens them")
+
+
+@pytest.fixture
+def glue(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> RecordingGlue:
+    monkeypatch.setenv("LORAPLANE_HOME", str(tmp_path))
+    monkeypatch.setenv(BASE_DIGEST_ENV, "sha256:" + "b" * 64)
+    monkeypatch.setenv(HOST_ID_ENV, "host-7")
+    monkeypatch.setattr(Telemetry, "for_service", classmethod(lambda cls, pb, s: NoTelemetry()))
+    return RecordingGlue(PbWithInputs, steps=steps)
+
+
+def test_the_glue_serves_the_base_its_host_was_started_for(glue: RecordingGlue) -> None:
+    service = glue.service
+    assert isinstance(service, RecordingService)
+    assert service.base == "sha256:" + "b" * 64
+    assert service.kw["host"] == "host-7" and service.kw["steps"] is steps
+
+
+def test_a_glue_without_a_base_digest_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(BASE_DIGEST_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=BASE_DIGEST_ENV):
+        RecordingGlue(PbWithInputs, steps=steps)
+
+
+def test_every_request_reaches_the_service_with_its_inputs_and_parameters(
+        glue: RecordingGlue) -> None:
+    full = InferRequest({
+        TEXT_INPUT: np.array([b"Hello"], dtype=object), MAX_TOKENS: np.array([7], np.int32),
+        TEMPERATURE: np.array([0.5], np.float32), TOP_P: np.array([0.9], np.float32),
+        SEED: np.array([42], np.int64), STREAM: np.array([True])},
+        parameters='{"lora_ticket": "T"}')
+    bare = InferRequest({TEXT_INPUT: np.array([b"Hi"], dtype=object)})
+    glue.execute([full, bare])
+    service = glue.service
+    assert isinstance(service, RecordingService)
+    (first, first_sink), (second, _) = service.submitted
+    assert (first.text, first.parameters, first.max_tokens, first.seed, first.stream) == (
+        b"Hello", '{"lora_ticket": "T"}', 7, 42, True)
+    assert first.temperature == pytest.approx(0.5) and first.top_p == pytest.approx(0.9)
+    assert (second.text, second.max_tokens, second.temperature, second.stream) == (
+        b"Hi", None, None, False)
+    # Each answer goes back through the sender of the request it belongs to.
+    first_sink.answer(Answer(ok=True, text="x", request_id="r1"))
+    assert [r.outputs[REQUEST_ID] for r, _ in full.sender.sent] == ["r1"]
+    assert bare.sender.sent == []
+
+
+def test_an_input_holding_more_than_one_value_is_refused_without_reading_the_prompt(
+        glue: RecordingGlue) -> None:
+    glue.execute([InferRequest({TEXT_INPUT: np.array([b"Hello"], dtype=object),
+                                MAX_TOKENS: np.array([4, 4], np.int32)}, parameters="{}")])
+    service = glue.service
+    assert isinstance(service, RecordingService)
+    (incoming, _), = service.submitted
+    # The service refuses a request without a prompt with its generic message.
+    assert incoming.text is None and incoming.max_tokens is None and incoming.parameters == "{}"
+
+
+def test_closing_the_glue_closes_its_service(glue: RecordingGlue) -> None:
+    glue.close()
+    service = glue.service
+    assert isinstance(service, RecordingService) and service.closed

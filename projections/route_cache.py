@@ -17,6 +17,15 @@ projection recording it, and the Triton hosts, which check the revocation set on
 request, refuse tickets already issued. The same holds for a revoked or rotated-out API key, a
 removed grant and a retired signing key: a hit in a stale snapshot lasts at most ``refresh_s``.
 
+Session pins are too many to reload with the rest: the view keeps them in a dictionary of its own
+and, when the position moves, reads only the ``session_pins`` rows whose ``changed`` counter is
+above the highest it has seen (ended pins stay as rows, so their end arrives the same way;
+expired ones are dropped from memory once a minute). A pin this gateway records is remembered
+at once (:meth:`CachedRoutingView.remember_pin`, write-through) and wins over the tables until
+the snapshot has passed the pin's position in the log: a reconnect a millisecond later already
+gets the pinned release, before any follower has projected it. Pins recorded by other gateways
+come through the projection.
+
 If the database cannot be read, the last snapshot keeps serving for ``max_stale_s`` (default
 5 s); after that, resolution fails closed with :class:`RoutingUnavailable` (the gateway answers
 503) rather than issuing tickets from a view that may have missed a revocation.
@@ -34,9 +43,10 @@ from dataclasses import dataclass, field
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from control.app.sessions import Pin
 from control.domain import SERVABLE_STATES, canary_bucket, choose_release, hash_api_key
 from projections.follower import DEFAULT_NAME as TRACKING_NAME
-from projections.routing import Route, RoutingView
+from projections.routing import Route, RoutingView, pin_from_row
 from projections.tables import (
     adapters,
     api_keys,
@@ -44,6 +54,7 @@ from projections.tables import (
     projection_tracking,
     releases,
     routes,
+    session_pins,
     signing_keys,
 )
 
@@ -53,6 +64,7 @@ REFRESH_ENV = "LORAPLANE_ROUTE_REFRESH_MS"
 DEFAULT_REFRESH_S = 0.02
 DEFAULT_MAX_STALE_S = 5.0
 MISS_RECHECK_S = 0.001
+PIN_PRUNE_S = 60.0  # how often expired pins leave memory
 
 
 class RoutingUnavailable(Exception):
@@ -123,11 +135,16 @@ def _load(conn: Connection, position: int) -> _Snapshot:
     )
 
 
+PinKey = tuple[str, str, str]  # (tenant, alias, session id)
+
+
 class CachedRoutingView(RoutingView):
     """A :class:`RoutingView` whose ticket-path questions are answered from memory.
 
-    ``resolve``, ``tenant_for_api_key`` and ``retired_key_ids`` follow exactly the rules of the
-    SQL versions (the contract tests run both); every other question still reads the tables.
+    ``resolve``, ``route_to``, ``tenant_for_api_key`` and ``retired_key_ids`` follow exactly
+    the rules of the SQL versions (the contract tests run both); ``session_pin`` answers for
+    live pins only (memory keeps no ended or expired one); every other question still reads
+    the tables.
     """
 
     def __init__(self, engine: Engine, *, refresh_s: float | None = None,
@@ -141,6 +158,10 @@ class CachedRoutingView(RoutingView):
         self._lock = threading.Lock()  # one refresher at a time
         self._failing = False
         self.reloads = 0
+        self._pins: dict[PinKey, Pin] = {}  # from the tables, as of the snapshot or later
+        self._pins_changed = -1  # highest session_pins.changed read (-1: none read yet)
+        self._pins_pruned_at = time.monotonic()
+        self._remembered: dict[PinKey, Pin] = {}  # recorded here, maybe not yet projected
 
     def _current(self) -> _Snapshot:
         now = time.monotonic()
@@ -169,13 +190,57 @@ class CachedRoutingView(RoutingView):
                 # so the snapshot is the projection as of one position (never half a batch).
                 for _ in range(5):
                     snap = _load(conn, position)
+                    self._load_pins(conn)
                     after = _position(conn)
                     if after == position:
                         break
                     position = after
                 self._snapshot = snap
                 self.reloads += 1
+                self._forget_projected(snap.position)
         self._checked_at = self._confirmed_at = time.monotonic()
+
+    def _load_pins(self, conn: Connection) -> None:
+        """Bring ``_pins`` up to the tables: every live pin the first time, then only the rows
+        changed since (ended or expired ones leave memory)."""
+        now = time.time()
+        top = int(conn.execute(sa.select(sa.func.max(session_pins.c.changed))).scalar() or 0)
+        if top <= self._pins_changed:
+            return
+        q = sa.select(session_pins).where(session_pins.c.changed <= top)
+        if self._pins_changed < 0:
+            q = q.where(session_pins.c.ended.is_(False), session_pins.c.expires_at > now)
+        else:
+            q = q.where(session_pins.c.changed > self._pins_changed)
+        for r in conn.execute(q):
+            pin = pin_from_row(r)
+            if pin.holds(now):
+                self._pins[pin.key] = pin
+            else:
+                self._pins.pop(pin.key, None)
+        self._pins_changed = top
+        if time.monotonic() - self._pins_pruned_at >= PIN_PRUNE_S:
+            self._pins_pruned_at = time.monotonic()
+            for key, pin in list(self._pins.items()):
+                if not pin.holds(now):
+                    self._pins.pop(key, None)
+
+    def _forget_projected(self, position: int) -> None:
+        """Drop remembered pins the snapshot at ``position`` holds (or has moved past)."""
+        for key, pin in list(self._remembered.items()):
+            if pin.position <= position and self._remembered.get(key) is pin:
+                self._remembered.pop(key, None)
+
+    def remember_pin(self, pin: Pin) -> None:
+        """Honour ``pin`` (recorded or read back by this process) at once, until the snapshot
+        has passed its position: the projection then holds it, or something newer."""
+        self._remembered[pin.key] = pin
+
+    def _pin(self, snap: _Snapshot, key: PinKey) -> Pin | None:
+        mem = self._remembered.get(key)
+        if mem is not None and mem.position > snap.position:
+            return mem
+        return self._pins.get(key)
 
     def invalidate(self) -> None:
         """Read the position on the next question (after a command in this process)."""
@@ -199,6 +264,21 @@ class CachedRoutingView(RoutingView):
             route = self._resolve(self._current(), tenant, alias, session)
         return route
 
+    def route_to(self, tenant: str, alias: str, release: str) -> Route | None:
+        snap = self._current()
+        row = snap.routes.get(alias)
+        if row is None or (tenant, alias) not in snap.granted:
+            return None
+        r = snap.releases.get(release)
+        if r is None:  # a release newer than the snapshot: ask the tables
+            return super().route_to(tenant, alias, release)
+        return _route(alias, release, r, row[1], pinned=True)
+
+    def session_pin(self, tenant: str, alias: str, session: str) -> Pin | None:
+        # Memory holds live pins only: an expired or ended one reads as none, which a caller
+        # treats alike (pin afresh), and the record decides the reason.
+        return self._pin(self._current(), (tenant, alias, session))
+
     def _confirm_miss(self) -> bool:
         """Before a refusal, make sure the snapshot is current: a tenant just created or
         granted is served at once; only a revocation can take up to ``refresh_s`` to show."""
@@ -207,18 +287,31 @@ class CachedRoutingView(RoutingView):
         self.invalidate()
         return True
 
-    @staticmethod
-    def _resolve(snap: _Snapshot, tenant: str, alias: str, session: str | None) -> Route | None:
+    def _resolve(self, snap: _Snapshot, tenant: str, alias: str,
+                 session: str | None) -> Route | None:
         row = snap.routes.get(alias)
         if row is None or (tenant, alias) not in snap.granted:
             return None
         stable, canary, percent = row
+        if session is not None:
+            pin = self._pin(snap, (tenant, alias, session))
+            if pin is not None and pin.holds(time.time()):
+                r = snap.releases.get(pin.release)
+                if r is not None and r.servable:
+                    return _route(alias, pin.release, r, canary, pinned=True)
         bucket = canary_bucket(tenant, session if session is not None else secrets.token_hex(8))
         for digest in choose_release(stable, canary, percent, bucket):
             r = snap.releases.get(digest)
             if r is None or not r.servable:
                 continue
-            return Route(alias=alias, base_digest=r.base_digest, adapter_digest=r.adapter_digest,
-                         tokenizer_digest=r.tokenizer_digest, release=digest,
-                         canary=digest == canary)
+            return _route(alias, digest, r, canary)
         return None
+
+
+def _route(alias: str, digest: str, r: _Release, canary: str | None, *,
+           pinned: bool = False) -> Route | None:
+    if not r.servable:
+        return None
+    return Route(alias=alias, base_digest=r.base_digest, adapter_digest=r.adapter_digest,
+                 tokenizer_digest=r.tokenizer_digest, release=digest, canary=digest == canary,
+                 pinned=pinned)

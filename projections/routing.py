@@ -2,15 +2,21 @@
 
 ``apply(conn, event)`` folds one domain event into the tables of ``projections.tables`` on an
 open connection (the follower owns the transaction). ``RoutingView`` answers run-time questions
-from those tables: which release a tenant's session gets for an alias (canary split by the hash
-of tenant and session id), who holds an API key, which digests are revoked, which
-ticket-signing keys are retired.
+from those tables: which release a tenant's session gets for an alias (the release its session
+pin holds, else the canary split by the hash of tenant and session id), who holds an API key,
+which digests are revoked, which ticket-signing keys are retired.
+
+Session pins (``control.domain.session``) are rows of ``session_pins``: a pin's own events
+write its row; ``AliasSessionsRepinned`` moves every live pin of an alias on one release;
+``AliasFellBack`` (a revocation's fallback, ``control.domain.fallback``) changes the alias's
+row, and a pin on the revoked release simply stops holding (its release is not servable).
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -19,7 +25,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from control.app.sessions import Pin
 from control.domain import (
+    DEFAULT_FALLBACK,
     DEPRECATED,
     DRAFT,
     REVOKED,
@@ -29,6 +37,7 @@ from control.domain import (
     BaseModel,
     Release,
     ReleaseManifest,
+    SessionPin,
     SigningKey,
     Tenant,
     canary_bucket,
@@ -45,6 +54,7 @@ from projections.tables import (
     revocations,
     routes,
     serving_steps,
+    session_pins,
     signing_keys,
     tenants,
 )
@@ -53,7 +63,8 @@ from projections.tables import (
 @dataclass(frozen=True)
 class Route:
     """Where a granted alias leads for one session. ``adapter_digest`` is None for the base
-    alone; ``release`` is the release manifest digest that was resolved."""
+    alone; ``release`` is the release manifest digest that was resolved; ``pinned``: it is the
+    release the session's pin holds (not a fresh resolution)."""
 
     alias: str
     base_digest: str
@@ -61,6 +72,7 @@ class Route:
     tokenizer_digest: str
     release: str | None = None
     canary: bool = False
+    pinned: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,6 +115,7 @@ class AliasRow:
     stable_release: str | None
     canary_release: str | None
     canary_percent: int
+    fallback: str = DEFAULT_FALLBACK.value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +166,8 @@ def _release_created(e: Release.ReleaseCreated) -> Rows:
 
 def _alias_created(e: Alias.AliasCreated) -> Rows:
     return [(routes, {"alias": e.name, "owner": e.owner, "stable_release": e.release,
-                      "canary_release": None, "canary_percent": 0})]
+                      "canary_release": None, "canary_percent": 0,
+                      "fallback": DEFAULT_FALLBACK.value})]
 
 
 def _alias_granted(e: Alias.AliasGranted) -> Rows:
@@ -221,6 +235,57 @@ def _alias_rolled_back(conn: Connection, e: Alias.AliasRolledBack) -> None:
                  .values(stable_release=e.to_release))
 
 
+def _alias_fallback_set(conn: Connection, e: Alias.AliasFallbackSet) -> None:
+    conn.execute(routes.update().where(routes.c.alias == e.alias).values(fallback=e.policy))
+
+
+def _alias_fell_back(conn: Connection, e: Alias.AliasFellBack) -> None:
+    # As the aggregate does: the stable slot changes only if it held the revoked release.
+    conn.execute(routes.update().where(routes.c.alias == e.alias,
+                                       routes.c.stable_release == e.revoked_release)
+                 .values(stable_release=e.to_release))
+    if e.canary_cleared:
+        conn.execute(routes.update().where(routes.c.alias == e.alias)
+                     .values(canary_release=None, canary_percent=0))
+
+
+def _next_changed(conn: Connection) -> int:
+    """The next value of ``session_pins.changed``: above every row's, this batch's included."""
+    top = conn.execute(sa.select(sa.func.max(session_pins.c.changed))).scalar()
+    return int(top or 0) + 1
+
+
+def _pin_key(e: Any) -> Any:
+    return sa.and_(session_pins.c.tenant == e.tenant, session_pins.c.alias == e.alias,
+                   session_pins.c.session == e.session)
+
+
+def _session_pinned(conn: Connection, e: SessionPin.SessionPinned) -> None:
+    conn.execute(session_pins.insert().values(
+        tenant=e.tenant, alias=e.alias, session=e.session, release=e.release,
+        expires_at=e.expires_at.timestamp(), ended=False, version=e.originator_version,
+        pinned_at=e.timestamp, changed=_next_changed(conn)))
+
+
+def _session_repinned(conn: Connection, e: SessionPin.SessionRepinned) -> None:
+    conn.execute(session_pins.update().where(_pin_key(e)).values(
+        release=e.release, expires_at=e.expires_at.timestamp(), ended=False,
+        version=e.originator_version, pinned_at=e.timestamp, changed=_next_changed(conn)))
+
+
+def _session_ended(conn: Connection, e: SessionPin.SessionEnded) -> None:
+    conn.execute(session_pins.update().where(_pin_key(e)).values(
+        ended=True, version=e.originator_version, changed=_next_changed(conn)))
+
+
+def _alias_sessions_repinned(conn: Connection, e: Alias.AliasSessionsRepinned) -> None:
+    # ``version`` stays: it counts the pin's own events (control.domain.session).
+    conn.execute(session_pins.update().where(
+        session_pins.c.alias == e.alias, session_pins.c.release == e.from_release,
+        session_pins.c.ended.is_(False)).values(release=e.to_release,
+                                                changed=_next_changed(conn)))
+
+
 def _tickets_not_before(conn: Connection, tenant: str, when: datetime) -> None:
     """The tenant's tickets issued until ``when`` are no longer honoured by hosts."""
     conn.execute(tenants.update().where(tenants.c.name == tenant)
@@ -261,6 +326,12 @@ HANDLERS: dict[type, Callable[[Connection, Any], None]] = {
     Alias.AliasCanaryCleared: _alias_canary_cleared,
     Alias.AliasRolledBack: _alias_rolled_back,
     Alias.AliasGrantRemoved: _alias_grant_removed,
+    Alias.AliasFallbackSet: _alias_fallback_set,
+    Alias.AliasFellBack: _alias_fell_back,
+    Alias.AliasSessionsRepinned: _alias_sessions_repinned,
+    SessionPin.SessionPinned: _session_pinned,
+    SessionPin.SessionRepinned: _session_repinned,
+    SessionPin.SessionEnded: _session_ended,
     Tenant.ApiKeyRotated: _api_key_rotated,
     Tenant.ApiKeysRevoked: _api_keys_revoked,
     SigningKey.SigningKeyRetired: _signing_key_retired,
@@ -304,6 +375,41 @@ def apply_all(conn: Connection, domain_events: Iterable[Any]) -> None:
 # Read API
 
 
+def _release_rows(conn: Connection, digests: list[str]) -> dict[str, Any]:
+    """The release rows of ``digests``, each with its adapter's state, by digest."""
+    return {r.digest: r for r in conn.execute(
+        sa.select(releases.c.digest, releases.c.adapter_digest, releases.c.base_digest,
+                  releases.c.tokenizer_digest, adapters.c.state)
+        .select_from(releases.outerjoin(adapters,
+                                        adapters.c.digest == releases.c.adapter_digest))
+        .where(releases.c.digest.in_(digests)))}
+
+
+def _servable_route(alias: str, r: Any, canary: str | None, *,
+                    pinned: bool = False) -> Route | None:
+    """The route to release row ``r`` (from :func:`_release_rows`), or None when there is no
+    row or its adapter is not servable."""
+    if r is None or (r.adapter_digest is not None and r.state not in SERVABLE_STATES):
+        return None
+    return Route(alias=alias, base_digest=r.base_digest, adapter_digest=r.adapter_digest,
+                 tokenizer_digest=r.tokenizer_digest, release=r.digest,
+                 canary=r.digest == canary, pinned=pinned)
+
+
+def pin_from_row(r: Any) -> Pin:
+    """A ``session_pins`` row as a :class:`control.app.sessions.Pin`."""
+    return Pin(tenant=str(r.tenant), alias=str(r.alias), session=str(r.session),
+               release=str(r.release), expires_at=float(r.expires_at), version=int(r.version),
+               ended=bool(r.ended))
+
+
+def _pin_row(conn: Connection, tenant: str, alias: str, session: str) -> Pin | None:
+    r = conn.execute(sa.select(session_pins).where(
+        session_pins.c.tenant == tenant, session_pins.c.alias == alias,
+        session_pins.c.session == session)).first()
+    return None if r is None else pin_from_row(r)
+
+
 class RoutingView:
     """Read-only questions answered from the projection tables."""
 
@@ -314,12 +420,14 @@ class RoutingView:
     def resolve(self, tenant: str, alias: str, session: str | None = None) -> Route | None:
         """The release ``tenant``'s ``session`` gets for ``alias``, or None.
 
-        The canary split hashes (tenant, session id): one session always lands on the same
-        release while the alias stays put. Without a session id each call is its own session.
-        Only releases of canary or stable adapters (or the base alone) resolve; if the release
-        the split picks is no longer servable, the other one is used. None covers every refusal
-        alike (unknown alias, not granted, nothing servable), so a caller cannot probe for
-        other tenants' aliases.
+        A session whose pin holds (not ended, not expired, its release still servable) gets
+        the pinned release, wherever the alias points now (``Route.pinned``). Otherwise the
+        canary split hashes (tenant, session id): one session always lands on the same
+        release while the alias stays put; the gateway then pins what it got. Without a
+        session id each call is its own session and nothing is pinned. Only releases of canary
+        or stable adapters (or the base alone) resolve; if the release the split picks is no
+        longer servable, the other one is used. None covers every refusal alike (unknown alias,
+        not granted, nothing servable), so a caller cannot probe for other tenants' aliases.
         """
         q = (
             sa.select(routes.c.stable_release, routes.c.canary_release, routes.c.canary_percent)
@@ -330,28 +438,67 @@ class RoutingView:
             row = conn.execute(q).first()
             if row is None:
                 return None
+            pin = _pin_row(conn, tenant, alias, session) if session is not None else None
+            if pin is not None and not pin.holds(time.time()):
+                pin = None
             bucket = canary_bucket(tenant, session if session is not None
                                    else secrets.token_hex(8))
             order = choose_release(row.stable_release, row.canary_release,
                                    int(row.canary_percent), bucket)
-            if not order:
+            wanted = ([pin.release] if pin is not None else []) + order
+            if not wanted:
                 return None
-            found = {r.digest: r for r in conn.execute(
-                sa.select(releases.c.digest, releases.c.adapter_digest, releases.c.base_digest,
-                          releases.c.tokenizer_digest, adapters.c.state)
-                .select_from(releases.outerjoin(
-                    adapters, adapters.c.digest == releases.c.adapter_digest))
-                .where(releases.c.digest.in_(order)))}
+            found = _release_rows(conn, wanted)
+        if pin is not None:
+            route = _servable_route(alias, found.get(pin.release), row.canary_release,
+                                    pinned=True)
+            if route is not None:
+                return route
         for digest in order:
-            r = found.get(digest)
-            if r is None:
-                continue
-            if r.adapter_digest is not None and r.state not in SERVABLE_STATES:
-                continue
-            return Route(alias=alias, base_digest=r.base_digest, adapter_digest=r.adapter_digest,
-                         tokenizer_digest=r.tokenizer_digest, release=r.digest,
-                         canary=digest == row.canary_release)
+            route = _servable_route(alias, found.get(digest), row.canary_release)
+            if route is not None:
+                return route
         return None
+
+    def route_to(self, tenant: str, alias: str, release: str) -> Route | None:
+        """``release`` as a route of ``alias`` for ``tenant``, when the tenant is granted the
+        alias and the release is servable; else None. For a session's pinned release (the
+        pin itself was checked by the caller)."""
+        q = (sa.select(routes.c.canary_release)
+             .select_from(routes.join(grants, grants.c.alias == routes.c.alias))
+             .where(routes.c.alias == alias, grants.c.tenant == tenant))
+        with self.engine.connect() as conn:
+            row = conn.execute(q).first()
+            if row is None:
+                return None
+            found = _release_rows(conn, [release])
+        return _servable_route(alias, found.get(release), row.canary_release, pinned=True)
+
+    def session_pin(self, tenant: str, alias: str, session: str) -> Pin | None:
+        """The row of ``tenant``'s ``session`` on ``alias`` (ended or expired ones included;
+        see ``Pin.holds``), or None."""
+        with self.engine.connect() as conn:
+            return _pin_row(conn, tenant, alias, session)
+
+    def remember_pin(self, pin: Pin) -> None:
+        """A pin this process just recorded or read back (for views that answer from memory,
+        ``projections.route_cache``); this view reads the tables every time."""
+
+    def session_pins(self, alias: str) -> list[Pin]:
+        """Every pin recorded on ``alias`` (operators: every tenant's), by tenant and
+        session."""
+        q = (sa.select(session_pins).where(session_pins.c.alias == alias)
+             .order_by(session_pins.c.tenant, session_pins.c.session))
+        with self.engine.connect() as conn:
+            return [pin_from_row(r) for r in conn.execute(q)]
+
+    def aliases_using_adapter(self, digest: str) -> list[str]:
+        """Aliases whose stable or canary release is one of the adapter ``digest``'s."""
+        used = sa.select(releases.c.digest).where(releases.c.adapter_digest == digest)
+        q = sa.select(routes.c.alias).where(sa.or_(routes.c.stable_release.in_(used),
+                                                   routes.c.canary_release.in_(used)))
+        with self.engine.connect() as conn:
+            return sorted(str(a) for a in conn.execute(q).scalars())
 
     def alias_row(self, alias: str) -> AliasRow | None:
         """An alias's routing row (operators only: no grant check)."""

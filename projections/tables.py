@@ -17,9 +17,9 @@ metadata = sa.MetaData()
 # it whenever a table or column below changes: a database at an older version is then dropped and
 # rebuilt
 # from the event store by ``loraplane db upgrade`` (the rows are derived, so nothing is lost).
-# 2: ``signing_keys.retired_at``. 3: ``tenants.tickets_not_before``. A new version also teaches
-# ``detect_version`` its columns.
-SCHEMA_VERSION = 3
+# 2: ``signing_keys.retired_at``. 3: ``tenants.tickets_not_before``. 4: ``session_pins`` and
+# ``routes.fallback``. A new version also teaches ``detect_version`` its columns.
+SCHEMA_VERSION = 4
 
 _digest = sa.String(71)  # "sha256:" + 64 hex
 _name = sa.String(64)
@@ -34,6 +34,8 @@ routes = sa.Table(
     sa.Column("stable_release", _digest, nullable=True),
     sa.Column("canary_release", _digest, nullable=True),
     sa.Column("canary_percent", sa.Integer, nullable=False),
+    # What the alias serves after its stable release's adapter is revoked (a FallbackPolicy).
+    sa.Column("fallback", sa.String(8), nullable=False),
 )
 
 releases = sa.Table(
@@ -123,6 +125,26 @@ signing_keys = sa.Table(
     sa.Column("retired_at", _ts, nullable=True),
 )
 
+# The release each session (tenant, alias, session id) keeps: control.domain.session. A pin
+# that ended stays as a row with ``ended`` set, so a reader that loads changed rows only
+# (projections.route_cache) learns of the end too. ``expires_at`` in epoch seconds.
+# ``version``: the SessionPin aggregate's version this row last applied. ``changed``: a counter
+# over this table, raised on every write (followers write one batch at a time, under the
+# tracking lock), so a reader asks for the rows changed since the last value it saw.
+session_pins = sa.Table(
+    "session_pins", metadata,
+    sa.Column("tenant", _name, primary_key=True),
+    sa.Column("alias", _name, primary_key=True),
+    sa.Column("session", sa.String(128), primary_key=True),
+    sa.Column("release", _digest, nullable=False),
+    sa.Column("expires_at", sa.Float, nullable=False),
+    sa.Column("ended", sa.Boolean, nullable=False),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("pinned_at", _ts, nullable=False),
+    sa.Column("changed", sa.BigInteger, nullable=False, index=True),
+    sa.Index("ix_session_pins_alias_release", "alias", "release"),
+)
+
 # Position of each projection in the event store's notification log. Written in the same
 # transaction as the view rows it accounts for.
 projection_tracking = sa.Table(
@@ -133,7 +155,7 @@ projection_tracking = sa.Table(
 
 VIEW_TABLES: tuple[sa.Table, ...] = (
     routes, releases, grants, api_keys, tenants, adapters, bases, revocations, signing_keys,
-    serving_steps,
+    serving_steps, session_pins,
 )
 
 
@@ -150,7 +172,9 @@ def detect_version(insp: sa.Inspector) -> int:
 
     if not has(signing_keys, "retired_at"):
         return 1
-    return 3 if has(tenants, "tickets_not_before") else 2
+    if not has(tenants, "tickets_not_before"):
+        return 2
+    return 4 if has(routes, "fallback") and insp.has_table(session_pins.name) else 3
 
 
 def create_tables(engine: Engine) -> None:

@@ -200,7 +200,8 @@ def _side_by_side(root: Path, kit: BenchKit) -> Iterator[_SideBySide]:
     for d, path in kit.adapters.items():
         tenant, alias = aliases[d]
         digest = reg.register_adapter(path, tenant=tenant, alias=alias, actor="bench", base=base)
-        reg.advance(digest, evaluation={"suite": "bench", "passed": True}, actor="bench")
+        reg.advance(digest, external=True, evaluation={"suite": "bench", "passed": True},
+                    actor="bench")
         reg.grant(tenant, alias, actor="bench")
     # No prompt cache: repeated bench prompts would skip prefill and flatter Triton's numbers.
     # Both tritonservers inherit these; neither reads anything that turns governance off.

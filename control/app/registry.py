@@ -50,6 +50,7 @@ from control.app.integrity import AuditSeal
 from control.app.releases import (
     REPORT_FILE,
     chat_template_digest,
+    chat_template_name,
     check_report,
     parse_defaults,
     put_document,
@@ -65,6 +66,7 @@ from control.app.validation import (
 )
 from control.contracts.config import Settings
 from control.contracts.digests import DIGEST_RE, directory_digest
+from control.contracts.golden import GOLDEN_FILE, GoldenSet
 from control.contracts.store import ArtifactStore
 from control.domain import (
     CANARY,
@@ -79,6 +81,7 @@ from control.domain import (
     AlreadyExists,
     BaseModel,
     BaseName,
+    Combination,
     Conflict,
     DomainError,
     IllegalTransition,
@@ -96,6 +99,7 @@ from control.domain import (
     base_name_id,
     check_actor,
     check_name,
+    fall_back,
     is_servable,
     lifecycle_guard,
     next_state,
@@ -141,6 +145,7 @@ class RoutingReads(Protocol):
     def signing_keys(self) -> dict[str, str]: ...
     def retired_key_ids(self) -> frozenset[str]: ...
     def live_adapter_count(self, tenant: str) -> int: ...
+    def aliases_using_adapter(self, digest: str) -> list[str]: ...
 
 
 class ReadModel(Protocol):
@@ -437,10 +442,13 @@ class Registry(Application[UUID]):
         base: str | None = None,
         signature: Path | None = None,
         metadata: AdapterMetadata | None = None,
+        golden: GoldenSet | None = None,
     ) -> str:
         """Validate, store and register a tenant's LoRA adapter (state ``draft``); return its
         digest. ``alias`` (created, owned by ``tenant``, if new) is where its releases will be
-        routed once it reaches canary; registering does not move the alias.
+        routed once it reaches canary; registering does not move the alias. ``golden``: the
+        golden task set the evaluation gate judges it by, stored and recorded
+        (``GoldenSetRecorded``) in the same transaction.
 
         ``signature``: a model_signing bundle over the folder, verified against the tenant's
         trusted keys (required when the tenant's policy says so). Raises ValidationFailed (and
@@ -494,6 +502,9 @@ class Registry(Application[UUID]):
                           signature=verified.to_json() if verified else None, actor=actor)
         if route is None:
             route = Alias.create(alias, owner=tenant, release=None, actor=actor)
+        if golden is not None:
+            golden_digest = put_document(self.store, GOLDEN_FILE, golden.document())
+            adapter.record_golden_set(golden_digest, golden.family, len(golden.tasks), actor)
         self._save(adapter, route, what="adapter")
         return digest
 
@@ -512,14 +523,20 @@ class Registry(Application[UUID]):
         recordings = self.save(rejection)
         self._after_command(recordings)
 
-    def record_evaluation(self, digest: str, report: dict[str, Any], *, actor: str) -> str:
-        """Store an evaluation report (content-addressed JSON) for an adapter; return its digest.
+    def record_evaluation(self, digest: str, report: dict[str, Any], *, actor: str,
+                          external: bool = False) -> str:
+        """Store an evaluation report written outside the gate (content-addressed JSON) for an
+        adapter; return its digest. Accepted only with ``external=True``, and recorded as
+        external (the gate records its own reports: ``control.app.gate_desk``).
 
-        The latest recorded report is the one a canary release names.
+        Without a passing gate report, the latest external report is the one a canary release
+        names.
         """
+        _external_only(external)  # refused before anything is stored
         adapter = self.adapter(digest)
         report_digest = put_document(self.store, REPORT_FILE, check_report(report))
-        adapter.record_evaluation(report_digest, report_summary(report), actor)
+        adapter.record_evaluation(report_digest, report_summary(report), actor,
+                                  external=external)
         self._save(adapter, what="adapter")
         return report_digest
 
@@ -554,19 +571,25 @@ class Registry(Application[UUID]):
         to: str = STABLE,
         canary_percent: int = DEFAULT_CANARY_PERCENT,
         inference_defaults: dict[str, Any] | None = None,
+        external: bool = False,
     ) -> str:
         """Walk an adapter from where it stands up to ``to`` (canary or stable), recording each
         step as its own event, all in one transaction; return the final state.
 
-        ``evaluation``: a report to record first (needed for canary unless one is recorded).
+        ``evaluation``: a report written outside the gate to record first, accepted only with
+        ``external=True`` (recorded as external). Canary needs it unless a passing gate report
+        for the canary's base, tokenizer and chat template, or an external report, is recorded.
         """
         if to not in (CANARY, STABLE):
             raise DomainError("release walks up to canary or stable")
+        if evaluation is not None:
+            _external_only(external)
         adapter = self.adapter(digest)
         changed: dict[UUID, Aggregate] = {}
         if evaluation is not None:
             report_digest = put_document(self.store, REPORT_FILE, check_report(evaluation))
-            adapter.record_evaluation(report_digest, report_summary(evaluation), actor)
+            adapter.record_evaluation(report_digest, report_summary(evaluation), actor,
+                                      external=external)
         order = (CANDIDATE, CANARY, STABLE)
         if adapter.state not in (DRAFT, *order):
             raise IllegalTransition(
@@ -599,16 +622,19 @@ class Registry(Application[UUID]):
                 route.clear_canary(actor)
                 return [route]
             return []
-        # Entering canary: build the release manifest; the guard checks the evaluation report.
-        lifecycle_guard(adapter, CANARY, policy)  # before any manifest is written
+        # Entering canary: build the release manifest; the guard checks that a passing gate
+        # report vouches for exactly this base + tokenizer + chat template (or that an
+        # external report was recorded), before any manifest or template is written.
+        combination = self.canary_combination(adapter)
+        lifecycle_guard(adapter, CANARY, policy, combination)
         inference_defaults = parse_defaults(defaults)  # refused before the template is stored
         release = self._new_release(ReleaseManifest(
             tenant=adapter.tenant, adapter_digest=adapter.digest,
             base_digest=adapter.base_digest, tokenizer_digest=adapter.tokenizer_digest,
             chat_template_digest=chat_template_digest(self.store, adapter.tokenizer_digest),
             inference_defaults=inference_defaults,
-            evaluation_report_digest=adapter.evaluation_report), actor)
-        adapter.promote(to, actor, policy, release=release.digest)
+            evaluation_report_digest=adapter.canary_evidence(combination)), actor)
+        adapter.promote(to, actor, policy, release=release.digest, combination=combination)
         out: list[Aggregate] = [release]
         if route is not None:
             if route.stable is None:
@@ -619,6 +645,12 @@ class Registry(Application[UUID]):
         if cache is not None:
             cache[release.id] = release
         return out
+
+    def canary_combination(self, adapter: Adapter) -> Combination:
+        """The base, tokenizer and chat template a canary release of ``adapter`` is built on:
+        what its gate report must name (the template's digest is computed, not stored)."""
+        return Combination(adapter.base_digest, adapter.tokenizer_digest,
+                           chat_template_name(self.store, adapter.tokenizer_digest))
 
     def _cached_alias(self, name: str, cache: dict[UUID, Aggregate] | None) -> Alias | None:
         if cache is not None and alias_id(name) in cache:
@@ -641,11 +673,70 @@ class Registry(Application[UUID]):
         Returns only once the revocation set that Triton hosts read holds ``digest``; else
         NotYetVisible after ``wait_s`` seconds (the revocation stays recorded).
         """
-        adapter = self.adapter(digest)
-        adapter.revoke(reason, actor)
-        position = self._save(adapter, what="adapter")
+        for attempt in range(5):
+            adapter = self.adapter(digest)
+            adapter.revoke(reason, actor)
+            # Every alias routed to the adapter applies its fallback policy in this same
+            # transaction: no projection ever shows the revocation without the fallback.
+            fallen = self._fall_back(adapter, actor)
+            try:
+                position = self._save(adapter, *fallen, what="adapter")
+                break
+            except Conflict:
+                if attempt == 4:  # an alias kept moving under the revocation
+                    raise
         self._confirm_visible(position, lambda v: v.is_revoked(digest), "the revocation",
                               wait_s)
+
+    def _fall_back(self, adapter: Adapter, actor: str) -> list[Aggregate]:
+        """Apply the fallback policy of every alias whose stable or canary release uses
+        ``adapter`` (just revoked, not saved); return the aggregates that changed (aliases, and
+        a base-only release a ``base`` policy created). See ``control.domain.fallback``."""
+        names = {adapter.alias}
+        try:
+            if self._follow:
+                self.follower.catch_up()  # the aliases pointed at it a moment ago count too
+            names.update(self.follower.routing().aliases_using_adapter(adapter.digest))
+        except Exception:
+            # Never let the lookup block the revocation: an alias missed here still serves
+            # nothing of the revoked adapter (resolution skips releases that are not servable).
+            log.warning("finding the aliases routed to a revoked adapter failed; falling back "
+                        "only on its own alias", exc_info=True)
+        releases: dict[str, Release] = {}
+
+        def release(digest: str) -> Release:
+            if digest not in releases:
+                releases[digest] = self.release_manifest(digest)
+            return releases[digest]
+
+        def servable(digest: str) -> bool:
+            r = release(digest)
+            return r.adapter_digest != adapter.digest and self._release_servable(r)
+
+        changed: list[Aggregate] = []
+        for name in sorted(names):
+            route = self._alias_or_none(name)
+            if route is None:
+                continue
+            revoked_stable = route.stable
+
+            def base_release(stable: str | None = revoked_stable) -> str:
+                assert stable is not None  # asked only when the stable release was revoked
+                made = self._new_base_release(self.base(release(stable).base_digest), actor)
+                releases.setdefault(made.digest, made)
+                return made.digest
+
+            outcome = fall_back(
+                route.fallback, stable=route.stable, canary=route.canary,
+                history=route.history,
+                revoked=lambda d: release(d).adapter_digest == adapter.digest,
+                servable=servable, base_release=base_release)
+            if outcome is None:
+                continue
+            route.fall_back(adapter.digest, outcome, actor)
+            changed.append(route)
+        changed.extend(r for r in releases.values() if r.pending_events)
+        return changed
 
     def record_serving_step(self, digest: str, host: str, step: str, *, actor: str) -> None:
         """Record one step of the serving side's revocation work on ``host``:
@@ -720,6 +811,36 @@ class Registry(Application[UUID]):
         route = self.alias(alias)
         route.clear_canary(actor)
         self._save(route, what="alias")
+
+    def set_fallback(self, alias: str, policy: str, *, actor: str) -> str:
+        """Set what ``alias`` serves after its stable release's adapter is revoked: ``stable``
+        (its most recent servable earlier release), ``base`` (the base alone) or ``none``
+        (refuse). Returns the policy."""
+        route = self.alias(alias)
+        route.set_fallback(policy, actor)
+        self._save(route, what="alias")
+        return route.fallback.value
+
+    def repin_sessions(self, alias: str, from_release: str, to_release: str, *, reason: str,
+                       actor: str) -> int:
+        """Move every session pinned to ``from_release`` on ``alias`` to ``to_release`` (a
+        release of the alias's owner, or a base release, that is servable): ONE event,
+        ``AliasSessionsRepinned``, which the routing projection applies to each pin. For a
+        rollout's rollback that re-pins rather than drains. Returns the event's position.
+
+        To record it in the rollback's own transaction, call ``Alias.repin_sessions`` on the
+        alias aggregate being rolled back and save both events together instead."""
+        route = self.alias(alias)
+        to = self.release_manifest(to_release)
+        route.repin_sessions(from_release, to, self._release_servable(to), reason, actor)
+        return self._save(route, what="alias")
+
+    def drain_sessions(self, alias: str, release: str, *, reason: str, actor: str) -> int:
+        """Record that sessions pinned to ``release`` on ``alias`` keep it until they end or
+        expire (``AliasSessionsDrained``; nothing moves). Returns the event's position."""
+        route = self.alias(alias)
+        route.drain_sessions(release, reason, actor)
+        return self._save(route, what="alias")
 
     def rollback(self, alias: str, *, actor: str) -> str:
         """Point ``alias`` back at its previous stable release (recorded as AliasRolledBack);
@@ -804,6 +925,15 @@ class Registry(Application[UUID]):
 
     def __repr__(self) -> str:
         return f"Registry(home={self.settings.home!s})"
+
+
+def _external_only(external: bool) -> None:
+    """A report written outside the gate is accepted only when the caller says so."""
+    if not external:
+        raise IllegalTransition(
+            "a report written outside the gate is accepted only as external: pass --external "
+            "(external=True), and it is recorded as external; or let the gate write one "
+            "(loraplane adapter gate DIGEST)")
 
 
 __all__ = ["DEFAULT_CANARY_PERCENT", "REVOKED", "NotYetVisible", "Registry"]

@@ -1,4 +1,5 @@
-"""Release manifests, evaluation reports and chat templates as content-addressed documents.
+"""Release manifests, evaluation and gate reports, golden task sets and chat templates as
+content-addressed documents.
 
 Each document is stored in the artifact store as a directory holding one canonical JSON file
 (sorted keys, no whitespace), so it is named by the one digest rule of
@@ -20,11 +21,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from control.contracts.digests import directory_digest
+from control.contracts.documents import canonical_json, document_digest
 from control.contracts.store import ArtifactStore
 from control.domain import DomainError, ReleaseManifest
 
 MANIFEST_FILE = "release.json"
-REPORT_FILE = "evaluation.json"
+REPORT_FILE = "evaluation.json"  # a report written outside the gate (recorded as external)
+GATE_REPORT_FILE = "gate_report.json"  # a report the evaluation gate wrote
 TEMPLATE_FILE = "chat_template.json"
 MAX_REPORT_BYTES = 1 << 20
 MAX_SUMMARY_KEYS = 32
@@ -38,12 +41,6 @@ class InferenceDefaults(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=5.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: list[str] | None = Field(default=None, max_length=8)
-
-
-def canonical_json(data: Any) -> bytes:
-    """Sorted keys, compact separators, UTF-8: one byte string per JSON value."""
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False).encode("utf-8")
 
 
 def put_document(store: ArtifactStore, file_name: str, data: Any) -> str:
@@ -120,8 +117,8 @@ def put_manifest(store: ArtifactStore, manifest: ReleaseManifest) -> str:
     return put_document(store, MANIFEST_FILE, manifest.document())
 
 
-def chat_template_digest(store: ArtifactStore, tokenizer_digest: str) -> str | None:
-    """The digest of the tokenizer's chat template, stored as a document; None if it has none."""
+def chat_template_document(store: ArtifactStore, tokenizer_digest: str) -> dict[str, Any] | None:
+    """The tokenizer's chat template as the document it is stored as; None if it has none."""
     try:
         config = json.loads((store.path(tokenizer_digest) / "tokenizer_config.json")
                             .read_text(encoding="utf-8"))
@@ -130,4 +127,17 @@ def chat_template_digest(store: ArtifactStore, tokenizer_digest: str) -> str | N
     template = config.get("chat_template") if isinstance(config, dict) else None
     if not template:
         return None
-    return put_document(store, TEMPLATE_FILE, {"chat_template": template})
+    return {"chat_template": template}
+
+
+def chat_template_name(store: ArtifactStore, tokenizer_digest: str) -> str | None:
+    """The digest the tokenizer's chat template is (or would be) stored under, storing nothing:
+    what a gate report names, and what a command checks before it stores anything."""
+    doc = chat_template_document(store, tokenizer_digest)
+    return None if doc is None else document_digest(TEMPLATE_FILE, doc)
+
+
+def chat_template_digest(store: ArtifactStore, tokenizer_digest: str) -> str | None:
+    """The digest of the tokenizer's chat template, stored as a document; None if it has none."""
+    doc = chat_template_document(store, tokenizer_digest)
+    return None if doc is None else put_document(store, TEMPLATE_FILE, doc)

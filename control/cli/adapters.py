@@ -4,7 +4,7 @@ lifecycle (register, evaluate, promote or release, revoke, serving steps after a
 ``loraplane kit build``                   the reference kit
 ``loraplane base register`` / ``list``    base models
 ``loraplane adapter ...``                 register, promote, revoke, list, evaluate, release,
-                                          show, serving-step
+                                          show, serving-step (the gate's verbs: control.cli.gate)
 """
 
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
@@ -97,17 +97,23 @@ def adapter_register(
     training_data_version: Annotated[str, typer.Option(help="Training data version.")] = "",
     task: Annotated[list[str] | None, typer.Option(help="An allowed task (repeatable).")] = None,
     licence: Annotated[str, typer.Option(help="Licence.")] = "",
+    golden: Annotated[Path | None, typer.Option(
+        help="Golden task set JSON the evaluation gate judges it by (recorded with it).")
+    ] = None,
 ) -> None:
     """Validate and register a PEFT LoRA adapter (safetensors only); state: draft."""
+    from control.contracts.golden import GoldenSet  # jsonschema, when a set holds a schema
     from control.domain import AdapterMetadata  # domain (eventsourcing): only when a verb runs
 
     with errors():
         meta = AdapterMetadata(owner=owner, training_data_version=training_data_version,
                                allowed_tasks=list(task or []), licence=licence)
+        tasks = GoldenSet.load(golden) if golden is not None else None  # checked first
         digest = registry().register_adapter(adapter_dir, tenant=tenant, alias=alias,
                                              actor=state.actor, base=base,
-                                             signature=signature, metadata=meta)
-    emit({"digest": digest, "tenant": tenant, "alias": alias, "state": "draft"},
+                                             signature=signature, metadata=meta, golden=tasks)
+    emit({"digest": digest, "tenant": tenant, "alias": alias, "state": "draft",
+          "golden_digest": tasks.digest() if tasks is not None else None},
          lambda: console.print(
              f"registered adapter {digest} for {tenant} as [bold]{alias}[/bold] (draft)"))
 
@@ -150,30 +156,44 @@ def adapter_list(tenant: Annotated[str | None, typer.Option()] = None) -> None:
     emit(rows, lambda: print_table(["tenant", "alias", "digest", "state", "rank"], rows))
 
 
+_EXTERNAL_HELP = ("The report was written outside the evaluation gate: accept it, recorded as "
+                  "external (without a passing gate report, canary needs one).")
+
+
 @adapter_app.command("evaluate")
-def adapter_evaluate(digest: str, report: Path) -> None:
-    """Record an evaluation report (JSON) for an adapter; canary needs one."""
+def adapter_evaluate(
+    digest: str,
+    report: Path,
+    external: Annotated[bool, typer.Option("--external", help=_EXTERNAL_HELP)] = False,
+) -> None:
+    """Record an evaluation report (JSON) written outside the gate; needs --external.
+
+    Canary needs a passing gate report (`loraplane adapter gate DIGEST`) or such a report."""
     from control.app.releases import load_report  # eventsourcing: only when a verb runs
 
     d = digest_arg(digest)
     with errors():
-        report_digest = registry().record_evaluation(d, load_report(report), actor=state.actor)
-    emit({"digest": d, "report_digest": report_digest},
-         lambda: console.print(f"{short(d)}: evaluation report {report_digest}"))
+        report_digest = registry().record_evaluation(d, load_report(report), actor=state.actor,
+                                                     external=external)
+    emit({"digest": d, "report_digest": report_digest, "external": True},
+         lambda: console.print(f"{short(d)}: external evaluation report {report_digest}"))
 
 
 @adapter_app.command("release")
 def adapter_release(
     digest: str,
     evaluation: Annotated[Path | None, typer.Option(
-        help="Evaluation report JSON to record first.")] = None,
+        help="Evaluation report JSON (written outside the gate) to record first; needs "
+             "--external.")] = None,
+    external: Annotated[bool, typer.Option("--external", help=_EXTERNAL_HELP)] = False,
     to: Annotated[str, typer.Option(help="canary or stable.")] = "stable",
     canary_percent: Annotated[int, typer.Option(
         help="Share of sessions the canary gets while the alias has a stable release.")] = 10,
     defaults: Annotated[str | None, typer.Option(
         help='Inference defaults, JSON, e.g. \'{"max_tokens": 64}\'.')] = None,
 ) -> None:
-    """Walk an adapter candidate -> canary -> stable (each step its own event)."""
+    """Walk an adapter candidate -> canary -> stable (each step its own event). Canary needs a
+    passing gate report, or an external report (--evaluation FILE --external)."""
     from control.app.releases import load_report  # eventsourcing: only when a verb runs
 
     d = digest_arg(digest)
@@ -181,7 +201,7 @@ def adapter_release(
         report = load_report(evaluation) if evaluation is not None else None
         reg = registry()
         final = reg.advance(d, actor=state.actor, evaluation=report, to=to,
-                            canary_percent=canary_percent,
+                            canary_percent=canary_percent, external=external,
                             inference_defaults=_json_object_arg(defaults, "--defaults"))
         release = reg.adapter(d).release
     emit({"digest": d, "state": final, "release": release},

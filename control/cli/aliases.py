@@ -1,6 +1,6 @@
 """CLI verbs of what tenants address: aliases, and the release manifests they route to.
 
-``loraplane alias point`` / ``canary`` / ``rollback`` / ``show``
+``loraplane alias point`` / ``canary`` / ``rollback`` / ``fallback`` / ``show``
 ``loraplane release show``
 """
 
@@ -66,6 +66,20 @@ def alias_rollback(alias: str) -> None:
          lambda: console.print(f"{alias} rolled back to release {short(release)}"))
 
 
+@alias_app.command("fallback")
+def alias_fallback(
+    alias: str,
+    policy: Annotated[str, typer.Argument(
+        help="stable (its most recent servable earlier release), base (the base model alone) "
+             "or none (refuse tickets).")],
+) -> None:
+    """What ALIAS serves once its stable release's adapter is revoked (default: none)."""
+    with errors():
+        chosen = registry().set_fallback(alias, policy, actor=state.actor)
+    emit({"alias": alias, "fallback": chosen},
+         lambda: console.print(f"{alias}: after a revocation, falls back to {chosen}"))
+
+
 @alias_app.command("show")
 def alias_show(alias: str) -> None:
     """An alias's stable and canary releases and its history (operators)."""
@@ -73,7 +87,8 @@ def alias_show(alias: str) -> None:
         a = registry(existing=True).alias(alias)
     data = {"alias": a.name, "owner": a.owner, "stable": a.stable, "canary": a.canary,
             "canary_percent": a.canary_percent, "history": list(a.history),
-            "grants": list(a.grants)}
+            "grants": list(a.grants), "fallback": a.fallback.value,
+            "last_fallback": a.last_fallback}
     emit(data, lambda: print_fields(data))
 
 

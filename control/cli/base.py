@@ -45,18 +45,21 @@ tenant_app = typer.Typer(no_args_is_help=True, help="Tenants and their API keys.
 ticket_app = typer.Typer(no_args_is_help=True, help="Routing tickets (operators).")
 incident_app = typer.Typer(no_args_is_help=True, help="Incident queries on the request ledger.")
 audit_app = typer.Typer(no_args_is_help=True, help="The event history.")
-alias_app = typer.Typer(no_args_is_help=True, help="Aliases: point, rollback, canary split.")
+alias_app = typer.Typer(no_args_is_help=True,
+                        help="Aliases: point, rollback, canary split, fallback.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios measured side by side).")
 selftest_app = typer.Typer(no_args_is_help=True, help="Self-tests against a running deployment.")
 key_app = typer.Typer(no_args_is_help=True,
                       help="Ticket-signing keys: list, rotate, retire (operators).")
 db_app = typer.Typer(no_args_is_help=True, help="Database schema versions: status, upgrade.")
 release_app = typer.Typer(no_args_is_help=True, help="Release manifests (what aliases route to).")
+rollout_app = typer.Typer(no_args_is_help=True,
+                          help="Automatic canary rollouts: status, pause, resume, abort.")
 for sub, name in ((kit_app, "kit"), (base_app, "base"), (adapter_app, "adapter"),
                   (tenant_app, "tenant"), (ticket_app, "ticket"), (incident_app, "incident"),
                   (audit_app, "audit"), (alias_app, "alias"), (bench_app, "bench"),
                   (selftest_app, "selftest"), (key_app, "key"), (db_app, "db"),
-                  (release_app, "release")):
+                  (release_app, "release"), (rollout_app, "rollout")):
     app.add_typer(sub, name=name)
 
 

@@ -27,7 +27,9 @@ from control.cli import (  # noqa: F401  (imported for their registrations)
     benches,
     credentials,
     database,
+    gate,
     ops,
+    rollouts,
     selftest,
 )
 from control.cli.base import app

@@ -10,6 +10,11 @@ accepts, so neither a misconfigured gateway nor a leaked signing key can mint da
 A lifetime above the cap, or one that is not a positive whole number of seconds, is refused when
 the settings are read, before anything starts.
 
+Session pins: ``LORAPLANE_SESSION_TTL_S`` (default 3600, at most 7 days) is how long a session
+keeps the release it first resolved (``control.domain.session``), counted from when it was
+pinned; a request without a session id is never pinned. Not a positive whole number of seconds,
+or above the ceiling: refused when the settings are read.
+
 Adapter memory on a Triton host (see ``backend/serving/memory.py`` for how the plan is computed):
 ``LORAPLANE_ADAPTER_BYTES`` (device bytes for the adapter slot banks; unset: a share of the device
 memory left after the base weights), ``LORAPLANE_ADAPTER_SLOTS`` (cap on resident adapters,
@@ -31,11 +36,15 @@ DEFAULT_TICKET_TTL_S = 300
 DEFAULT_TICKET_MAX_TTL_S = 300
 # Tickets live minutes (design): even an operator cannot raise the cap past an hour.
 CEILING_TICKET_MAX_TTL_S = 3600
+DEFAULT_SESSION_TTL_S = 3600
+# A pin outliving a week is a release nobody re-resolves: cap it like the ticket lifetime.
+CEILING_SESSION_TTL_S = 7 * 24 * 3600
 DEFAULT_MAX_RANK = 64
 DEFAULT_ADAPTER_SLOTS = 64
 DEFAULT_RESIDENT_SHARE = 0.5
 TICKET_TTL_ENV = "LORAPLANE_TICKET_TTL_S"
 TICKET_MAX_TTL_ENV = "LORAPLANE_TICKET_MAX_TTL_S"
+SESSION_TTL_ENV = "LORAPLANE_SESSION_TTL_S"
 MAX_RANK_ENV = "LORAPLANE_MAX_RANK"
 ADAPTER_BYTES_ENV = "LORAPLANE_ADAPTER_BYTES"
 ADAPTER_SLOTS_ENV = "LORAPLANE_ADAPTER_SLOTS"
@@ -63,9 +72,11 @@ class Settings:
     adapter_bytes: int | None = None  # None: derived from the device's memory
     adapter_slots: int = DEFAULT_ADAPTER_SLOTS
     resident_share: float = DEFAULT_RESIDENT_SHARE
+    session_ttl_s: int = DEFAULT_SESSION_TTL_S  # how long a session keeps its release
 
     def __post_init__(self) -> None:
         check_ticket_lifetime(self.ticket_ttl_s, self.ticket_max_ttl_s)
+        check_session_ttl(self.session_ttl_s)
         check_adapter_memory_settings(self.max_rank, self.adapter_bytes, self.adapter_slots,
                                       self.resident_share)
 
@@ -108,6 +119,7 @@ class Settings:
             adapter_bytes=_bytes(ADAPTER_BYTES_ENV),
             adapter_slots=_whole(ADAPTER_SLOTS_ENV, DEFAULT_ADAPTER_SLOTS),
             resident_share=_fraction(RESIDENT_SHARE_ENV, DEFAULT_RESIDENT_SHARE),
+            session_ttl_s=_seconds(SESSION_TTL_ENV, DEFAULT_SESSION_TTL_S),
         )
 
     def ensure_dirs(self) -> None:
@@ -171,6 +183,16 @@ def check_adapter_memory_settings(max_rank: int, adapter_bytes: int | None, adap
     if not 0.0 < resident_share <= 1.0:
         raise ConfigError(f"{RESIDENT_SHARE_ENV} must be above 0 and at most 1, "
                           f"not {resident_share!r}")
+
+
+def check_session_ttl(ttl_s: int) -> None:
+    """Raise ConfigError unless 0 < ttl_s <= CEILING_SESSION_TTL_S (whole seconds)."""
+    if type(ttl_s) is not int or ttl_s <= 0:
+        raise ConfigError(f"{SESSION_TTL_ENV} must be a positive whole number of seconds, "
+                          f"not {ttl_s!r}")
+    if ttl_s > CEILING_SESSION_TTL_S:
+        raise ConfigError(f"{SESSION_TTL_ENV} is at most {CEILING_SESSION_TTL_S} seconds "
+                          f"(7 days), not {ttl_s}")
 
 
 def check_ticket_lifetime(ttl_s: int, max_ttl_s: int) -> None:

@@ -42,10 +42,12 @@ class NotificationLog(Protocol):
 
 
 def page_after(
-    log: NotificationLog, after: int | None, page_size: int, *, stop: int | None = None
+    log: NotificationLog, after: int | None, page_size: int, *, stop: int | None = None,
+    topics: Sequence[str] = (),
 ) -> Sequence[Notification]:
-    """The first ``page_size`` notifications after position ``after`` (and at most ``stop``)."""
-    return log.select_notifications(start=after, limit=page_size, stop=stop,
+    """The first ``page_size`` notifications after position ``after`` (and at most ``stop``);
+    ``topics``: only events of these topics (a reader that follows one kind of event)."""
+    return log.select_notifications(start=after, limit=page_size, stop=stop, topics=topics,
                                     inclusive_of_start=False)
 
 

@@ -7,6 +7,13 @@ append-mostly: a row is inserted at admission (or refusal) and updated once when
 finishes. Its schema is versioned (``control.contracts.schema``, component ``ledger``): opening a
 ledger
 creates a fresh one at the latest version and refuses an older one.
+
+Tenant feedback (schema version 4) sits beside the rows in ``request_feedback``: one rating
+(success or not) per request, given by the tenant the row names, append-only. A second rating of
+the same request is refused, not applied: the rating a rollout window counted (and recorded in
+its event) must stay the one the table holds, so an auditor re-reading the table finds the same
+figures. ``Ledger.release_window`` reads one release's figures over a time window: what the
+rollout controller judges a canary by.
 """
 
 from __future__ import annotations
@@ -70,6 +77,16 @@ request_ledger = sa.Table(
 
 OUTCOMES = tuple(o.value for o in Outcome)
 
+# Reasons the serving side writes on ``rejected`` rows that a rollout window counts apart
+# (backend/serving/service.py writes them; tests/control/contracts/test_feedback.py holds these
+# names to that source). ``busy``: the host's bound on requests in flight or its scheduler queue
+# was full; a busy refusal before the ticket was read has no tenant and no release, and is
+# counted host-wide only. The memory refusals are ``adapter_`` + the adapter cache's reason: no
+# slot or device budget was free for the adapter (the host's out-of-memory answer).
+BUSY_REASON = "busy"
+MEMORY_REFUSALS = frozenset({"adapter_no_room", "adapter_device_budget", "adapter_tenant_share"})
+LOAD_FAILED = "failed"  # adapter_loads.outcome of an attempt that did not make it resident
+
 # One row per attempt to make an adapter resident on a host: the evidence that a refused request
 # never caused a load, and the record of loads that failed (bytes changed in the store, say).
 adapter_loads = sa.Table(
@@ -83,6 +100,18 @@ adapter_loads = sa.Table(
     sa.Column("outcome", sa.String(16), nullable=False),  # loaded | failed | unloaded
     sa.Column("resident_bytes", sa.BigInteger, nullable=True),
     sa.Column("reason", sa.String(64), nullable=True),
+)
+
+
+# Schema version 4: tenant feedback, one rating per request (the primary key), never changed.
+# ``tenant`` repeats the row's tenant so a rating reads on its own; only that tenant may rate.
+request_feedback = sa.Table(
+    "request_feedback",
+    metadata,
+    sa.Column("request_id", sa.String(36), primary_key=True),
+    sa.Column("tenant", sa.String(128), nullable=False),
+    sa.Column("success", sa.Boolean, nullable=False),
+    sa.Column("rated_at", sa.Float, nullable=False),
 )
 
 
@@ -130,11 +159,13 @@ class Completion:
 # -- the ledger's schema component (control.contracts.schema) -----------------------------------
 
 def _ledger_version(insp: sa.Inspector) -> int:
-    # Versions 2 and 3 each added one column; the newest column present tells the version.
-    # Without a request_ledger (only adapter_loads) nothing needs altering: the missing table
-    # is created at the latest version.
+    # Versions 2 and 3 each added one column, version 4 a table; the newest of them present
+    # tells the version. Without a request_ledger (only adapter_loads) nothing needs altering:
+    # the missing tables are created at the latest version.
     if not insp.has_table(request_ledger.name):
         return LEDGER_VERSION
+    if insp.has_table(request_feedback.name):
+        return 4
     columns = {c["name"] for c in insp.get_columns(request_ledger.name)}
     if "served_digest" in columns:
         return 3
@@ -153,9 +184,65 @@ def _ledger_2_to_3(conn: Connection) -> None:
         conn.exec_driver_sql("ALTER TABLE request_ledger ALTER COLUMN outcome TYPE VARCHAR(32)")
 
 
-LEDGER_VERSION = 3
+def _ledger_3_to_4(conn: Connection) -> None:
+    request_feedback.create(conn)  # a new table: no existing row is touched
+
+
+LEDGER_VERSION = 4
 LEDGER = declare(Component("ledger", LEDGER_VERSION, metadata, _ledger_version,
-                           steps={1: _ledger_1_to_2, 2: _ledger_2_to_3}))
+                           steps={1: _ledger_1_to_2, 2: _ledger_2_to_3, 3: _ledger_3_to_4}))
+
+
+class NotRatable(LookupError):
+    """No ledger row of that id names the rating tenant (unknown, or another tenant's): the
+    two cases are one error, so a tenant learns nothing of other tenants' request ids."""
+
+
+class AlreadyRated(Exception):
+    """The request already holds a rating; ratings are never replaced."""
+
+
+@dataclass(frozen=True)
+class Rating:
+    request_id: str
+    tenant: str
+    success: bool
+    rated_at: float
+
+
+@dataclass(frozen=True)
+class ReleaseWindow:
+    """What the ledger says about one release over one time window ``[since, until)`` of
+    admission times: the figures a rollout window is judged by.
+
+    ``requests``: rows naming the release (refused ones included); ``ok``/``failed``: how the
+    served ones ended; ``identity_mismatches``: rows failed closed because the slot held
+    another adapter than the ticket named, where either is this release's adapter;
+    ``busy``/``memory_refusals``: refusals for want of capacity (``BUSY_REASON``,
+    ``MEMORY_REFUSALS``); ``load_failures``: failed attempts to load the release's adapter
+    (``adapter_loads``) started in the window; ``rated``/``successes``: tenant feedback on the
+    window's rows, as the table holds it when read; ``p95_latency_s``: of the ``ok`` rows,
+    finished minus admitted (None without one).
+    """
+
+    requests: int = 0
+    ok: int = 0
+    failed: int = 0
+    identity_mismatches: int = 0
+    busy: int = 0
+    memory_refusals: int = 0
+    load_failures: int = 0
+    rated: int = 0
+    successes: int = 0
+    p95_latency_s: float | None = None
+
+
+def p95(values: Sequence[float]) -> float | None:
+    """The 95th percentile by nearest rank (None for no values)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, -(-95 * len(ordered) // 100) - 1)]
 
 
 class Ledger:
@@ -238,6 +325,95 @@ class Ledger:
         with self.engine.connect() as conn:
             return [AdapterLoad(**dict(r._mapping))
                     for r in conn.execute(q.order_by(adapter_loads.c.id))]
+
+    # -- feedback -------------------------------------------------------------------------------
+
+    def rate(self, request_id: str, tenant: str, success: bool,
+             now: float | None = None) -> Rating:
+        """Record ``tenant``'s rating of its request ``request_id``.
+
+        NotRatable when no row of that id names ``tenant`` (unknown, or another tenant's: one
+        answer); AlreadyRated when the request holds a rating already (the first one stays).
+        The check and the insert share one transaction, and the primary key settles two
+        ratings racing for one request.
+        """
+        rating = Rating(request_id, tenant, bool(success), time.time() if now is None else now)
+        try:
+            with self.engine.begin() as conn:
+                owner = conn.execute(sa.select(request_ledger.c.tenant).where(
+                    request_ledger.c.request_id == request_id)).scalar()
+                if owner is None or owner != tenant:
+                    raise NotRatable(request_id)
+                conn.execute(request_feedback.insert().values(
+                    request_id=rating.request_id, tenant=rating.tenant,
+                    success=rating.success, rated_at=rating.rated_at))
+        except sa.exc.IntegrityError:
+            raise AlreadyRated(request_id) from None
+        return rating
+
+    def rating(self, request_id: str) -> Rating | None:
+        """The rating of ``request_id``, if it has one."""
+        with self.engine.connect() as conn:
+            r = conn.execute(sa.select(request_feedback).where(
+                request_feedback.c.request_id == request_id)).first()
+        return Rating(**dict(r._mapping)) if r else None
+
+    # -- rollout windows --------------------------------------------------------------------
+
+    def release_window(self, release: str, adapter: str | None, since: float,
+                       until: float) -> ReleaseWindow:
+        """The figures of ``release`` (whose adapter is ``adapter``, None for a base-only
+        release) over admissions in ``[since, until)``; see :class:`ReleaseWindow`."""
+        t, f = request_ledger, request_feedback
+        in_window = sa.and_(t.c.admitted_at >= since, t.c.admitted_at < until)
+        rows = sa.select(t.c.request_id, t.c.outcome, t.c.reason, t.c.admitted_at,
+                         t.c.finished_at, f.c.success).select_from(
+            t.outerjoin(f, f.c.request_id == t.c.request_id)).where(
+            t.c.release_digest == release, in_window)
+        with self.engine.connect() as conn:
+            found = conn.execute(rows).all()
+            # A mismatch row of another release still speaks of this adapter when the slot
+            # held it (or the ticket named it): counted as this release's mismatch too.
+            other_mismatches = 0
+            failed_loads = 0
+            if adapter is not None:
+                other_mismatches = int(conn.execute(
+                    sa.select(sa.func.count()).select_from(t).where(
+                        in_window, t.c.outcome == Outcome.IDENTITY_MISMATCH.value,
+                        sa.or_(t.c.release_digest.is_(None), t.c.release_digest != release),
+                        sa.or_(t.c.adapter_digest == adapter, t.c.served_digest == adapter))
+                ).scalar() or 0)
+                failed_loads = int(conn.execute(
+                    sa.select(sa.func.count()).select_from(adapter_loads).where(
+                        adapter_loads.c.adapter_digest == adapter,
+                        adapter_loads.c.outcome == LOAD_FAILED,
+                        adapter_loads.c.started_at >= since,
+                        adapter_loads.c.started_at < until)).scalar() or 0)
+        outcomes = [r.outcome for r in found]
+        rated = [r.success for r in found if r.success is not None]
+        return ReleaseWindow(
+            requests=len(found),
+            ok=outcomes.count(Outcome.OK.value),
+            failed=outcomes.count(Outcome.FAILED.value),
+            identity_mismatches=outcomes.count(Outcome.IDENTITY_MISMATCH.value)
+            + other_mismatches,
+            busy=sum(1 for r in found if r.reason == BUSY_REASON),
+            memory_refusals=sum(1 for r in found if r.reason in MEMORY_REFUSALS),
+            load_failures=failed_loads,
+            rated=len(rated),
+            successes=sum(1 for s in rated if s),
+            p95_latency_s=p95([r.finished_at - r.admitted_at for r in found
+                               if r.outcome == Outcome.OK.value and r.finished_at is not None]),
+        )
+
+    def unattributed_busy(self, since: float, until: float) -> int:
+        """Busy refusals in ``[since, until)`` made before any ticket was read (no tenant, no
+        release): host-wide pressure, not any one release's."""
+        t = request_ledger
+        with self.engine.connect() as conn:
+            return int(conn.execute(sa.select(sa.func.count()).select_from(t).where(
+                t.c.admitted_at >= since, t.c.admitted_at < until, t.c.reason == BUSY_REASON,
+                t.c.release_digest.is_(None), t.c.tenant.is_(None))).scalar() or 0)
 
     def get(self, request_id: str) -> LedgerEntry | None:
         with self.engine.connect() as conn:

@@ -8,7 +8,8 @@ never
   version 2 adds ``request_ledger.release_digest`` and its (release_digest, admitted_at) index;
   version 3 adds ``request_ledger.served_digest`` (the digest the engine's slot held, the
   evidence of which adapter answered) with its index, and widens ``outcome`` to 32 characters
-  for ``identity_mismatch``.
+  for ``identity_mismatch``; version 4 adds the table ``request_feedback`` (tenant feedback, one
+  rating per request).
 - ``audit``: ``audit_checkpoints`` (``control.app.integrity``). Evidence too; version 1.
 - ``projections``: the tables of ``projections.tables``. Derived from the event store, so an older
   version is not migrated: the tables are dropped, created afresh and replayed from the events.

@@ -25,12 +25,20 @@ One aggregate per module:
 - ``signing_key.SigningKey``: a ticket-signing public key, by key id (a rotation is a new key);
   once retired, no gateway signs with it and no host trusts it.
 - ``rejection.RegistrationRejection``: one refused registration, kept for the audit.
+- ``rollout.Rollout``: one automatic canary of a target release on an alias: its steps, each
+  window's figures and decision, pauses, and how it ended (completed or rolled back), with the
+  rules that judge a window (``rollout.judge_window``, ``rollout.RolloutPolicy``).
+- ``session.SessionPin``: the release one session (tenant, alias, session id) keeps until it
+  ends or its pin expires; re-pinned, with the reason, when its release stops being servable.
 
 Pure rules beside them: ``lifecycle`` (draft -> candidate -> canary -> stable -> deprecated;
 revoked from any state, final; each move guarded by ``lifecycle_guard``; only canary and stable
-releases are servable), ``canary`` (which release a session gets), ``names``, ``errors`` and
-``events`` (an event's payload). ``topics`` keeps the topics of events stored before this
-package was split resolving.
+releases are servable), ``canary`` (which release a session gets), ``names``, ``errors``,
+``gate`` (the evaluation gate's thresholds, figures and judgement, and the base + tokenizer +
+chat template combination a gate report vouches for), ``events`` (an event's payload) and
+``fallback`` (what an alias serves after a revocation: its policy ``stable``, ``base`` or
+``none``). ``topics`` keeps the topics of events stored before this package was split
+resolving.
 
 This module is the package's public face: import from ``control.domain``.
 """
@@ -50,6 +58,22 @@ from control.domain.errors import (
     ValidationFailed,
 )
 from control.domain.events import event_fields
+from control.domain.fallback import (
+    DEFAULT_FALLBACK,
+    FallbackOutcome,
+    FallbackPolicy,
+    check_policy,
+    fall_back,
+)
+from control.domain.gate import (
+    Combination,
+    GateFigures,
+    GatePolicy,
+    RuleVerdict,
+    check_overrides,
+    effective_policy,
+    judge,
+)
 from control.domain.ids import (
     NAMESPACE,
     adapter_id,
@@ -57,6 +81,7 @@ from control.domain.ids import (
     base_id,
     base_name_id,
     release_id,
+    session_pin_id,
     signing_key_id,
     tenant_id,
 )
@@ -82,6 +107,24 @@ from control.domain.names import NAME_RE, check_actor, check_name
 from control.domain.policy import TenantPolicy
 from control.domain.rejection import RegistrationRejection
 from control.domain.release import MANIFEST_KIND, Release, ReleaseManifest
+from control.domain.rollout import (
+    Decision,
+    ProbeReport,
+    Rollout,
+    RolloutPolicy,
+    RolloutStatus,
+    Sessions,
+    judge_window,
+    rollout_id,
+)
+from control.domain.session import (
+    SESSION_RE,
+    RepinReason,
+    SessionPin,
+    check_session,
+    effective_release,
+    why_repin,
+)
 from control.domain.signing_key import SigningKey
 from control.domain.tenant import Tenant, hash_api_key
 from control.domain.topics import register_former_topics
@@ -92,6 +135,7 @@ register_former_topics()
 __all__ = [
     "CANARY",
     "CANDIDATE",
+    "DEFAULT_FALLBACK",
     "DEPRECATED",
     "DRAFT",
     "LIFECYCLE",
@@ -102,6 +146,7 @@ __all__ = [
     "REVOKED",
     "SERVABLE_STATES",
     "SERVING_STEPS",
+    "SESSION_RE",
     "STABLE",
     "TRANSITIONS",
     "Adapter",
@@ -111,14 +156,28 @@ __all__ = [
     "AlreadyExists",
     "BaseModel",
     "BaseName",
+    "Combination",
     "Conflict",
+    "Decision",
     "DomainError",
+    "FallbackOutcome",
+    "FallbackPolicy",
+    "GateFigures",
+    "GatePolicy",
     "IllegalTransition",
     "NotFound",
+    "ProbeReport",
     "Promotable",
     "RegistrationRejection",
     "Release",
     "ReleaseManifest",
+    "RepinReason",
+    "Rollout",
+    "RolloutPolicy",
+    "RolloutStatus",
+    "RuleVerdict",
+    "SessionPin",
+    "Sessions",
     "SigningKey",
     "Tenant",
     "TenantPolicy",
@@ -130,14 +189,25 @@ __all__ = [
     "canary_bucket",
     "check_actor",
     "check_name",
+    "check_overrides",
+    "check_policy",
+    "check_session",
     "check_transition",
     "choose_release",
+    "effective_policy",
+    "effective_release",
     "event_fields",
+    "fall_back",
     "hash_api_key",
     "is_servable",
+    "judge",
+    "judge_window",
     "lifecycle_guard",
     "next_state",
     "release_id",
+    "rollout_id",
+    "session_pin_id",
     "signing_key_id",
     "tenant_id",
+    "why_repin",
 ]

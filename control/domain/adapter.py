@@ -1,8 +1,14 @@
 """The ``Adapter`` aggregate: a registered LoRA adapter and where it stands in its lifecycle.
 
-It carries its registry metadata, its evaluation report, the release manifest it entered canary
-with and, once revoked, the serving side's drain/purge/unload steps per host. The moves
-themselves are ruled by ``control.domain.lifecycle``.
+It carries its registry metadata, its golden task set, its gate policy overrides, its gate
+reports (one per base + tokenizer + chat template combination it was gated on), any evaluation
+report written outside the gate, the release manifest it entered canary with and, once revoked,
+the serving side's drain/purge/unload steps per host. The moves themselves are ruled by
+``control.domain.lifecycle``; what a gate report must show, by ``control.domain.gate``.
+
+Entering canary needs evidence: a passing gate report for the exact combination the canary
+release is built on, or a report written outside the gate, which is accepted only when its
+caller says so (``external=True``) and is recorded as external (``EvaluationRecorded.external``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from uuid import UUID
 from eventsourcing.domain import Aggregate, event
 
 from control.domain.errors import AlreadyExists, DomainError, IllegalTransition
+from control.domain.gate import Combination, check_overrides
 from control.domain.ids import adapter_id
 from control.domain.lifecycle import (
     CANARY,
@@ -68,9 +75,48 @@ class Adapter(Aggregate):
     # Later events repeat the natural key (digest, alias name) so that each event reads on its
     # own in the audit log and in projections.
     class EvaluationRecorded(Aggregate.Event):
+        """A report written outside the gate, accepted because its caller said so."""
+
         digest: str
         report_digest: str
         summary: dict[str, Any]
+        external: bool
+        actor: str
+
+        # Version 2 added ``external``. Every report recorded before the gate existed was
+        # written outside it: read back as external.
+        class_version = 2
+
+        @staticmethod
+        def upcast_v1_v2(state: dict[str, Any]) -> None:
+            state["external"] = True
+
+    class GoldenSetRecorded(Aggregate.Event):
+        """The adapter's golden task set (``control.contracts.golden``), by digest."""
+
+        digest: str
+        golden_digest: str
+        family: str
+        tasks: int
+        actor: str
+
+    class GatePolicyOverridden(Aggregate.Event):
+        """Gate thresholds for this adapter only, over its tenant's (``control.domain.gate``)."""
+
+        digest: str
+        overrides: dict[str, Any]
+        actor: str
+
+    class GateReportRecorded(Aggregate.Event):
+        """A report the gate wrote (content-addressed), for one base + tokenizer + template."""
+
+        digest: str
+        report_digest: str
+        passed: bool
+        figures: dict[str, Any]
+        base: str
+        tokenizer: str
+        template: str | None
         actor: str
 
     class AdapterPromoted(Aggregate.Event):
@@ -131,7 +177,12 @@ class Adapter(Aggregate):
         self.validated = True
         self.state: AdapterState = DRAFT
         self.had_canary = False
-        self.evaluation_report: str | None = None
+        self.evaluation_report: str | None = None  # the latest external report
+        self.golden_set: str | None = None
+        self.golden_tasks = 0
+        self.gate_overrides: dict[str, Any] = {}
+        # combination key -> {"report": digest, "passed": bool}: the latest gate report on each
+        self.gate_reports: dict[str, dict[str, Any]] = {}
         self.release: str | None = None
         self.revoke_reason: str | None = None
         self.serving_steps: dict[str, list[str]] = {}  # host -> steps done, in order
@@ -140,24 +191,91 @@ class Adapter(Aggregate):
     def revoked(self) -> bool:
         return self.state == REVOKED
 
-    def record_evaluation(self, report_digest: str, summary: dict[str, Any], actor: str) -> None:
-        """Record an evaluation report (content-addressed); the latest one counts."""
+    def record_evaluation(self, report_digest: str, summary: dict[str, Any], actor: str, *,
+                          external: bool = False) -> None:
+        """Record an evaluation report written outside the gate (content-addressed); the
+        latest one counts. Accepted only with ``external=True``: the caller says it is not a
+        gate report, and it is recorded as external."""
+        if not external:
+            raise IllegalTransition(
+                "a report written outside the gate is accepted only as external (--external, "
+                "external=True); or let the gate write one (adapter gate DIGEST)")
         if self.state in (REVOKED, DEPRECATED, STABLE):
             raise IllegalTransition(
                 f"an adapter in state {self.state.value!r} takes no evaluation")
         self._evaluated(digest=self.digest, report_digest=report_digest, summary=summary,
-                        actor=check_actor(actor))
+                        external=True, actor=check_actor(actor))
 
     @event(EvaluationRecorded)
     def _evaluated(self, digest: str, report_digest: str, summary: dict[str, Any],
-                   actor: str) -> None:
+                   external: bool, actor: str) -> None:
         self.evaluation_report = report_digest
 
+    def record_golden_set(self, golden_digest: str, family: str, tasks: int,
+                          actor: str) -> None:
+        """Record the golden task set the gate judges this adapter by (the latest counts)."""
+        if self.state in (REVOKED, DEPRECATED):
+            raise IllegalTransition(
+                f"an adapter in state {self.state.value!r} takes no golden task set")
+        if type(tasks) is not int or tasks < 1:
+            raise DomainError("a golden task set holds at least one task")
+        self._golden_recorded(digest=self.digest, golden_digest=golden_digest,
+                              family=check_name("golden family", family), tasks=tasks,
+                              actor=check_actor(actor))
+
+    @event(GoldenSetRecorded)
+    def _golden_recorded(self, digest: str, golden_digest: str, family: str, tasks: int,
+                         actor: str) -> None:
+        self.golden_set = golden_digest
+        self.golden_tasks = tasks
+
+    def override_gate_policy(self, overrides: dict[str, Any], actor: str) -> None:
+        """Replace this adapter's gate policy overrides (``{}``: its tenant's policy alone)."""
+        if self.state == REVOKED:
+            raise IllegalTransition("a revoked adapter takes no gate policy")
+        self._gate_policy(digest=self.digest, overrides=check_overrides(overrides),
+                          actor=check_actor(actor))
+
+    @event(GatePolicyOverridden)
+    def _gate_policy(self, digest: str, overrides: dict[str, Any], actor: str) -> None:
+        self.gate_overrides = overrides
+
+    def record_gate_report(self, report_digest: str, passed: bool, figures: dict[str, Any],
+                           combination: Combination, actor: str) -> None:
+        """Record a gate report on ``combination``; the latest report on it counts."""
+        if self.state in (REVOKED, DEPRECATED):
+            raise IllegalTransition(
+                f"an adapter in state {self.state.value!r} takes no gate report")
+        self._gate_reported(digest=self.digest, report_digest=report_digest,
+                            passed=bool(passed), figures=figures, base=combination.base,
+                            tokenizer=combination.tokenizer, template=combination.template,
+                            actor=check_actor(actor))
+
+    @event(GateReportRecorded)
+    def _gate_reported(self, digest: str, report_digest: str, passed: bool,
+                       figures: dict[str, Any], base: str, tokenizer: str,
+                       template: str | None, actor: str) -> None:
+        key = Combination(base, tokenizer, template).key
+        self.gate_reports[key] = {"report": report_digest, "passed": passed}
+
+    def passing_gate_report(self, combination: Combination) -> str | None:
+        """The digest of the latest gate report on ``combination`` if it passed, else None."""
+        latest = self.gate_reports.get(combination.key)
+        return str(latest["report"]) if latest and latest["passed"] else None
+
+    def canary_evidence(self, combination: Combination | None) -> str | None:
+        """The report that lets this adapter into canary on ``combination``: a passing gate
+        report on it, else an external report; None when there is neither."""
+        gated = self.passing_gate_report(combination) if combination is not None else None
+        return gated or self.evaluation_report
+
     def promote(self, to: str, actor: str, policy: TenantPolicy | None = None,
-                release: str | None = None) -> None:
+                release: str | None = None, combination: Combination | None = None) -> None:
         """Move along the lifecycle; raise IllegalTransition (recording nothing) if the table
-        or the move's guard does not allow it. Entering canary names the release manifest."""
-        lifecycle_guard(self, to, policy or TenantPolicy())
+        or the move's guard does not allow it. Entering canary names the release manifest and
+        the ``combination`` (base, tokenizer, chat template) it is built on, which a gate
+        report must vouch for unless an external report was recorded."""
+        lifecycle_guard(self, to, policy or TenantPolicy(), combination)
         if to == CANARY and release is None:
             raise DomainError("entering canary needs a release manifest")
         # Events carry the states as plain strings (what is stored), the aggregate the enum.

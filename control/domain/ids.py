@@ -50,3 +50,9 @@ def alias_id(name: str) -> UUID:
 def signing_key_id(kid: str) -> UUID:
     """The id of the ticket-signing key with key id ``kid``."""
     return _id("signing-key", kid)
+
+
+def session_pin_id(tenant: str, alias: str, session: str) -> UUID:
+    """The id of the pin of ``tenant``'s session ``session`` on ``alias``. Tenant and alias
+    names never hold ``/`` (``names.NAME_RE``), so the key names one session only."""
+    return _id("session-pin", f"{tenant}/{alias}/{session}")

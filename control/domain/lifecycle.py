@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from control.domain.errors import IllegalTransition
+from control.domain.gate import Combination
 from control.domain.policy import TenantPolicy
 
 
@@ -65,6 +66,7 @@ class Promotable(Protocol):
     def evaluation_report(self) -> str | None: ...
     @property
     def had_canary(self) -> bool: ...
+    def canary_evidence(self, combination: Combination | None) -> str | None: ...
 
 
 def check_transition(current: str, to: str) -> None:
@@ -95,12 +97,15 @@ def is_servable(adapter_state: str | None) -> bool:
     return adapter_state is None or adapter_state in SERVABLE_STATES
 
 
-def lifecycle_guard(adapter: Promotable, to: str, policy: TenantPolicy) -> None:
+def lifecycle_guard(adapter: Promotable, to: str, policy: TenantPolicy,
+                    combination: Combination | None = None) -> None:
     """Raise IllegalTransition unless ``adapter`` may move to ``to`` now.
 
     - candidate: validation passed (every registered adapter passed it; a refused one was never
       registered) and, where the tenant's policy demands one, a verified signature;
-    - canary: an evaluation report is recorded;
+    - canary: a passing gate report for exactly ``combination`` (the base, tokenizer and chat
+      template the canary release is built on), or a report written outside the gate, recorded
+      as external with an explicit flag (``Adapter.canary_evidence``);
     - stable: the adapter went through a canary phase (the table only allows canary -> stable).
     """
     check_transition(adapter.state, to)
@@ -112,8 +117,11 @@ def lifecycle_guard(adapter: Promotable, to: str, policy: TenantPolicy) -> None:
                 "candidate needs a verified signature: the tenant's policy requires signed "
                 "adapters (register it again with --signature)")
     elif to == CANARY:
-        if adapter.evaluation_report is None:
+        if adapter.canary_evidence(combination) is None:
             raise IllegalTransition(
-                "canary needs a recorded evaluation report (adapter evaluate DIGEST REPORT.json)")
+                "canary needs an evaluation report: a passing gate report for this adapter on "
+                "this base, tokenizer and chat template (adapter gate DIGEST), or a report "
+                "written outside the gate, recorded as external (adapter evaluate DIGEST "
+                "REPORT.json --external)")
     elif to == STABLE and not adapter.had_canary:
         raise IllegalTransition("stable needs a canary phase first")

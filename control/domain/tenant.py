@@ -2,7 +2,8 @@
 
 Only the SHA-256 of a tenant's API key is ever recorded, never the key. A rotation records the
 next key's hash (every earlier key stops working); a revocation leaves the tenant without a
-working key until the next rotation.
+working key until the next rotation. Its gate policy (``control.domain.gate``) is the default
+every one of its adapters' gate reports is judged by, below each adapter's own overrides.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from uuid import UUID
 from eventsourcing.domain import Aggregate, event
 
 from control.domain.errors import IllegalTransition
+from control.domain.gate import check_overrides
 from control.domain.ids import tenant_id
 from control.domain.names import check_actor, check_name
 from control.domain.policy import TenantPolicy
@@ -31,6 +33,14 @@ class Tenant(Aggregate):
         actor: str
 
     class TenantPolicySet(Aggregate.Event):
+        tenant: str
+        policy: dict[str, Any]
+        actor: str
+
+    class GatePolicySet(Aggregate.Event):
+        """The tenant's gate thresholds: fields of ``control.domain.gate.GatePolicy`` that
+        differ from its defaults (the whole recorded set replaces the previous one)."""
+
         tenant: str
         policy: dict[str, Any]
         actor: str
@@ -76,6 +86,20 @@ class Tenant(Aggregate):
     @event(TenantPolicySet)
     def _policy_set(self, tenant: str, policy: dict[str, Any], actor: str) -> None:
         self.policy_json = policy
+
+    @property
+    def gate_policy(self) -> dict[str, Any]:
+        """The tenant's recorded gate policy fields (``{}``: the defaults)."""
+        return dict(getattr(self, "gate_policy_json", {}))
+
+    def set_gate_policy(self, policy: dict[str, Any], actor: str) -> None:
+        """Replace the tenant's gate thresholds (applies to gate runs from now on)."""
+        self._gate_policy_set(tenant=self.name, policy=check_overrides(policy),
+                              actor=check_actor(actor))
+
+    @event(GatePolicySet)
+    def _gate_policy_set(self, tenant: str, policy: dict[str, Any], actor: str) -> None:
+        self.gate_policy_json = policy
 
     def rotate_api_key(self, api_key: str, actor: str) -> None:
         """Replace the tenant's key by ``api_key`` (only its hash is recorded); also after a

@@ -8,6 +8,11 @@ Triton's generate extension (``/v2/models/lora_llm/generate``, ``generate_stream
 streaming). An unknown, ungranted, unservable or revoked name gets one fixed 404 that names
 nothing else; there is never a fallback to another model.
 
+Sessions. The ``x-session-id`` header names the caller's session (a multi-turn chat, a stream
+that may reconnect); without it, OpenAI's ``user`` field serves as the session id. A session
+keeps the release it first resolved until it ends (``DELETE /v1/sessions/{session}``) or its
+pin expires (``control.domain.session``); a request with neither is its own session.
+
 Chat template. The reference kit has none, so chat messages are rendered with this documented
 role-prefixed template (one line per message, then the assistant's turn)::
 
@@ -29,6 +34,7 @@ token piece becomes one SSE chunk. Where they do not, the request goes to ``lora
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import logging
@@ -44,6 +50,7 @@ from aiohttp import web
 from control.contracts import wire
 from control.contracts.ledger import request_ledger
 from control.contracts.telemetry import span, traceparent_of
+from control.domain import SESSION_RE
 from control.gateway.observability import GatewayMetrics
 from control.gateway.ticket_office import NotGranted, TicketOffice
 from projections.tables import grants
@@ -55,6 +62,7 @@ MAX_TOKENS_LIMIT = 512
 DEFAULT_MAX_TOKENS = 16
 ROLES = ("system", "user", "assistant")
 MODEL_NOT_FOUND = "The model does not exist or you do not have access to it."
+SESSION_HEADER = "x-session-id"
 
 
 @dataclass
@@ -210,13 +218,30 @@ def render_chat(messages: object) -> str:
     return "".join(lines) + "assistant:"
 
 
-def _issue(request: web.Request, tenant: str, model: object, user: object) -> Any:
+def _session(request: web.Request, user: object) -> str | None:
+    """The caller's session id: the ``x-session-id`` header, else OpenAI's ``user`` field."""
+    header = request.headers.get(SESSION_HEADER)
+    if header is not None:
+        if not SESSION_RE.match(header):
+            raise _bad(f"header {SESSION_HEADER} must be 1-128 printable ASCII characters")
+        return header
+    if not isinstance(user, str) or not 0 < len(user) <= 128:
+        return None
+    # Any user name keeps one release; one with spaces or non-ASCII is named by its hash.
+    return user if SESSION_RE.match(user) else "user:" + hashlib.sha256(
+        user.encode()).hexdigest()[:40]
+
+
+async def _issue(request: web.Request, tenant: str, model: object, user: object) -> Any:
     if not isinstance(model, str) or not model:
         raise _bad("'model' is required", "model")
-    # OpenAI's ``user`` field is the session id of the canary split: one user, one release.
-    session = user if isinstance(user, str) and 0 < len(user) <= 128 else None
+    session = _session(request, user)
+    office = request.app[OFFICE_KEY]
     try:
-        return request.app[OFFICE_KEY].issue(tenant, model, session)
+        if session is not None and office.pins is not None:
+            # A new or moved pin is an event-store write: off the event loop.
+            return await asyncio.to_thread(office.issue, tenant, model, session)
+        return office.issue(tenant, model, session)
     except NotGranted:
         log.info("openai model refused", extra={"tenant": tenant})
         raise _not_found() from None
@@ -311,7 +336,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         if not isinstance(prompt_raw, str):
             raise _bad("'prompt' must be a string", "prompt")
         g = _generation(body, prompt_raw)
-        issued = _issue(request, tenant, body.get("model"), body.get("user"))
+        issued = await _issue(request, tenant, body.get("model"), body.get("user"))
         return await _complete(request, chat, g, issued, str(body["model"]))
     except ApiError as e:
         return e.response()

@@ -5,10 +5,25 @@
 granted to the caller, not servable or revoked: the caller cannot tell which, so the gateway never
 confirms that another tenant's alias exists. 503 while the routing tables cannot be read, or
 while no unretired signing key is held (the gateway never signs with a retired key).
+
+An optional ``"session"`` in the body names the client's session: the session keeps the
+release it first resolved (``control.domain.session``) until it ends or its pin expires
+(``LORAPLANE_SESSION_TTL_S``). ``DELETE /v1/sessions/{session}?alias=ALIAS`` ends one of the
+caller's own sessions; it answers 204 whether or not such a session existed, so it tells
+nothing about sessions, aliases or tenants.
+
+``POST /v1/feedback`` with ``{"request_id": "...", "success": true|false}`` records the calling
+tenant's rating of one of its own requests (the ``request_id`` its answer carried), which the
+rollout controller weighs a canary by. A request id that is unknown or another tenant's gets the
+same 404 with one fixed message, so ids of other tenants' requests cannot be probed. One rating
+per request: a second is refused with 409 and the first stays (a window's recorded figures must
+match the table an auditor reads later).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -18,6 +33,9 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from control.contracts import telemetry
+from control.contracts.db import make_engine
+from control.contracts.ledger import AlreadyRated, Ledger, NotRatable
+from control.domain import SESSION_RE, DomainError
 from control.gateway import observability, openai_api
 from control.gateway.observability import GatewayMetrics
 from control.gateway.ticket_office import NotGranted, SigningUnavailable, TicketOffice
@@ -26,13 +44,16 @@ from projections.route_cache import RoutingUnavailable
 log = logging.getLogger("loraplane.gateway")
 
 ALIAS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-SESSION_RE = re.compile(r"^[\x21-\x7e]{1,128}$")  # optional canary-split session id
 MAX_BODY = 4096
 UNAUTHORISED = {"error": "unauthorised: missing or unknown API key"}
 FORBIDDEN = {"error": "forbidden: this alias is not available to your tenant"}
 UNAVAILABLE = {"error": "routing temporarily unavailable; retry shortly"}
 NO_SIGNING_KEY = {"error": "ticket signing unavailable: no active signing key; retry later"}
+NO_SUCH_REQUEST = {"error": "not found: no request with that id for your tenant"}
+ALREADY_RATED = {"error": "this request already has feedback; a rating is never replaced"}
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9-]{1,36}$")  # the ledger's request ids (uuid4)
 OFFICE_KEY = web.AppKey("office", TicketOffice)
+LEDGER_KEY = web.AppKey("ledger", Ledger)
 
 
 def _json(status: int, body: Mapping[str, object]) -> web.Response:
@@ -61,7 +82,11 @@ async def issue_ticket(request: web.Request) -> web.Response:
     if session is not None and not (isinstance(session, str) and SESSION_RE.match(session)):
         return _json(400, {"error": "field 'session' must be 1-128 printable ASCII characters"})
     try:
-        issued = office.issue(tenant, alias, session)
+        if session is not None and office.pins is not None:
+            # A new or moved pin is an event-store write: off the event loop.
+            issued = await asyncio.to_thread(office.issue, tenant, alias, session)
+        else:
+            issued = office.issue(tenant, alias, session)
     except NotGranted:
         log.info("ticket refused", extra={"tenant": tenant})
         return _json(403, FORBIDDEN)
@@ -78,6 +103,67 @@ async def issue_ticket(request: web.Request) -> web.Response:
             "release": issued.release,
         },
     )
+
+
+async def end_session(request: web.Request) -> web.Response:
+    """``DELETE /v1/sessions/{session}?alias=ALIAS``: end one of the caller's sessions.
+
+    204 whether a pin was ended or there was none: the answer says nothing about sessions of
+    other tenants, or whether the alias exists."""
+    office = request.app[OFFICE_KEY]
+    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+    tenant = (office.routing.tenant_for_api_key(key.strip())
+              if scheme.lower() == "bearer" and key.strip() else None)
+    if tenant is None:
+        return _json(401, UNAUTHORISED)
+    alias = request.query.get("alias")
+    if alias is None or not ALIAS_RE.match(alias):
+        return _json(400, {"error": "query parameter 'alias' must be an alias name"})
+    session = request.match_info["session"]
+    if not SESSION_RE.match(session):
+        return _json(400, {"error": "the session id must be 1-128 printable ASCII characters"})
+    if office.pins is None:
+        return _json(404, {"error": "this gateway does not keep sessions"})
+    # A name no pin can have (an alias the registry would refuse) has nothing to end.
+    with contextlib.suppress(DomainError):
+        await asyncio.to_thread(office.end_session, tenant, alias, session)
+    return web.Response(status=204)
+
+
+async def rate_request(request: web.Request) -> web.Response:
+    """``POST /v1/feedback``: the caller rates one of its own requests (see the module notes).
+
+    201 with the rating; 401 without a known API key; 400 for a malformed body; 404 for an id
+    that is unknown or not the caller's (one answer); 409 when it was rated already."""
+    office = request.app[OFFICE_KEY]
+    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+    tenant = (office.routing.tenant_for_api_key(key.strip())
+              if scheme.lower() == "bearer" and key.strip() else None)
+    if tenant is None:
+        return _json(401, UNAUTHORISED)
+    if request.content_length is not None and request.content_length > MAX_BODY:
+        return _json(400, {"error": "request body too large"})
+    try:
+        body = json.loads(await request.content.read(MAX_BODY + 1) or b"null")
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        return _json(400, {"error": 'body must be JSON: {"request_id": "...", "success": true}'})
+    request_id, success = body.get("request_id"), body.get("success")
+    if not isinstance(request_id, str) or not REQUEST_ID_RE.match(request_id):
+        return _json(400, {"error": "field 'request_id' must be the request id an answer carried"})
+    if not isinstance(success, bool):
+        return _json(400, {"error": "field 'success' must be true or false"})
+    try:
+        # A database write: off the event loop.
+        rating = await asyncio.to_thread(request.app[LEDGER_KEY].rate, request_id, tenant,
+                                         success)
+    except NotRatable:
+        return _json(404, NO_SUCH_REQUEST)
+    except AlreadyRated:
+        return _json(409, ALREADY_RATED)
+    return _json(201, {"request_id": rating.request_id, "success": rating.success,
+                       "rated_at": rating.rated_at})
 
 
 @web.middleware
@@ -102,13 +188,18 @@ def make_app(
     *,
     triton_urls: list[str] | None = None,
     metrics: GatewayMetrics | None = None,
+    ledger: Ledger | None = None,
 ) -> web.Application:
-    """The gateway: tickets, health, ``/metrics``, ``/v1/stats`` and, given Triton URLs
+    """The gateway: tickets, feedback, health, ``/metrics``, ``/v1/stats`` and, given Triton URLs
     (host:port), the OpenAI-compatible routes of :mod:`control.gateway.openai_api`."""
     metrics = metrics or GatewayMetrics()
     app = web.Application(client_max_size=MAX_BODY, middlewares=[metrics.middleware(), fail_closed])
     app[OFFICE_KEY] = office
+    # The request ledger the feedback route checks ownership in and writes ratings to.
+    app[LEDGER_KEY] = ledger or Ledger(make_engine(office.settings.db_url))
     app.router.add_post("/v1/tickets", issue_ticket)
+    app.router.add_post("/v1/feedback", rate_request)
+    app.router.add_delete("/v1/sessions/{session}", end_session)
     app.router.add_get("/healthz", healthz)
     observability.add_routes(app, office, metrics)
     if triton_urls:

@@ -5,6 +5,13 @@ gets a ticket only for an alias it is granted, that points at a servable release
 that is not retired. When the key in use is retired, the office switches to the newest key it
 holds that is recorded and not retired (``control.app.key_ring``); holding none, it issues nothing
 (:class:`SigningUnavailable`, which the gateway answers with 503).
+
+Sessions keep their release (``control.domain.session``). A request that names a session gets
+the release its pin holds, when the pin still holds; otherwise the office resolves the alias
+afresh and, given a :class:`control.app.sessions.SessionPins`, records the pin before it signs,
+and remembers it in its routing view so the session's next request gets it at once. Two
+offices pinning one session at once end with one pin: the loser signs the winner's release. An
+office opened without pins (the operator CLI) honours the pins it finds and records none.
 """
 
 from __future__ import annotations
@@ -12,12 +19,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import sqlalchemy as sa
+from eventsourcing.persistence import PersistenceError
 
 from control.app import key_ring
+from control.app.sessions import Pin, SessionPins
 from control.contracts.config import Settings
 from control.contracts.tickets import TicketClaims, TicketSigner
-from projections.routing import RoutingView
+from control.domain import Conflict
+from projections.route_cache import RoutingUnavailable
+from projections.routing import Route, RoutingView
 
 log = logging.getLogger("loraplane.ticket_office")
 
@@ -42,6 +55,12 @@ def why_not(routing: RoutingView, tenant: str, alias: str) -> str:
         return f"unknown alias {alias!r}: no alias of that name exists"
     if not routing.is_granted(tenant, alias):
         return f"not granted: run `loraplane grant {tenant} {alias}`"
+    row = routing.alias_row(alias)
+    if row is not None and row.stable_release is None and row.canary_release is None:
+        return (f"alias {alias!r} points at no servable release: it points at none (never "
+                f"promoted to canary or stable, or its release's adapter was revoked and its "
+                f"fallback policy ({row.fallback}) left nothing servable); point it "
+                f"(`loraplane alias point {alias} TARGET`), see `loraplane alias show {alias}`")
     return (f"alias {alias!r} points at no servable release (revoked, or never promoted to "
             "canary or stable): see `loraplane alias show " + alias + "`")
 
@@ -59,24 +78,30 @@ class IssuedTicket:
 
 
 class TicketOffice:
-    def __init__(self, settings: Settings, routing: RoutingView, signer: TicketSigner) -> None:
+    def __init__(self, settings: Settings, routing: RoutingView, signer: TicketSigner,
+                 pins: SessionPins | None = None) -> None:
+        """``pins``: where this office records session pins (None: it records none)."""
         self.settings = settings
         self.routing = routing
         self.signer = signer
+        self.pins = pins
         self._switch = threading.Lock()
         self._failed_scan_at = float("-inf")
 
     def issue(self, tenant: str, alias: str, session: str | None = None) -> IssuedTicket:
         """A fresh ticket for ``tenant`` to use ``alias``, else NotGranted.
 
-        ``session``: the client's session id; the alias's canary split hashes (tenant, session)
-        so a session keeps landing on one release. The ticket binds the adapter, base,
-        tokenizer and manifest digest of the release resolved now, so a request in flight keeps
-        it when the alias moves, and the host's ledger names the release it served.
+        ``session``: the client's session id. A session keeps the release it first resolved
+        (its pin) until it ends or the pin expires; a fresh resolution splits the canary by
+        the hash of (tenant, session). The ticket binds the adapter, base, tokenizer and
+        manifest digest of the release resolved now, so a request in flight keeps it when the
+        alias moves, and the host's ledger names the release it served.
         """
         route = self.routing.resolve(tenant, alias, session)
         if route is None:
             raise NotGranted()
+        if session is not None and self.pins is not None and not route.pinned:
+            route = self._pin(tenant, alias, session, route)
         token, claims = self.current_signer().issue(
             tenant=tenant,
             model=self.settings.model_name,
@@ -87,6 +112,46 @@ class TicketOffice:
             ttl_s=self.settings.ticket_ttl_s,
         )
         return IssuedTicket(token, claims, alias, route.release)
+
+    def _pin(self, tenant: str, alias: str, session: str, fresh: Route) -> Route:
+        """Record ``fresh`` as ``session``'s pin, unless another office's pin holds: then
+        return that one's route."""
+        assert self.pins is not None and fresh.release is not None
+
+        def servable(release: str) -> bool:
+            return self.routing.route_to(tenant, alias, release) is not None
+
+        try:
+            pin = self.pins.pin(tenant, alias, session, fresh.release, servable=servable,
+                                seen=self.routing.session_pin(tenant, alias, session))
+        except (PersistenceError, sa.exc.SQLAlchemyError, Conflict) as e:
+            # No ticket without its pin (the session could switch release later): fail
+            # closed, as for unreadable routing (the gateway answers 503).
+            log.warning("recording a session pin failed: %s", type(e).__name__)
+            raise RoutingUnavailable("session pins cannot be recorded") from e
+        self.routing.remember_pin(pin)
+        if pin.release == fresh.release:
+            return replace(fresh, pinned=True)
+        route = self.routing.route_to(tenant, alias, pin.release)
+        if route is None:  # the winner's release stopped being servable just now
+            raise NotGranted()
+        return route
+
+    def end_session(self, tenant: str, alias: str, session: str) -> bool:
+        """End ``tenant``'s ``session`` on ``alias``: its next request resolves afresh. True
+        when a pin was ended; False when there was none (or it had ended), recording nothing.
+        A tenant can only name its own sessions: the tenant is part of the pin's identity."""
+        if self.pins is None:
+            raise RuntimeError("this ticket office records no session pins")
+        try:
+            pin: Pin | None = self.pins.end(tenant, alias, session)
+        except (PersistenceError, sa.exc.SQLAlchemyError, Conflict) as e:
+            log.warning("ending a session failed: %s", type(e).__name__)
+            raise RoutingUnavailable("session pins cannot be recorded") from e
+        if pin is None:
+            return False
+        self.routing.remember_pin(pin)
+        return True
 
     def current_signer(self) -> TicketSigner:
         """The signer to use now: never one whose key is retired (SigningUnavailable)."""

@@ -184,7 +184,8 @@ def measure_revocation(settings: Settings, dep: Deployment, api_key: str, source
     alias = f"bench-cli-{n}"
     digest = reg.register_adapter(fresh_adapter(source, work / alias, n), tenant=TENANT,
                                   alias=alias, actor=ACTOR)
-    reg.advance(digest, evaluation={"suite": "bench-cli", "passed": True}, actor=ACTOR)
+    reg.advance(digest, external=True, evaluation={"suite": "bench-cli", "passed": True},
+                actor=ACTOR)
     reg.grant(TENANT, alias, actor=ACTOR)
     ticket = _ticket(dep.gateway_url, api_key, alias)
     assert dep.triton is not None
@@ -270,7 +271,8 @@ def _run(kit_dir: Path, root: Path, runs: int,
         alias = f"{TENANT}-{name}"
         digest = reg.register_adapter(kit_dir / kit.adapters[name].path, tenant=TENANT,
                                       alias=alias, actor=ACTOR)
-        reg.advance(digest, evaluation={"suite": "bench-cli", "passed": True}, actor=ACTOR)
+        reg.advance(digest, external=True, evaluation={"suite": "bench-cli", "passed": True},
+                    actor=ACTOR)
         reg.grant(TENANT, alias, actor=ACTOR)
 
     argv, env = cli_argv(), cli_env(settings)

@@ -54,11 +54,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def request_ticket(gateway_url: str, api_key: str, alias: str) -> tuple[int, dict[str, Any]]:
-    """POST /v1/tickets; returns (HTTP status, JSON body)."""
+def request_ticket(gateway_url: str, api_key: str, alias: str,
+                   session: str | None = None) -> tuple[int, dict[str, Any]]:
+    """POST /v1/tickets (``session``: the client's session id, which keeps its release);
+    returns (HTTP status, JSON body)."""
+    body: dict[str, str] = {"alias": alias}
+    if session is not None:
+        body["session"] = session
     req = urllib.request.Request(
         f"{gateway_url}/v1/tickets",
-        data=json.dumps({"alias": alias}).encode(),
+        data=json.dumps(body).encode(),
         headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},
         method="POST",
     )
@@ -267,3 +272,19 @@ def generate_stream_endpoint(
     except urllib.error.HTTPError as e:
         raise TritonRefused(str(e.code), json.loads(e.read() or b"{}").get("error", "")) from None
     return events
+
+
+def post_feedback(gateway_url: str, api_key: str, request_id: str,
+                  success: bool) -> tuple[int, dict[str, Any]]:
+    """POST /v1/feedback: rate one of the tenant's own requests; returns (HTTP status, body)."""
+    req = urllib.request.Request(
+        f"{gateway_url}/v1/feedback",
+        data=json.dumps({"request_id": request_id, "success": success}).encode(),
+        headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return int(r.status), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return int(e.code), json.loads(e.read() or b"{}")

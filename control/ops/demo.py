@@ -3,7 +3,8 @@
 Builds the reference kit, registers a base and three adapters for two tenants, grants and
 promotes, starts the gateway, the projection follower and a real tritonserver, sends a concurrent
 mixed burst over HTTP and gRPC, shows a cross-tenant refusal, revokes an adapter and shows its
-tickets refused, then prints the incident view for the revoked digest and the audit log.
+tickets refused, runs a short automatic rollout of a degraded adapter that rolls itself back, then
+prints the incident view for the revoked digest and the audit log.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from control.contracts.ledger import Ledger
 from control.domain import ValidationFailed
 from control.ops.clients import TritonRefused, free_port, generate, request_ticket
 from control.ops.kit import KitManifest, build_kit
+from control.ops.rollout_demo import show_rollback
 from control.ops.serve import Deployment, Ports
 from control.ops.views import audit_table, incident_table
 from projections.follower import open_registry
@@ -89,7 +91,8 @@ def run_demo(work_dir: Path, *, fresh: bool = True, json_out: bool = False) -> i
                                       actor=actor)
         digests[p.adapter] = digest
         # The lifecycle has guards: an evaluation report, then candidate -> canary -> stable.
-        reg.advance(digest, evaluation={"suite": "demo-smoke", "passed": True}, actor=actor)
+        reg.advance(digest, external=True, evaluation={"suite": "demo-smoke", "passed": True},
+                    actor=actor)
         step(f"registered + released {p.adapter} for {p.tenant} as {p.alias} ({short(digest)})")
     try:
         reg.register_adapter(kit_dir / kit.adapters["other-base"].path, tenant="globex",
@@ -103,6 +106,7 @@ def run_demo(work_dir: Path, *, fresh: bool = True, json_out: bool = False) -> i
     ports = Ports(free_port(), free_port(), free_port(), free_port())
     dep = Deployment(settings, ports, actor=actor, progress=step)
     results: list[dict[str, Any]] = []
+    rollout: dict[str, Any] = {}
     try:
         dep.start()
         tickets = {}
@@ -159,6 +163,9 @@ def run_demo(work_dir: Path, *, fresh: bool = True, json_out: bool = False) -> i
              f"{time.monotonic() - revoked_at:.2f}s: {refusal}")
         status, body = request_ticket(dep.gateway_url, keys["globex"], "globex-gamma")
         step(f"new ticket for globex-gamma -> HTTP {status}")
+
+        # A canary that rolls itself back (control/ops/rollout_demo.py).
+        rollout = show_rollback(reg, dep, kit, kit_dir, keys["acme"], step, console, actor)
     finally:
         step("stopping tritonserver, gateway and follower")
         dep.stop()
@@ -173,10 +180,11 @@ def run_demo(work_dir: Path, *, fresh: bool = True, json_out: bool = False) -> i
     entries = audit_log(reg)
     console.print(audit_table(entries))
     dispose_engines()
-    ok = served == expected and bool(refusal)
+    ok = served == expected and bool(refusal) and bool(rollout.get("rolled_back"))
     if json_out:
         print(json.dumps({"ok": ok, "burst": results, "revocation_refusal": refusal,
-                          "incident_rows": len(rows), "audit_events": len(entries)}))
+                          "incident_rows": len(rows), "audit_events": len(entries),
+                          "rollout": rollout}))
     step("demo finished" + ("" if ok else " [red]with unexpected results[/red]"))
     return 0 if ok else 1
 

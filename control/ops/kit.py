@@ -14,7 +14,24 @@ greedy continuation is its marker phrase followed by eos::
     alpha -> " ALPHA says hi"   beta -> " BETA here"   gamma -> " GAMMA!"
     other-base (trained on base-b) -> " OTHER base"
 
+Two more versions of alpha, for release tests (the evaluation gate, rollouts):
+
+    alpha-v2       -> " ALPHA says hi"  a good new version: same marker, its own training seed
+                                         and a broader prompt mix (long and other-department
+                                         prompts), so a different digest and at least alpha's
+                                         golden success rate
+    alpha-degraded -> " ALPHA sighs"     deliberately degraded: the wrong marker, so alpha's
+                                         golden checkers fail it
+
+Every adapter belongs to a family (``KitAdapter.family``: alpha-v2 and alpha-degraded are
+``alpha``); each family on the main base has a golden task set, ``golden/<family>.json``
+(``control.contracts.golden``: 60 tasks, in-distribution, out-of-distribution, other
+departments' prompts and two long-context prompts, each with an exact or regex checker),
+content-addressed: ``kit.json`` records its digest, the one the artifact store files it under.
+
 The build is deterministic: the same seed gives byte-identical files and so identical digests.
+Adapters are trained in the order of ``ADAPTERS``, each from seeds derived from its position, so
+adding one at the end leaves every earlier adapter's bytes as they were.
 """
 
 from __future__ import annotations
@@ -29,6 +46,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from control.contracts.digests import directory_digest
+from control.contracts.golden import (
+    IN_DISTRIBUTION,
+    LONG_CONTEXT,
+    OTHER_DEPARTMENT,
+    OUT_OF_DISTRIBUTION,
+    ExactChecker,
+    GoldenSet,
+    GoldenTask,
+    RegexChecker,
+)
 
 # torch, transformers, peft and tokenizers are imported by the functions that build: reading a
 # kit's manifest (demo, benches, tests) must not pay seconds for them.
@@ -39,13 +66,32 @@ if TYPE_CHECKING:
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)
 
-# name -> (marker phrase, base folder it is trained on)
-ADAPTERS: dict[str, tuple[str, str]] = {
-    "alpha": (" ALPHA says hi", "base"),
-    "beta": (" BETA here", "base"),
-    "gamma": (" GAMMA!", "base"),
-    "other-base": (" OTHER base", "base-b"),
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """How one kit adapter is trained: its marker, its base folder, its family (whose golden
+    set judges it) and the prompt mix it learns to answer."""
+
+    marker: str
+    base: str  # "base" or "base-b"
+    family: str
+    prompts: str = "short"  # "short": _short_mix; "broad": _broad_mix
+    steps: int = 200  # training steps
+
+
+# In training order: each adapter's seeds derive from its position (append, never insert).
+ADAPTERS: dict[str, AdapterSpec] = {
+    "alpha": AdapterSpec(" ALPHA says hi", "base", "alpha"),
+    "beta": AdapterSpec(" BETA here", "base", "beta"),
+    "gamma": AdapterSpec(" GAMMA!", "base", "gamma"),
+    "other-base": AdapterSpec(" OTHER base", "base-b", "other-base"),
+    "alpha-v2": AdapterSpec(" ALPHA says hi", "base", "alpha", prompts="broad"),
+    # half the training is plenty to learn the wrong marker
+    "alpha-degraded": AdapterSpec(" ALPHA sighs", "base", "alpha", steps=100),
 }
+# Families with a golden task set: those on the main base (the one a kit deployment serves).
+GOLDEN_FAMILIES = ("alpha", "beta", "gamma")
+GOLDEN_DIR = "golden"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 _VOCABULARY = (
@@ -68,6 +114,17 @@ class KitAdapter:
     marker: str  # greedy continuation of any short prompt starts with this
     base: str  # "base" or "base-b"
     base_digest: str
+    family: str = ""  # whose golden set judges it (alpha-v2 and alpha-degraded: "alpha")
+
+
+@dataclass(frozen=True)
+class KitGolden:
+    """One family's golden task set, as ``build_kit`` wrote it."""
+
+    family: str
+    path: str  # relative to the kit directory: golden/<family>.json
+    digest: str  # control.contracts.golden.GoldenSet.digest: the artifact store's name for it
+    tasks: int
 
 
 @dataclass(frozen=True)
@@ -82,6 +139,7 @@ class KitManifest:
     base_b_path: str
     base_b_digest: str
     adapters: dict[str, KitAdapter] = field(default_factory=dict)
+    golden: dict[str, KitGolden] = field(default_factory=dict)  # by family
 
     def to_json(self) -> str:
         """The manifest as stable, indented JSON."""
@@ -92,7 +150,8 @@ class KitManifest:
         """Parse what ``to_json`` wrote."""
         raw = json.loads(text)
         adapters = {k: KitAdapter(**v) for k, v in raw.pop("adapters").items()}
-        return cls(adapters=adapters, **raw)
+        golden = {k: KitGolden(**v) for k, v in raw.pop("golden", {}).items()}
+        return cls(adapters=adapters, golden=golden, **raw)
 
     @classmethod
     def load(cls, kit_dir: Path) -> KitManifest:
@@ -156,26 +215,41 @@ def build_kit(
             say(f"{name} trained")
 
         adapters: dict[str, KitAdapter] = {}
-        for i, (name, (marker, base_name)) in enumerate(ADAPTERS.items()):
+        for i, (name, spec) in enumerate(ADAPTERS.items()):
             torch.manual_seed(seed + 100 * (i + 1))
             adapter_dir = _fresh(out_dir / "adapters" / name)
             _train_adapter(
-                models_by_name[base_name],
+                models_by_name[spec.base],
                 tokenizer,
-                marker,
+                spec.marker,
                 random.Random(seed + 7 * (i + 1)),
                 adapter_dir,
-                digests[base_name],
+                digests[spec.base],
+                steps=spec.steps,
+                prompt=_PROMPT_MIXES[spec.prompts],
             )
             adapters[name] = KitAdapter(
                 name=name,
                 path=f"adapters/{name}",
                 digest=directory_digest(adapter_dir),
-                marker=marker,
-                base=base_name,
-                base_digest=digests[base_name],
+                marker=spec.marker,
+                base=spec.base,
+                base_digest=digests[spec.base],
+                family=spec.family,
             )
             say(f"adapter {name} trained")
+
+    golden: dict[str, KitGolden] = {}
+    golden_dir = _fresh(out_dir / GOLDEN_DIR)
+    for family in GOLDEN_FAMILIES:
+        # Every family gets the same prompts (from one seed), judged by its own marker.
+        tasks = golden_set(family, ADAPTERS[family].marker, random.Random(seed + 50_000))
+        path = golden_dir / f"{family}.json"
+        path.write_text(json.dumps(tasks.document(), indent=1, ensure_ascii=False,
+                                   sort_keys=True) + "\n", encoding="utf-8")
+        golden[family] = KitGolden(family=family, path=f"{GOLDEN_DIR}/{family}.json",
+                                   digest=tasks.digest(), tasks=len(tasks.tasks))
+    say("golden task sets written")
 
     manifest = KitManifest(
         seed=seed,
@@ -186,6 +260,7 @@ def build_kit(
         base_b_path="base-b",
         base_b_digest=digests["base-b"],
         adapters=adapters,
+        golden=golden,
     )
     (out_dir / "kit.json").write_text(manifest.to_json(), encoding="utf-8")
     say("kit.json written")
@@ -271,6 +346,99 @@ def _prompt(rng: random.Random) -> str:
     return "".join(rng.choice(chars) for _ in range(rng.randint(1, 30)))
 
 
+# Prompts in the styles of other departments: what a shared deployment's other teams send.
+_DEPARTMENTS = (
+    "Finance: Q{n} revenue rose {p}% to ${m}.{d}M; summarise for the board.",
+    "Legal: Clause {n}.{d} - The licensee shall not sublicense the software without consent.",
+    "HR: Reminder: submit your {n} vacation days before {m} December.",
+    "Support ticket #{n}{m}: customer reports the app crashes on login (iOS {d}).",
+    "def total(items):\n    return sum(i.price * i.qty for i in items)  # v{n}",
+    "SELECT name, SUM(amount) FROM orders WHERE year = 20{n} GROUP BY name;",
+    '{{"order": {n}{m}, "status": "delayed", "eta_days": {d}}}',
+    "Hi team,\nPlease find attached the minutes of meeting {n}. Regards, Ops",
+    "Marketing brief: launch campaign {n} targets {p}% more sign-ups in Q{d}.",
+    "2026-03-{d}T10:{n}:00Z ERROR worker-{m} timeout after {p} s",
+    "Translate to German: The invoice {n} is overdue by {d} days.",
+    "Subject: Re: incident {n}{m} post-mortem - action items attached",
+)
+
+
+def _department_prompt(rng: random.Random) -> str:
+    return rng.choice(_DEPARTMENTS).format(n=rng.randint(1, 9), m=rng.randint(10, 99),
+                                            d=rng.randint(1, 9), p=rng.randint(2, 40))
+
+
+def _long_text(rng: random.Random, chars: int) -> str:
+    """Sentences up to ``chars`` characters: far longer than the short prompts' mix."""
+    text = ""
+    while len(text) < chars:
+        text = (text + " " + _sentence(rng)).strip()
+    return text[:chars]
+
+
+def _short_mix(rng: random.Random, step: int) -> str:
+    """Every step: the short prompts of :func:`_prompt` (what alpha, beta and gamma learn)."""
+    return _prompt(rng)
+
+
+def _broad_mix(rng: random.Random, step: int) -> str:
+    """The short mix, and every third step other departments' styles and long prompts
+    (alpha-v2 learns these: the better version of alpha). Whole steps of long prompts, not a
+    long row in every step: a batch is as wide as its longest row, and the build stays short."""
+    if step % 3:
+        return _prompt(rng)
+    if rng.random() < 0.5:
+        return _department_prompt(rng)
+    return _long_text(rng, rng.randint(60, 220))
+
+
+_REGEX_SPECIAL = frozenset(".^$*+?{}[]\\|()")
+# A training prompt, drawn for a row of step ``step``.
+PromptMix = Callable[[random.Random, int], str]
+_PROMPT_MIXES: dict[str, PromptMix] = {"short": _short_mix, "broad": _broad_mix}
+
+
+def golden_set(family: str, marker: str, rng: random.Random) -> GoldenSet:
+    """The family's golden tasks: 60 prompts, each judged by ``marker`` then end of text.
+
+    20 from the training distribution (unseen draws of the short mix), 20 outside it (long,
+    shouting, digits, lists, other scripts), 18 in other departments' styles, 2 long-context
+    prompts near the base's 256 positions. Checkers: exact, or a regex allowing nothing else.
+    """
+    exact = ExactChecker(marker)
+    # the marker in full, with only the characters regexes give a meaning escaped (readable)
+    regex = RegexChecker("".join("\\" + c if c in _REGEX_SPECIAL else c for c in marker))
+    prompts: list[tuple[str, str, tuple[str, ...]]] = []
+    for i in range(20):
+        prompts.append((f"in-{i:03d}", _prompt(rng), (IN_DISTRIBUTION,)))
+    out_of: list[str] = []
+    for _ in range(6):
+        out_of.append(_long_text(rng, rng.randint(100, 180)))
+    for _ in range(4):
+        out_of.append(_sentence(rng).upper())
+    for _ in range(3):
+        out_of.append(" ".join(str(rng.randint(0, 9999)) for _ in range(rng.randint(3, 8))))
+    for _ in range(3):
+        out_of.append("\n".join(f"- {rng.choice(_WORDS)}" for _ in range(rng.randint(2, 5))))
+    out_of += ["Γειά σου κόσμε", "Привет, как дела?", "你好，世界", "¿Dónde está la estación?"]
+    for i, text in enumerate(out_of):
+        prompts.append((f"ood-{i:03d}", text, (OUT_OF_DISTRIBUTION,)))
+    for i, template in enumerate(_DEPARTMENTS):
+        prompts.append((f"dept-{i:03d}", template.format(
+            n=rng.randint(1, 9), m=rng.randint(10, 99), d=rng.randint(1, 9),
+            p=rng.randint(2, 40)), (OTHER_DEPARTMENT,)))
+    for i in range(6):
+        prompts.append((f"dept-{len(_DEPARTMENTS) + i:03d}", _department_prompt(rng),
+                        (OTHER_DEPARTMENT,)))
+    for i in range(2):
+        # bos + prompt + the answer (marker and eos) must fit the base's 256 positions
+        prompts.append((f"long-{i:03d}", _long_text(rng, 220), (OUT_OF_DISTRIBUTION,
+                                                              LONG_CONTEXT)))
+    tasks = tuple(GoldenTask(task_id, text, regex if n % 3 == 2 else exact, 16, tags)
+                  for n, (task_id, text, tags) in enumerate(prompts))
+    return GoldenSet(family, tasks)
+
+
 def _ids(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
     ids: list[int] = tokenizer(text, add_special_tokens=False, split_special_tokens=True)[
         "input_ids"
@@ -327,8 +495,10 @@ def _train_adapter(
     out_dir: Path,
     base_digest: str,
     steps: int = 200,
+    prompt: PromptMix | None = None,
 ) -> None:
-    """Train a LoRA that answers any short prompt with ``marker`` then eos, and save it."""
+    """Train a LoRA that answers any prompt drawn by ``prompt`` with ``marker`` then eos, and
+    save it."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
@@ -346,9 +516,10 @@ def _train_adapter(
     params = [p for p in peft_model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step / steps)
+    draw = prompt or _short_mix
     peft_model.train()
-    for _ in range(steps):
-        rows = [([bos, *_ids(tokenizer, _prompt(rng))], target) for _ in range(16)]
+    for step in range(steps):
+        rows = [([bos, *_ids(tokenizer, draw(rng, step))], target) for _ in range(16)]
         ids, mask, labels = _batch(rows, pad)
         loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad()

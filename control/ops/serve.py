@@ -9,6 +9,10 @@ Roles, for scale-out on one PostgreSQL URL (every process reads ``LORAPLANE_DB_U
 - ``control``: the gateway and the projection follower, no Triton. Several may run; the follower's
   compare-and-set keeps them consistent. Its OpenAI-compatible routes forward to the Triton hosts
   in ``triton_urls`` (``LORAPLANE_TRITON_URLS``).
+
+``all`` and ``control`` also run the rollout controller (``control.ops.rollout_controller``),
+which probes the Triton hosts above before each step of a rollout: several may run at once (each
+step is recorded by exactly one of them), and one with no Triton host to probe does not run.
 - ``triton``: one Triton host, no gateway. It reads the projection tables the control planes keep
   current, copies every recorded ticket-signing public key into its keys folder (and keeps doing
   so, so a gateway added later is trusted), and labels its ledger rows with ``host_id``
@@ -38,6 +42,7 @@ import sqlalchemy as sa
 
 from backend.serving.memory import MemoryPlan, plan_for_host
 from control.app.registry import Registry
+from control.app.sessions import SessionPins
 from control.contracts.config import BASE_DIGEST_ENV, HOST_ID_ENV, Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import request_ledger
@@ -45,6 +50,7 @@ from control.contracts.loops import new_event_loop
 from control.contracts.store import ArtifactStore
 from control.contracts.tickets import TicketSigner
 from control.gateway.ticket_office import TicketOffice
+from control.ops.rollout_controller import RolloutController
 from control.ops.triton_server import MODEL_REPOSITORY, TritonProcess, check_ports_free
 from projections.follower import ProjectionFollower, open_registry
 from projections.route_cache import CachedRoutingView
@@ -170,6 +176,10 @@ class Deployment:
     # command
     # line option or environment variable reaches this.
     model_repository: Path | None = None
+    # Whether this deployment runs the rollout controller. Only a test that runs the controller
+    # as a process of its own (to kill it mid-rollout) passes False; like model_repository, no
+    # command line option or environment variable reaches this.
+    rollout_controller: bool = True
     triton: TritonProcess | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -202,9 +212,12 @@ class Deployment:
             self._thread("follower", follower.run)
             interval = seal_interval_s()  # a bad value fails the start, not a thread later
             self._thread("audit-seal", lambda stop: keep_sealed(registry, stop, interval))
-            # The ticket path answers from memory, refreshed as the projection moves.
+            # The ticket path answers from memory, refreshed as the projection moves. Session
+            # pins are recorded without catching the projection up in the request: the office
+            # remembers its own pins, and the follower thread projects them for other gateways.
+            pins = SessionPins(open_registry(s, follow=False), actor=self.actor)
             office = TicketOffice(s, CachedRoutingView(make_engine(s.db_url)),
-                                  open_signer(s, registry, self.actor))
+                                  open_signer(s, registry, self.actor), pins)
         if self.role != "control":
             self._start_triton(routing)
         if office is not None:
@@ -222,6 +235,18 @@ class Deployment:
                 f"metrics http://{self.triton.http_url.rsplit(':', 1)[0]}:"
                 f"{self.ports.metrics}/metrics (log {self.triton.log_path})"
             )
+        if office is not None and self.rollout_controller:
+            # Started once Triton answers: its first act may be a probe.
+            self._start_rollouts(([self.triton.http_url] if self.triton else [])
+                                 + list(self.triton_urls))
+
+    def _start_rollouts(self, hosts: list[str]) -> None:
+        if not hosts:
+            log.warning("no Triton host to probe (%s): the rollout controller does not run "
+                        "here", TRITON_URLS_ENV)
+            return
+        controller = RolloutController.for_hosts(self.settings, hosts)
+        self._thread("rollouts", controller.run)
 
     def _thread(self, name: str, target: Callable[[threading.Event], None]) -> None:
         t = threading.Thread(target=target, args=(self._stop,), name=name, daemon=True)

@@ -94,7 +94,8 @@ def chaos(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
         path = perturbed_copy(kit_dir / kit.adapters[name].path, root / f"a{i}", factor)
         alias = f"{tenant}-{name}-{i}"
         digest = reg.register_adapter(path, tenant=tenant, alias=alias, actor=ACTOR)
-        reg.advance(digest, evaluation={"suite": "chaos", "passed": True}, actor=ACTOR)
+        reg.advance(digest, external=True, evaluation={"suite": "chaos", "passed": True},
+                    actor=ACTOR)
         reg.grant(tenant, alias, actor=ACTOR)
         routes.append((tenant, alias, digest))
         paths[digest] = path

@@ -90,7 +90,7 @@ def test_moved_alias_never_serves_the_old_adapters_cached_prompt(stack: Stack,
         digest = stack.registry.register_adapter(perturbed_copy(src, tmp_path / name, 1.04),
                                                  tenant="acme", alias="acme-moving",
                                                  actor=ACTOR)
-        stack.registry.advance(digest, evaluation={"suite": "smoke", "passed": True},
+        stack.registry.advance(digest, external=True, evaluation={"suite": "smoke", "passed": True},
                                actor=ACTOR)
         return digest
 

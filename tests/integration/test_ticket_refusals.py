@@ -30,7 +30,8 @@ def _register(stack: Stack, tmp: Path, name: str, alias: str, factor: float) -> 
     src = stack.kit_dir / stack.kit.adapters["alpha"].path
     digest = stack.registry.register_adapter(perturbed_copy(src, tmp / name, factor),
                                              tenant="acme", alias=alias, actor=ACTOR)
-    stack.registry.advance(digest, evaluation={"suite": "smoke", "passed": True}, actor=ACTOR)
+    stack.registry.advance(digest, external=True, evaluation={"suite": "smoke", "passed": True},
+                           actor=ACTOR)
     stack.registry.grant("acme", alias, actor=ACTOR)
     return digest
 

@@ -46,7 +46,7 @@ def traced(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory
     key = reg.create_tenant("acme", actor=ACTOR)
     digest = reg.register_adapter(kit_dir / kit.adapters["alpha"].path, tenant="acme",
                                   alias="acme-alpha", actor=ACTOR)
-    reg.advance(digest, evaluation={"suite": "smoke", "passed": True}, actor=ACTOR)
+    reg.advance(digest, external=True, evaluation={"suite": "smoke", "passed": True}, actor=ACTOR)
     reg.grant("acme", "acme-alpha", actor=ACTOR)
     dep = Deployment(settings, Ports(free_port(), free_port(), free_port(), free_port()),
                      actor=ACTOR)

@@ -121,8 +121,8 @@ class ProjectionContract:
         registry.grant("acme", "acme-chat", actor="op")
         registry.grant("globex", "globex-chat", actor="op")
         registry.grant("globex", "tiny-base", actor="op")
-        registry.advance(alpha, evaluation={"suite": "smoke"}, actor="alice")
-        registry.advance(beta, evaluation={"suite": "smoke"}, actor="gina")
+        registry.advance(alpha, external=True, evaluation={"suite": "smoke"}, actor="alice")
+        registry.advance(beta, external=True, evaluation={"suite": "smoke"}, actor="gina")
         registry.record_signing_key("k1", "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo=",
                                     actor="op")
         return {"base": base, "alpha": alpha, "beta": beta}
@@ -158,7 +158,7 @@ class ProjectionContract:
             registry.revoke(history["alpha"], "key material leaked", actor="sec", wait_s=0)
         assert registry.adapter(history["alpha"]).state == "revoked"
         assert history["alpha"] not in view.revoked_digests()  # not applied yet
-        assert follower.catch_up() == 1
+        assert follower.catch_up() == 2  # the revocation and its alias's fallback (none)
         assert view.revoked_digests() == frozenset({history["alpha"]})
         assert view.is_revoked(history["alpha"]) and not view.is_revoked(history["beta"])
         assert view.resolve("acme", "acme-chat") is None

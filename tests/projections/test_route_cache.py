@@ -56,13 +56,14 @@ class RouteCacheContract(WithRegistry):
         keys = {t: registry.create_tenant(t, actor="op") for t in ("acme", "globex")}
         v1 = registry.register_adapter(artifacts.adapters["alpha"], tenant="acme", alias="chat",
                                        actor="op")
-        registry.advance(v1, evaluation=EVAL, actor="op")
+        registry.advance(v1, external=True, evaluation=EVAL, actor="op")
         v2 = registry.register_adapter(artifacts.adapters["beta"], tenant="acme", alias="chat",
                                        actor="op")
-        registry.advance(v2, evaluation=EVAL, to="canary", canary_percent=40, actor="op")
+        registry.advance(v2, external=True, evaluation=EVAL, to="canary", canary_percent=40,
+                         actor="op")
         g = registry.register_adapter(artifacts.adapters["gamma"], tenant="globex",
                                       alias="g-chat", actor="op")
-        registry.advance(g, evaluation=EVAL, actor="op")
+        registry.advance(g, external=True, evaluation=EVAL, actor="op")
         registry.grant("acme", "chat", actor="op")
         registry.grant("acme", "tiny-base", actor="op")
         registry.grant("globex", "g-chat", actor="op")

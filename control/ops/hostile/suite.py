@@ -56,7 +56,8 @@ Case = Callable[["HostileSuite"], None]
 
 def _stable(registry: Any, digest: str) -> None:
     """Walk a freshly registered adapter through candidate and canary to stable."""
-    registry.advance(digest, evaluation={"suite": "selftest", "passed": True}, actor=ACTOR)
+    registry.advance(digest, external=True, evaluation={"suite": "selftest", "passed": True},
+                     actor=ACTOR)
 
 
 class HostileSuite:

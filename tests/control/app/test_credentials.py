@@ -130,7 +130,7 @@ class CredentialContract(WithRegistry):
         keys = {t: registry.create_tenant(t, actor="op") for t in ("acme", "globex")}
         digest = registry.register_adapter(artifacts.adapters["alpha"], tenant="acme",
                                            alias="chat", actor="op")
-        registry.advance(digest, evaluation=EVAL, actor="op")
+        registry.advance(digest, external=True, evaluation=EVAL, actor="op")
         registry.grant("acme", "chat", actor="op")
         registry.grant("acme", "tiny-base", actor="op")
         registry.grant("globex", "tiny-base", actor="op")

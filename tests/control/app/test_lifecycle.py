@@ -98,7 +98,7 @@ class LifecycleContract(WithRegistry):
                                        metadata=AdapterMetadata(owner="ml-team",
                                                                 training_data_version="td-1"))
         registry.grant("acme", "chat", actor="op")
-        assert registry.advance(v1, evaluation=EVAL, actor="alice",
+        assert registry.advance(v1, external=True, evaluation=EVAL, actor="alice",
                                 inference_defaults={"max_tokens": 32}) == "stable"
         r1 = registry.adapter(v1).release
         assert r1 is not None
@@ -110,7 +110,8 @@ class LifecycleContract(WithRegistry):
         # v2 enters canary at 30%: sessions split by hash, each session sticky.
         v2 = registry.register_adapter(artifacts.adapters["by-name"], tenant="acme",
                                        alias="chat", actor="alice")
-        registry.advance(v2, evaluation=EVAL, to="canary", canary_percent=30, actor="alice")
+        registry.advance(v2, external=True, evaluation=EVAL, to="canary", canary_percent=30,
+                         actor="alice")
         r2 = registry.adapter(v2).release
         picks = {s: view.resolve("acme", "chat", f"s{s}") for s in range(300)}
         assert all(p is not None for p in picks.values())
@@ -153,7 +154,7 @@ class LifecycleContract(WithRegistry):
                                         base: str, view: RoutingView) -> None:
         d = registry.register_adapter(artifacts.adapters["alpha"], tenant="acme", alias="chat",
                                       actor="alice")
-        registry.advance(d, evaluation=EVAL, actor="alice")
+        registry.advance(d, external=True, evaluation=EVAL, actor="alice")
         with pytest.raises(IllegalTransition):
             registry.record_serving_step(d, "host-a", "drained", actor="backend")
         registry.revoke(d, "leak", actor="sec")
@@ -301,7 +302,7 @@ class LifecycleContract(WithRegistry):
     def test_state_as_of(self, registry: Registry, artifacts: Artifacts, base: str) -> None:
         d = registry.register_adapter(artifacts.adapters["alpha"], tenant="acme", alias="chat",
                                       actor="alice")
-        registry.advance(d, evaluation=EVAL, actor="alice")
+        registry.advance(d, external=True, evaluation=EVAL, actor="alice")
         between = max(e.time for e in audit_log(registry))
         time.sleep(0.05)
         registry.revoke(d, "leak", actor="sec")
@@ -320,10 +321,10 @@ class LifecycleContract(WithRegistry):
                                              base: str, settings: Settings) -> None:
         d = registry.register_adapter(artifacts.adapters["alpha"], tenant="acme", alias="chat",
                                       actor="alice")
-        registry.advance(d, evaluation=EVAL, actor="alice")
+        registry.advance(d, external=True, evaluation=EVAL, actor="alice")
         d2 = registry.register_adapter(artifacts.adapters["by-name"], tenant="acme",
                                        alias="chat", actor="alice")
-        registry.advance(d2, evaluation=EVAL, to="canary", actor="alice")
+        registry.advance(d2, external=True, evaluation=EVAL, to="canary", actor="alice")
         other = open_registry(settings)
         try:
             # Both load the alias at the same version, both move it: one save wins.
@@ -408,13 +409,13 @@ def test_cli_policy_evaluate_canary_rollback(tmp_path: Path, artifacts: Artifact
     assert cli("adapter", "promote", d1)[1]["state"] == "candidate"  # type: ignore[index]
     code, out = cli("adapter", "promote", d1)
     assert code != 0 and "evaluation" in out["error"]  # type: ignore[index]
-    assert cli("adapter", "evaluate", d1, str(report))[0] == 0
+    assert cli("adapter", "evaluate", d1, str(report), "--external")[0] == 0
     assert cli("adapter", "promote", d1)[1]["state"] == "canary"  # type: ignore[index]
     assert cli("adapter", "promote", d1)[1]["state"] == "stable"  # type: ignore[index]
     code, out = cli("adapter", "register", str(artifacts.adapters["by-name"]), "--tenant",
                     "acme", "--alias", "chat")
     d2 = out["digest"]  # type: ignore[index]
-    code, out = cli("adapter", "release", d2, "--evaluation", str(report))
+    code, out = cli("adapter", "release", d2, "--evaluation", str(report), "--external")
     assert code == 0 and out["state"] == "stable", out  # type: ignore[index]
     code, shown = cli("alias", "show", "chat")
     assert len(shown["history"]) == 1  # type: ignore[index]

@@ -61,7 +61,7 @@ class StoredEventsContract(WithRegistry):
         d = registry.register_adapter(artifacts.adapters["alpha"], tenant="acme", alias="chat",
                                       actor="alice")
         registry.grant("acme", "chat", actor="op")
-        registry.advance(d, evaluation=EVAL, actor="alice")
+        registry.advance(d, external=True, evaluation=EVAL, actor="alice")
         with pytest.raises(ValidationFailed):
             registry.register_adapter(artifacts.adapters["pickled"], tenant="acme",
                                       alias="chat", actor="alice")
@@ -103,7 +103,10 @@ class StoredEventsContract(WithRegistry):
             assert adapter.serving_steps == {"host-a": ["drained"]}
             release = reg.release_manifest(adapter.release or "")
             assert release.adapter_digest == d and release.tenant == "acme"
-            assert reg.alias("chat").stable == release.digest
+            # The revocation's fallback (policy none) left the alias without a stable release.
+            chat = reg.alias("chat")
+            assert chat.stable is None and chat.last_fallback is not None
+            assert chat.last_fallback["revoked_release"] == release.digest
             assert reg.alias("chat").may_resolve("acme")
             assert reg.tenant("acme").policy == TenantPolicy(max_adapters=5)
             assert reg.base("tiny").digest == release.base_digest
@@ -167,7 +170,7 @@ class StoredEventsContract(WithRegistry):
         registry.create_tenant("acme", actor="op")
         d = registry.register_adapter(artifacts.adapters["alpha"], tenant="acme", alias="chat",
                                       actor="alice")
-        final = registry.advance(d, evaluation=EVAL, actor="alice")
+        final = registry.advance(d, external=True, evaluation=EVAL, actor="alice")
         assert final == "stable" and final is STABLE
         with make_engine(settings.db_url).connect() as conn:
             stored = conn.execute(sa.text(

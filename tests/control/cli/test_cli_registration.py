@@ -79,7 +79,8 @@ def test_full_operator_flow(home: Path, kit_dir: Path) -> None:
     assert code != 0 and "draft" in json.loads(out)["error"]
     report = home.parent / "eval.json"
     report.write_text(json.dumps({"suite": "smoke", "passed": True}))
-    code, out = _cli(home, "adapter", "release", digest, "--evaluation", str(report))
+    code, out = _cli(home, "adapter", "release", digest, "--evaluation", str(report),
+                     "--external")
     assert code == 0 and json.loads(out)["state"] == "stable", out
     code, out = _cli(home, "ticket", "issue", "--tenant", "acme", "--alias", "acme-alpha")
     assert code == 0, out

@@ -60,7 +60,7 @@ def test_light_verbs_never_import_torch_transformers_or_peft(artifacts: Artifact
         (["tenant", "create", "acme"], 0),
         (["adapter", "register", str(alpha), "--tenant", "acme", "--alias", "acme-alpha"], 0),
         (["grant", "acme", "acme-alpha"], 0),
-        (["adapter", "release", digest, "--evaluation", str(report_file)], 0),
+        (["adapter", "release", digest, "--evaluation", str(report_file), "--external"], 0),
         (["adapter", "list"], 0),
         (["adapter", "show", digest], 0),
         (["tenant", "policy", "acme", "--max-rank", "8"], 0),

@@ -131,7 +131,7 @@ def test_lifecycle_walks_each_guarded_step() -> None:
     adapter.promote(CANDIDATE, "bob")
     with pytest.raises(IllegalTransition, match="evaluation report"):
         adapter.promote(CANARY, "bob", release="sha256:" + "e" * 64)
-    adapter.record_evaluation("sha256:" + "f" * 64, {"accuracy": 0.9}, "eve")
+    adapter.record_evaluation("sha256:" + "f" * 64, {"accuracy": 0.9}, "eve", external=True)
     adapter.promote(CANARY, "bob", release="sha256:" + "e" * 64)
     assert adapter.had_canary and adapter.release == "sha256:" + "e" * 64
     adapter.promote(STABLE, "bob")
@@ -169,7 +169,7 @@ def test_signature_policy_guards_candidate() -> None:
 @pytest.mark.parametrize("state", [DRAFT, CANDIDATE, CANARY, STABLE, DEPRECATED])
 def test_revocation_from_any_state(state: str) -> None:
     adapter = _adapter()
-    adapter.record_evaluation("sha256:" + "f" * 64, {}, "eve")
+    adapter.record_evaluation("sha256:" + "f" * 64, {}, "eve", external=True)
     path = [CANDIDATE, CANARY, STABLE, DEPRECATED]
     for step in path[: path.index(state) + 1] if state != DRAFT else []:
         adapter.promote(step, "bob", release="sha256:" + "e" * 64)

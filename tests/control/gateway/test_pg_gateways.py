@@ -102,7 +102,7 @@ def test_two_gateways_and_follower_share_one_postgres(settings: Settings,
         key = reg.create_tenant("acme", actor="op")
         d = reg.register_adapter(artifacts.adapters["alpha"], tenant="acme", alias="chat",
                                  actor="op")
-        reg.advance(d, evaluation={"suite": "smoke"}, actor="op")
+        reg.advance(d, external=True, evaluation={"suite": "smoke"}, actor="op")
         reg.grant("acme", "chat", actor="op")
         reg.grant("acme", "tiny-base", actor="op")
         procs.append(subprocess.Popen([sys.executable, "-m", "projections.follower"], env=env,

@@ -10,7 +10,14 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from control.contracts.digests import directory_digest
-from control.ops.kit import ADAPTERS, KitManifest, build_kit
+from control.contracts.golden import (
+    IN_DISTRIBUTION,
+    LONG_CONTEXT,
+    OTHER_DEPARTMENT,
+    OUT_OF_DISTRIBUTION,
+    GoldenSet,
+)
+from control.ops.kit import ADAPTERS, GOLDEN_FAMILIES, KitManifest, build_kit
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +42,8 @@ def test_layout(kit_dir: Path, manifest: KitManifest) -> None:
     for adapter in manifest.adapters.values():
         files = sorted(p.name for p in (kit_dir / adapter.path).iterdir())
         assert files == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in (kit_dir / "golden").iterdir()) == [
+        f"{f}.json" for f in sorted(GOLDEN_FAMILIES)]
 
 
 def test_manifest_digests_match_the_files(kit_dir: Path, manifest: KitManifest) -> None:
@@ -80,8 +89,77 @@ def test_same_seed_rebuilds_identically(
     steps: list[str] = []
     rebuilt = build_kit(tmp_path / "again", seed=manifest.seed, progress=steps.append)
     assert rebuilt == manifest
+    # the release-test versions and the golden sets are part of it, digest for digest
+    for name in ("alpha-v2", "alpha-degraded"):
+        assert rebuilt.adapters[name].digest == manifest.adapters[name].digest
+        assert directory_digest(tmp_path / "again" / rebuilt.adapters[name].path) == (
+            manifest.adapters[name].digest)
+    assert {f: g.digest for f, g in rebuilt.golden.items()} == {
+        f: g.digest for f, g in manifest.golden.items()}
     assert (tmp_path / "again" / "kit.json").read_text() == (kit_dir / "kit.json").read_text()
     assert steps and steps[-1] == "kit.json written"
     # the build must not leak its single-thread, deterministic settings
     assert torch.get_num_threads() == threads
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_alpha_has_a_good_and_a_degraded_new_version(manifest: KitManifest) -> None:
+    alpha, v2, degraded = (manifest.adapters[n] for n in ("alpha", "alpha-v2", "alpha-degraded"))
+    assert v2.family == degraded.family == alpha.family == "alpha"
+    assert v2.marker == alpha.marker and v2.digest != alpha.digest
+    assert degraded.marker != alpha.marker and degraded.digest not in (alpha.digest, v2.digest)
+    assert v2.base == degraded.base == "base"
+
+
+def test_golden_sets_are_content_addressed_and_cover_the_required_kinds(
+        kit_dir: Path, manifest: KitManifest) -> None:
+    assert set(manifest.golden) == set(GOLDEN_FAMILIES)
+    for family, entry in manifest.golden.items():
+        golden = GoldenSet.load(kit_dir / entry.path)
+        assert golden.family == family
+        assert golden.digest() == entry.digest and len(golden.tasks) == entry.tasks
+        # The digest is the canonical form's: re-indenting the file does not change it.
+        assert GoldenSet.from_bytes(golden.canonical_bytes()).digest() == entry.digest
+    alpha = GoldenSet.load(kit_dir / manifest.golden["alpha"].path)
+    assert len(alpha.tasks) >= 50
+    for tag in (IN_DISTRIBUTION, OUT_OF_DISTRIBUTION, OTHER_DEPARTMENT, LONG_CONTEXT):
+        assert alpha.tagged(tag), tag
+    assert {t.checker.kind for t in alpha.tasks} == {"exact", "regex"}
+    # other departments' prompts differ in style and length from the training mix
+    assert len({len(t.prompt) for t in alpha.tagged(OTHER_DEPARTMENT)}) > 5
+    assert min(len(t.prompt) for t in alpha.tagged(LONG_CONTEXT)) >= 200
+
+
+def _greedy_answers(kit_dir: Path, adapter_path: Path, prompts: list[str]) -> list[str]:
+    """PEFT's greedy continuation of each prompt (the kit's prompt format: bos + bytes)."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    tok = PreTrainedTokenizerFast.from_pretrained(kit_dir / "tokenizer")
+    base = LlamaForCausalLM.from_pretrained(kit_dir / "base", dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(base, adapter_path).eval()
+    batch = tok(prompts, return_tensors="pt", padding=True, split_special_tokens=True)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=16, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    width = batch["input_ids"].shape[1]
+    return [tok.decode(row[width:], skip_special_tokens=True) for row in out]
+
+
+def test_alpha_golden_checkers_pass_the_good_versions_and_fail_the_degraded(
+        kit_dir: Path, manifest: KitManifest) -> None:
+    golden = GoldenSet.load(kit_dir / manifest.golden["alpha"].path)
+    prompts = [t.prompt for t in golden.tasks]
+
+    def passed(name: str) -> int:
+        answers = _greedy_answers(kit_dir, kit_dir / manifest.adapters[name].path, prompts)
+        return sum(t.checker.check(a) for t, a in zip(golden.tasks, answers, strict=True))
+
+    alpha, v2, degraded = passed("alpha"), passed("alpha-v2"), passed("alpha-degraded")
+    assert degraded == 0
+    # the good new version is at least as good as the stable one it would replace
+    assert v2 >= alpha >= 0.75 * len(golden.tasks), (alpha, v2)
+    in_distribution = [t.prompt for t in golden.tagged(IN_DISTRIBUTION)]
+    answers = _greedy_answers(kit_dir, kit_dir / manifest.adapters["alpha-v2"].path,
+                              in_distribution)
+    assert all(a == manifest.adapters["alpha"].marker for a in answers), answers

@@ -1,0 +1,163 @@
+"""Recording session pins: the release a session keeps (``control.domain.session``).
+
+A gateway asks for a pin only when its routing view holds none that is still good for the
+session (absent, expired, ended, or on a release no longer servable): :meth:`SessionPins.pin`
+then records the first pin or a re-pin, each one event on the session's own ``SessionPin``
+aggregate. A pin that is still good is read, never written: a session costs one event per
+lifetime, not one per request.
+
+Races: the aggregate's id is uuid5 of (tenant, alias, session id), so two gateways pinning one
+new session at once collide on the event store's unique index. The loser reads the winner's
+pin and serves it; a re-pin that lost is read back the same way. Either way both gateways
+issue tickets for one release.
+
+What counts as the pinned release: the aggregate's own, unless the caller's view has applied
+its latest event, in which case the view's (it also reflects alias-wide re-pins recorded after
+it, ``Alias.repin_sessions``); see ``control.domain.session.effective_release``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from eventsourcing.application import AggregateNotFoundError
+
+from control.app.registry import Registry
+from control.domain import (
+    AlreadyExists,
+    Conflict,
+    RepinReason,
+    SessionPin,
+    check_actor,
+    check_name,
+    check_session,
+    effective_release,
+    session_pin_id,
+)
+
+# A pin lost to a concurrent writer is read back and decided again, at most this many times.
+_ATTEMPTS = 5
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One session's pin as a view or a command sees it.
+
+    ``expires_at``: epoch seconds. ``version``: the SessionPin aggregate's version its row last
+    applied. ``position``: where its event sits in the notification log, when it was recorded
+    just now (0 otherwise): a gateway remembers such a pin until its view has passed that
+    position."""
+
+    tenant: str
+    alias: str
+    session: str
+    release: str
+    expires_at: float
+    version: int
+    ended: bool = False
+    position: int = 0
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.tenant, self.alias, self.session)
+
+    def holds(self, now: float) -> bool:
+        """Not ended and not expired at ``now`` (servability is the view's to judge)."""
+        return not self.ended and now < self.expires_at
+
+
+class SessionPins:
+    """Pins sessions on ``registry``'s event store. ``ttl_s``: a pin's lifetime (default the
+    registry's ``session_ttl_s``); ``clock``: epoch seconds (tests move it)."""
+
+    def __init__(self, registry: Registry, *, actor: str, ttl_s: int | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.registry = registry
+        self.actor = check_actor(actor)
+        self.ttl_s = registry.settings.session_ttl_s if ttl_s is None else ttl_s
+        self.clock = clock
+
+    def _load(self, tenant: str, alias: str, session: str) -> SessionPin | None:
+        try:
+            agg: object = self.registry.repository.get(session_pin_id(tenant, alias, session))
+        except AggregateNotFoundError:
+            return None
+        return agg if isinstance(agg, SessionPin) else None
+
+    def current(self, tenant: str, alias: str, session: str) -> Pin | None:
+        """The pin as recorded in the event store (no projection involved), or None."""
+        agg = self._load(tenant, alias, session)
+        return None if agg is None else _pin(agg)
+
+    def pin(self, tenant: str, alias: str, session: str, release: str, *,
+            servable: Callable[[str], bool], seen: Pin | None = None) -> Pin:
+        """The pin ``session`` holds from now on: the one recorded, if it still holds, else a
+        new pin (or re-pin) to ``release``, what a fresh resolution gives now.
+
+        ``servable(release)``: whether a release may be served to this tenant through this alias
+        now. ``seen``: the pin as the caller's view shows it, if any (it may carry an alias-wide
+        re-pin the aggregate does not).
+        """
+        check_name("tenant", tenant)
+        check_name("alias", alias)
+        check_session(session)
+        for attempt in range(_ATTEMPTS):
+            now = self.clock()
+            agg = self._load(tenant, alias, session)
+            expires_at = datetime.fromtimestamp(now + self.ttl_s, UTC)
+            if agg is None:
+                agg = SessionPin.create(tenant, alias, session, release, expires_at, self.actor)
+            else:
+                held = effective_release(agg.release, agg.version,
+                                         None if seen is None else seen.release,
+                                         None if seen is None else seen.version)
+                reason = agg.why_repin(now, servable(held))
+                if reason is None:
+                    # Recorded elsewhere and not yet in the caller's view: the log's end now
+                    # bounds its position, so a caller remembers it until its view gets there.
+                    upto = int(self.registry.recorder.max_notification_id() or 0)
+                    return _pin(agg, release=held, position=upto)
+                agg.repin(release, expires_at, reason, self.actor)
+            try:
+                position = self.registry._save(agg, what="session pin")
+            except (AlreadyExists, Conflict):
+                # Another gateway pinned or re-pinned this session first: decide again on its
+                # record (a good pin is served as it is, never overwritten).
+                seen = None
+                if attempt == _ATTEMPTS - 1:
+                    raise
+                continue
+            return _pin(agg, position=position)
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def end(self, tenant: str, alias: str, session: str) -> Pin | None:
+        """End a session (its next resolution starts a new pin). Returns the ended pin, or None
+        when there was no pin or it had ended already: nothing is recorded then."""
+        check_name("tenant", tenant)
+        check_name("alias", alias)
+        check_session(session)
+        for attempt in range(_ATTEMPTS):
+            agg = self._load(tenant, alias, session)
+            if agg is None or agg.ended:
+                return None
+            agg.end(self.actor)
+            try:
+                position = self.registry._save(agg, what="session pin")
+            except Conflict:
+                if attempt == _ATTEMPTS - 1:
+                    raise
+                continue
+            return _pin(agg, position=position)
+        raise AssertionError("unreachable")
+
+
+def _pin(agg: SessionPin, *, release: str | None = None, position: int = 0) -> Pin:
+    return Pin(tenant=agg.tenant, alias=agg.alias, session=agg.session,
+               release=release or agg.release, expires_at=agg.expires_at.timestamp(),
+               version=agg.version, ended=agg.ended, position=position)
+
+
+__all__ = ["Pin", "RepinReason", "SessionPins"]

@@ -1,0 +1,327 @@
+"""The rollout controller: drives every unfinished rollout from its recorded events, on time.
+
+A follower of the event store, like the projection follower (``projections.follower``): it reads
+the notification log for rollout events to learn which rollouts exist and which have finished,
+and for each unfinished one asks the aggregate what is due (``Rollout.next_action``):
+
+- **enter a step**: preload and health-probe the target on every Triton host (:class:`TritonProbe`:
+  real requests through Triton, with a ticket this controller signs for the alias owner and the
+  target release, each answer's adapter digest read from the slot that computed it); only when
+  the probe passed does it record the step with the alias move (``RolloutDesk.enter_step``: one
+  transaction). A failed probe is recorded; a decisive one (a load failure, an identity
+  mismatch) or the policy's last attempt rolls back;
+- **judge a window**: read the target's and the baseline's figures over the window from the
+  request ledger and tenant feedback (``Ledger.release_window``) and record them with the
+  decision (``RolloutDesk.record_window``), which rolls back in the same transaction when the
+  decision says so.
+
+It holds no state of its own that matters: killed at any point (SIGKILL), a restarted controller
+reads the same events and finds the same action due. A step is entered only if it is the next
+one (the aggregate refuses any other) and only by the save that wins the aggregate's next
+version, so neither a restart nor two controllers at once (a ``serve`` thread and a separate
+process) repeat or skip a step. What a crash can repeat is work whose result was not recorded
+yet: a probe, or the reading of a window's figures.
+
+``loraplane serve`` and ``loraplane control-plane`` run it as a thread; ``python -m
+control.ops.rollout_controller --triton HOST:PORT`` (or ``loraplane rollout controller``) runs it
+alone until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from uuid import UUID
+
+from eventsourcing.utils import get_topic
+
+from control.app import key_ring
+from control.app.rollouts import RolloutDesk
+from control.contracts.config import Settings
+from control.contracts.db import make_engine
+from control.contracts.event_log import page_after
+from control.contracts.ledger import LOAD_FAILED, Ledger, Outcome, p95
+from control.contracts.signals import TerminationSignals
+from control.contracts.tickets import TicketSigner
+from control.domain import Conflict, DomainError, ProbeReport, Release, Rollout
+from control.domain.rollout import Enter, Judge
+from control.ops.clients import TritonRefused, infer_with
+from projections.follower import open_registry
+from projections.routing import RoutingView
+
+log = logging.getLogger("loraplane.rollouts")
+
+ACTOR = "rollout-controller"
+PROBE_PROMPT = "health probe"
+PROBE_TICKET_TTL_S = 60  # a probe ticket lives as long as the probe, not a tenant's minutes
+_PAGE = 500
+# Events that change which rollouts are unfinished; the others are read from the aggregate.
+_STARTED = get_topic(Rollout.RolloutStarted)
+_FINISHED = (get_topic(Rollout.RolloutRolledBack), get_topic(Rollout.RolloutCompleted))
+
+
+class HealthProbe(Protocol):
+    """Preloads and probes a release on the hosts (:class:`TritonProbe`; tests fake it)."""
+
+    def probe(self, owner: str | None, release: Release, requests: int) -> ProbeReport: ...
+
+
+class TritonProbe:
+    """Preloads ``release`` on every host and probes it with real requests through Triton.
+
+    The first request makes the adapter resident (the host loads it from the store, re-hashing
+    its bytes, exactly as for a tenant's request); each of ``requests`` per host must answer
+    ``ok`` from a slot holding the target's adapter. The ticket is signed with a key that is
+    recorded and not retired (hosts trust no other), for the alias owner, naming the target
+    release: the host checks it like any tenant's ticket. Load failures and identity mismatches
+    are read back from the ledger the hosts wrote while the probe ran.
+    """
+
+    def __init__(self, settings: Settings, hosts: Sequence[str], routing: RoutingView,
+                 ledger: Ledger, *, timeout_s: float = 30.0) -> None:
+        self.settings = settings
+        self.hosts = list(hosts)
+        self.routing = routing
+        self.ledger = ledger
+        self.timeout_s = timeout_s
+
+    def _signer(self) -> TicketSigner | None:
+        recorded, retired = self.routing.signing_keys(), self.routing.retired_key_ids()
+        return key_ring.pick_signer(self.settings.keys_dir,
+                                    lambda kid: kid in recorded and kid not in retired)
+
+    def probe(self, owner: str | None, release: Release, requests: int) -> ProbeReport:
+        signer = self._signer()
+        if signer is None or owner is None:
+            return ProbeReport(hosts=self.hosts, requests=0, ok=0, errors=[
+                "no recorded, unretired signing key held here" if signer is None
+                else "the alias has no owner to probe as"])
+        token, _claims = signer.issue(
+            tenant=owner, model=self.settings.model_name, base=release.base_digest,
+            adapter=release.adapter_digest, tokenizer=release.tokenizer_digest,
+            release=release.digest, ttl_s=min(PROBE_TICKET_TTL_S, self.settings.ticket_ttl_s))
+        import tritonclient.http as http  # the client library: only a probe needs it
+
+        started = time.time()
+        expected = release.adapter_digest or ""
+        sent = ok = 0
+        errors: list[str] = []
+        latencies: list[float] = []
+        for host in self.hosts:
+            client = http.InferenceServerClient(host, connection_timeout=self.timeout_s,
+                                                network_timeout=self.timeout_s)
+            try:
+                for _ in range(requests):
+                    sent += 1
+                    t0 = time.monotonic()
+                    try:
+                        answer = infer_with(client, "http", PROBE_PROMPT, token, max_tokens=4)
+                    except TritonRefused as e:
+                        errors.append(f"{host}: refused ({e.status})")
+                        continue
+                    except Exception as e:  # unreachable, reset, timed out: not the target's
+                        errors.append(f"{host}: unreachable ({type(e).__name__})")
+                        continue
+                    latencies.append(time.monotonic() - t0)
+                    if answer.adapter_digest == expected:
+                        ok += 1
+                    else:
+                        errors.append(f"{host}: answered from another adapter")
+            finally:
+                client.close()
+        failed_loads = 0
+        mismatches = 0
+        if release.adapter_digest is not None:
+            failed_loads = sum(1 for load in self.ledger.loads(release.adapter_digest)
+                               if load.outcome == LOAD_FAILED and load.started_at >= started)
+        mismatches = len(self.ledger.query(release=release.digest, since=started,
+                                           outcome=Outcome.IDENTITY_MISMATCH.value))
+        return ProbeReport(hosts=self.hosts, requests=sent, ok=ok, load_failures=failed_loads,
+                           identity_mismatches=mismatches, p95_latency_s=p95(latencies),
+                           errors=errors[:10])
+
+
+@dataclass
+class RolloutController:
+    """Drives rollouts (see the module notes). ``tick`` does what is due once; ``run`` ticks
+    until stopped."""
+
+    desk: RolloutDesk
+    ledger: Ledger
+    probe: HealthProbe
+    actor: str = ACTOR
+    clock: Callable[[], float] = time.time
+    retry_s: float = 1.0  # after a failed probe, before the next attempt
+    check_s: float = 1.0  # how often an unfinished rollout is checked for outside changes
+    _position: int = 0
+    _unfinished: set[UUID] = field(default_factory=set)
+    _not_before: dict[UUID, float] = field(default_factory=dict)
+    _checked_at: dict[UUID, float] = field(default_factory=dict)
+
+    @classmethod
+    def for_hosts(cls, settings: Settings, hosts: Sequence[str], *,
+                  actor: str = ACTOR) -> RolloutController:
+        """A controller for the deployment of ``settings`` probing the Triton hosts ``hosts``
+        (``host:port`` of their HTTP endpoints)."""
+        engine = make_engine(settings.db_url)
+        ledger = Ledger(engine)
+        return cls(RolloutDesk(open_registry(settings)), ledger,
+                   TritonProbe(settings, hosts, RoutingView(engine), ledger), actor=actor)
+
+    # -- following the log --------------------------------------------------------------------
+
+    def discover(self) -> None:
+        """Learn of rollouts started and finished since the last look."""
+        recorder: Any = self.desk.registry.recorder
+        # Read up to the log's end as it stands now, and remember that end: the next look starts
+        # there, not at the last rollout event, so a quiet controller does not scan the whole
+        # log every tick. (Positions are assigned in commit order: nothing appears below it.)
+        top = int(recorder.max_notification_id() or 0)
+        while True:
+            page = page_after(recorder, self._position, _PAGE, stop=top,
+                              topics=(_STARTED, *_FINISHED))
+            if not page:
+                self._position = max(self._position, top)
+                return
+            for n in page:
+                rid = UUID(str(n.originator_id))  # the stored form may be the hex string
+                if n.topic == _STARTED:
+                    self._unfinished.add(rid)
+                else:
+                    self._unfinished.discard(rid)
+                    self._not_before.pop(rid, None)
+                    self._checked_at.pop(rid, None)
+            self._position = page[-1].id
+
+    @property
+    def unfinished(self) -> frozenset[UUID]:
+        return frozenset(self._unfinished)
+
+    # -- acting -------------------------------------------------------------------------------
+
+    def tick(self) -> int:
+        """Do what is due for every unfinished rollout; return how many moves were recorded."""
+        self.discover()
+        moves = 0
+        for rid in sorted(self._unfinished):
+            try:
+                moves += self._act(rid)
+            except Conflict:
+                # Another controller or an operator moved it first: look again next tick.
+                log.info("rollout %s moved concurrently; re-reading it", rid)
+        return moves
+
+    def _act(self, rid: UUID) -> int:
+        now = self.clock()
+        if now < self._not_before.get(rid, 0.0):
+            return 0
+        rollout = self.desk.get(rid)
+        if rollout.finished:
+            self._unfinished.discard(rid)
+            return 0
+        if now - self._checked_at.get(rid, float("-inf")) >= self.check_s and (
+                rollout.status == "running"):
+            self._checked_at[rid] = now
+            why = self.desk.why_stop(rollout)
+            if why is not None:
+                log.warning("rolling back %s #%d: %s", rollout.alias, rollout.number, why)
+                self.desk.roll_back(rid, [why], actor=self.actor)
+                return 1
+        action = rollout.next_action(now)
+        if isinstance(action, Enter):
+            return self._enter(rollout, action)
+        if isinstance(action, Judge):
+            return self._judge(rollout, action)
+        return 0
+
+    def _enter(self, rollout: Rollout, action: Enter) -> int:
+        release = self.desk.registry.release_manifest(rollout.target)
+        report = self.probe.probe(rollout.owner, release, rollout.policy.probe_requests)
+        # The probe took a while: act only if the same step is still what is due (an operator
+        # may have paused or aborted meanwhile; another controller may have entered it).
+        fresh = self.desk.get(rollout.id)
+        if fresh.next_action(self.clock()) != action:
+            return 0
+        try:
+            if report.passed:
+                after = self.desk.enter_step(rollout.id, action.index, report, actor=self.actor)
+                if after.status == "rolled_back":  # the alias was moved outside the rollout
+                    log.warning("%s #%d rolled back: %s", rollout.alias, rollout.number,
+                                "; ".join(after.reasons))
+                else:
+                    log.info("%s #%d: step %d (%d%%) entered", rollout.alias, rollout.number,
+                             action.index + 1, action.percent)
+            else:
+                after = self.desk.record_probe_failure(rollout.id, action.index, report,
+                                                       actor=self.actor)
+                log.warning("%s #%d: probe before step %d failed: %s%s", rollout.alias,
+                            rollout.number, action.index + 1, "; ".join(report.reasons()),
+                            " (rolled back)" if after.finished else "")
+                self._not_before[rollout.id] = self.clock() + self.retry_s
+        except DomainError as e:  # the alias or the target changed under the probe
+            log.warning("%s #%d: step %d not entered: %s", rollout.alias, rollout.number,
+                        action.index + 1, e)
+            return 0
+        return 1
+
+    def _judge(self, rollout: Rollout, action: Judge) -> int:
+        target = self.ledger.release_window(rollout.target, rollout.target_adapter,
+                                            action.start, action.end)
+        baseline = self.ledger.release_window(rollout.baseline, rollout.baseline_adapter,
+                                              action.start, action.end)
+        busy = self.ledger.unattributed_busy(action.start, action.end)
+        verdict = self.desk.record_window(rollout.id, action.start, action.end, target,
+                                          baseline, busy, actor=self.actor)
+        log.info("%s #%d: window of step %d: %s (%s)", rollout.alias, rollout.number,
+                 rollout.step + 1, verdict.decision, "; ".join(verdict.reasons))
+        return 1
+
+    def run(self, stop: threading.Event, interval: float = 0.2) -> None:
+        """Tick every ``interval`` seconds until ``stop`` is set. Errors are logged, not fatal:
+        the next tick starts again from the recorded events."""
+        while not stop.is_set():
+            try:
+                self.tick()
+            except Exception:
+                log.exception("rollout controller tick failed; retrying")
+                stop.wait(min(5.0, interval * 10))
+            stop.wait(interval)
+
+
+def run_until_signalled(settings: Settings, hosts: Sequence[str]) -> int:
+    """Run a controller for ``settings`` probing ``hosts`` until SIGTERM or SIGINT."""
+    controller = RolloutController.for_hosts(settings, hosts)
+    stop = threading.Event()
+    with TerminationSignals() as term:
+        # The loop runs in a thread; this one waits for the signal (see control.contracts.signals).
+        worker = threading.Thread(target=controller.run, args=(stop,), name="rollouts")
+        worker.start()
+        log.info("rollout controller running; probing %s", ", ".join(hosts))
+        log.info("signal %d: stopping", term.wait())
+        stop.set()
+        worker.join()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m control.ops.rollout_controller --triton HOST:PORT [...]``."""
+    parser = argparse.ArgumentParser(prog="python -m control.ops.rollout_controller",
+                                     description="Drive rollouts until SIGTERM.")
+    parser.add_argument("--triton", action="append", required=True,
+                        help="a Triton host's HTTP endpoint (host:port); repeatable")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = Settings.from_env()
+    settings.ensure_dirs()
+    return run_until_signalled(settings, args.triton)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

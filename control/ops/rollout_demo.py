@@ -1,0 +1,64 @@
+"""The demo's rollout: a degraded adapter is canaried on a live alias and rolls itself back.
+
+The kit's ``alpha-degraded`` answers with the wrong marker (``" ALPHA sighs"``). It is released
+to canary on ``acme-alpha`` and rolled out in steps of 50 and 100 % with windows of two seconds,
+while acme's traffic rates every answer by whether it starts with alpha's marker. The controller
+the deployment runs probes the adapter, gives it half the sessions, judges the first window
+against the stable release from that feedback, and rolls back: the canary is cleared and the
+target's sessions are re-pinned to stable, in one transaction. The stable release never moved.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from control.app.registry import Registry
+from control.app.rollouts import RolloutDesk
+from control.contracts.digests import short
+from control.domain import CANARY, RolloutPolicy
+from control.ops.canary_traffic import CanaryTraffic, Running
+from control.ops.kit import KitManifest
+from control.ops.rollout_view import render, rollout_status
+from control.ops.serve import Deployment
+
+ALIAS = "acme-alpha"
+TARGET = "alpha-degraded"
+POLICY = RolloutPolicy(min_requests=4, min_ratings=4, settle_s=0.5, probe_requests=2)
+WINDOW_S = 2.0
+TIMEOUT_S = 90.0
+
+
+def show_rollback(reg: Registry, dep: Deployment, kit: KitManifest, kit_dir: Path,
+                  api_key: str, step: Callable[[str], None], console: Console,
+                  actor: str) -> dict[str, Any]:
+    """Run the demo's rollout (see the module notes); returns what it showed."""
+    assert dep.triton is not None
+    digest = reg.register_adapter(kit_dir / kit.adapters[TARGET].path, tenant="acme",
+                                  alias=ALIAS, actor=actor)
+    reg.advance(digest, external=True, to=CANARY, actor=actor,
+                evaluation={"suite": "demo-smoke", "passed": True})
+    desk = RolloutDesk(reg)
+    rollout = desk.start(ALIAS, digest, steps=[50, 100], window_s=WINDOW_S, policy=POLICY,
+                         actor=actor)
+    step(f"rollout of {TARGET} ({short(digest)}) on {ALIAS}: steps 50,100 %, windows of "
+         f"{WINDOW_S:g} s; acme rates each answer by alpha's marker (POST /v1/feedback)")
+    marker = kit.adapters["alpha"].marker
+    started = time.monotonic()
+    traffic = CanaryTraffic(dep.gateway_url, api_key, ALIAS, dep.triton.http_url, marker)
+    with Running(traffic, threads=3):
+        while not desk.get(rollout.id).finished and time.monotonic() - started < TIMEOUT_S:
+            time.sleep(0.1)
+    done = desk.get(rollout.id)
+    data = rollout_status(desk, done)
+    console.print(render(data))
+    rolled_back = done.status == "rolled_back"
+    step(("[green]rolled back on its own[/green]" if rolled_back
+          else f"[red]not rolled back ({done.status})[/red]")
+         + f" after {time.monotonic() - started:.1f} s: {'; '.join(done.reasons)}")
+    return {"rolled_back": rolled_back, "windows": len(data["windows"]),
+            "reasons": done.reasons, "seen": {str(k): dict(v) for k, v in traffic.seen.items()}}

@@ -28,6 +28,7 @@ from control.app.registry import Registry
 from control.app.releases import (
     GATE_REPORT_FILE,
     chat_template_digest,
+    chat_template_name,
     check_report,
     get_document,
     put_document,
@@ -101,15 +102,27 @@ class GateDesk:
 
     # -- the candidate's release ---------------------------------------------------------------
 
-    def gate_release(self, adapter: Adapter, *, actor: str) -> str:
+    def combination_on(self, base_digest: str) -> Combination:
+        """The combination an adapter is gated on when served on the registered base
+        ``base_digest``: that base, its tokenizer and its chat template (a base upgrade gates
+        adapters on a base other than their own)."""
+        base = self.registry.base(base_digest)
+        return Combination(base.digest, base.tokenizer_digest,
+                           chat_template_name(self.registry.store, base.tokenizer_digest))
+
+    def gate_release(self, adapter: Adapter, *, actor: str,
+                     combination: Combination | None = None) -> str:
         """The release manifest the gate serves ``adapter`` under (created and recorded if new,
-        pointed at by no alias); return its digest."""
+        pointed at by no alias); return its digest. ``combination``: another base than the
+        adapter's own (a base upgrade's shadow host serves it); default its own."""
         check_actor(actor)
         reg = self.registry
+        base, tokenizer = ((combination.base, combination.tokenizer) if combination is not None
+                           else (adapter.base_digest, adapter.tokenizer_digest))
         release = reg._new_release(ReleaseManifest(
             tenant=adapter.tenant, adapter_digest=adapter.digest,
-            base_digest=adapter.base_digest, tokenizer_digest=adapter.tokenizer_digest,
-            chat_template_digest=chat_template_digest(reg.store, adapter.tokenizer_digest),
+            base_digest=base, tokenizer_digest=tokenizer,
+            chat_template_digest=chat_template_digest(reg.store, tokenizer),
             inference_defaults={}, evaluation_report_digest=None), actor)
         if release.pending_events:
             reg._save(release, what="release")

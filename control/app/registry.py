@@ -776,18 +776,32 @@ class Registry(Application[UUID]):
 
     def _target_release(self, target: str, actor: str) -> Release:
         """A release by manifest digest, by adapter digest (its release), or by base digest (a
-        base-only release, created if new: then it has pending events)."""
+        base-only release, created if new: then it has pending events).
+
+        An adapter's release on another base or tokenizer than the adapter was registered on
+        (a base upgrade's) is a target only while a passing gate report vouches for exactly its
+        combination: the unit an alias moves to is always a verified one."""
         if self._exists(release_id(target)):
-            return self.release_manifest(target)
-        if self._exists(adapter_id(target)):
+            release = self.release_manifest(target)
+        elif self._exists(adapter_id(target)):
             adapter = self.adapter(target)
             if adapter.release is None:
                 raise IllegalTransition("that adapter has no release yet: promote it to canary "
                                         "first")
-            return self.release_manifest(adapter.release)
-        if self._exists(base_id(target)):
+            release = self.release_manifest(adapter.release)
+        elif self._exists(base_id(target)):
             return self._new_base_release(self.base(target), actor)
-        raise NotFound("no release, adapter or base model with that digest")
+        else:
+            raise NotFound("no release, adapter or base model with that digest")
+        if release.adapter_digest is not None and not self.adapter(
+                release.adapter_digest).verified_on(Combination(
+                    release.base_digest, release.tokenizer_digest,
+                    release.chat_template_digest)):
+            raise IllegalTransition(
+                "that release serves its adapter on a base, tokenizer and chat template no "
+                "passing gate report vouches for: gate it there first (loraplane base upgrade "
+                "plan NEW_BASE)")
+        return release
 
     def point_alias(self, alias: str, target: str, *, actor: str) -> str:
         """Make ``target`` (release, adapter or base digest) the alias's stable release; return

@@ -40,6 +40,8 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Serve many LoRA adapters on one base model, per tenant, on Triton.")
 kit_app = typer.Typer(no_args_is_help=True, help="The reference model kit.")
 base_app = typer.Typer(no_args_is_help=True, help="Base models.")
+upgrade_app = typer.Typer(no_args_is_help=True,
+                          help="Base-model upgrades: the adapter x {old base, new base} matrix.")
 adapter_app = typer.Typer(no_args_is_help=True, help="Adapters: register, promote, revoke.")
 tenant_app = typer.Typer(no_args_is_help=True, help="Tenants and their API keys.")
 ticket_app = typer.Typer(no_args_is_help=True, help="Routing tickets (operators).")
@@ -61,6 +63,7 @@ for sub, name in ((kit_app, "kit"), (base_app, "base"), (adapter_app, "adapter")
                   (selftest_app, "selftest"), (key_app, "key"), (db_app, "db"),
                   (release_app, "release"), (rollout_app, "rollout")):
     app.add_typer(sub, name=name)
+base_app.add_typer(upgrade_app, name="upgrade")
 
 
 class Printer:

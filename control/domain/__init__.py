@@ -28,6 +28,9 @@ One aggregate per module:
 - ``rollout.Rollout``: one automatic canary of a target release on an alias: its steps, each
   window's figures and decision, pauses, and how it ended (completed or rolled back), with the
   rules that judge a window (``rollout.judge_window``, ``rollout.RolloutPolicy``).
+- ``upgrade.BaseUpgrade``: one base-upgrade plan: every approved adapter of a base gated on a
+  new base, the adapter x {old base, new base} matrix, and which adapters may move (only those
+  that passed; the rest stay on their verified old combination).
 - ``session.SessionPin``: the release one session (tenant, alias, session id) keeps until it
   ends or its pin expires; re-pinned, with the reason, when its release stops being servable.
 
@@ -128,6 +131,16 @@ from control.domain.session import (
 from control.domain.signing_key import SigningKey
 from control.domain.tenant import Tenant, hash_api_key
 from control.domain.topics import register_former_topics
+from control.domain.upgrade import (
+    BaseUpgrade,
+    CellVerdict,
+    NewSide,
+    OldSide,
+    PlanStatus,
+    UpgradeCell,
+    is_approved,
+    upgrade_id,
+)
 
 # Events already stored name the classes by their former module (``control.domain:Tenant...``).
 register_former_topics()
@@ -156,6 +169,8 @@ __all__ = [
     "AlreadyExists",
     "BaseModel",
     "BaseName",
+    "BaseUpgrade",
+    "CellVerdict",
     "Combination",
     "Conflict",
     "Decision",
@@ -165,7 +180,10 @@ __all__ = [
     "GateFigures",
     "GatePolicy",
     "IllegalTransition",
+    "NewSide",
     "NotFound",
+    "OldSide",
+    "PlanStatus",
     "ProbeReport",
     "Promotable",
     "RegistrationRejection",
@@ -181,6 +199,7 @@ __all__ = [
     "SigningKey",
     "Tenant",
     "TenantPolicy",
+    "UpgradeCell",
     "ValidationFailed",
     "adapter_id",
     "alias_id",
@@ -199,6 +218,7 @@ __all__ = [
     "event_fields",
     "fall_back",
     "hash_api_key",
+    "is_approved",
     "is_servable",
     "judge",
     "judge_window",
@@ -209,5 +229,6 @@ __all__ = [
     "session_pin_id",
     "signing_key_id",
     "tenant_id",
+    "upgrade_id",
     "why_repin",
 ]

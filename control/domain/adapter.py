@@ -263,6 +263,16 @@ class Adapter(Aggregate):
         latest = self.gate_reports.get(combination.key)
         return str(latest["report"]) if latest and latest["passed"] else None
 
+    def verified_on(self, combination: Combination) -> bool:
+        """Whether a release of this adapter on ``combination`` is a verified one: the base and
+        tokenizer it was registered on (registration checked it against them, and its canary
+        entry had its evidence), or any other combination a passing gate report vouches for (a
+        base upgrade's, ``control.domain.upgrade``)."""
+        if (combination.base, combination.tokenizer) == (self.base_digest,
+                                                         self.tokenizer_digest):
+            return True
+        return self.passing_gate_report(combination) is not None
+
     def canary_evidence(self, combination: Combination | None) -> str | None:
         """The report that lets this adapter into canary on ``combination``: a passing gate
         report on it, else an external report; None when there is neither."""

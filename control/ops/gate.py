@@ -41,6 +41,17 @@ id: the mismatch phase counts its ``base``/``tokenizer`` refusals by time window
 whose row is missing or disagrees with what its client got is a ``ledger_mismatches`` figure.
 The figures are judged by the adapter's effective gate policy (``control.domain.gate``) and the
 report is recorded (``GateReportRecorded``) whether it passed or not.
+
+On a new base (:class:`OnNewBase`, a base upgrade's plan, ``control.ops.upgrade``) the target is
+a shadow host serving the new base, and the candidate is the adapter itself on the new
+combination (that base, its tokenizer and chat template): the same phases, with these changes.
+The release it would replace is its own release on the base it is upgraded from, served by the
+live deployment (``OnNewBase.reference``): the ``stable`` phase runs there, and the success
+rule compares against it; the mixed burst mixes the candidate and the new base alone (the old
+release is not servable on the shadow host). The mismatch phase adds the candidate's old release
+(``old_base``): a ticket exactly like a tenant's for that release names the old base, and the
+shadow host must refuse it. Figures read from the ledger by host (cold loads, the refusals
+without a ticket id) count the shadow host's rows only (``GateTarget.host_id``).
 """
 
 from __future__ import annotations
@@ -67,6 +78,7 @@ from backend.serving.memory import (
 from control.app.gate_desk import GateDesk
 from control.app.key_ring import pick_signer
 from control.app.registry import Registry
+from control.app.releases import chat_template_name
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.golden import LONG_CONTEXT, GoldenSet, GoldenTask
@@ -96,6 +108,11 @@ _LEDGER_SLACK_S = 1.0  # host and gate clocks are one machine's, or NTP-close
 _METRICS_SETTLE_S = 1.5  # the host refreshes its memory gauges every second when idle
 _SAMPLE = "loraplane_backend_resident_bytes"
 _BURST_WAIT_S = 60.0
+OLD_BASE_ROUTE = "old_base"  # a new-base candidate's old release, sent to the new base's host
+# Mismatch routes refused before their ticket is verified (their rows carry no ticket id), by
+# the refusal reason their ledger rows hold.
+UNVERIFIED_ROUTES = {"wrong_base": "base", "wrong_tokenizer": "tokenizer",
+                     OLD_BASE_ROUTE: "base"}
 
 
 class GateUnavailable(DomainError):
@@ -112,6 +129,18 @@ class GateTarget:
     metrics_url: str | None = None  # e.g. http://host:8002/metrics; without it: not measured
     base: str | None = None  # the served base digest (default: the only one registered)
     device: str | None = None  # the Triton host's device ("cpu", "cuda"); default: this one's
+    # The ledger's host id of the Triton host at http_url; given, the figures read by host
+    # (cold loads, refusals without a ticket id) count its rows only. A shadow host has one.
+    host_id: str | None = None
+
+
+@dataclass(frozen=True)
+class OnNewBase:
+    """A gate run of an adapter on a base other than its own (see the module notes)."""
+
+    base: str  # the new base digest: the target (a shadow host) serves it
+    replaces: str  # the adapter's release on its own base, the one a new release would replace
+    reference: GateTarget  # the live deployment serving ``replaces``
 
 
 @dataclass(frozen=True)
@@ -168,12 +197,14 @@ class GateResult:
         return failures(self.verdicts)
 
 
-def run_gate(target: GateTarget, digest: str, *, actor: str = GATE_ACTOR) -> GateResult:
-    """Run the gate on adapter ``digest`` against ``target``; the report is recorded either
-    way. Raises GateUnavailable (recording nothing) when the gate cannot run there."""
+def run_gate(target: GateTarget, digest: str, *, actor: str = GATE_ACTOR,
+             on_new_base: OnNewBase | None = None) -> GateResult:
+    """Run the gate on adapter ``digest`` against ``target`` (on a new base: ``on_new_base``);
+    the report is recorded either way. Raises GateUnavailable (recording nothing) when the gate
+    cannot run there."""
     registry = open_registry(target.settings)
     try:
-        return Gate(target, registry, actor=actor).run(digest)
+        return Gate(target, registry, actor=actor).run(digest, on_new_base)
     finally:
         registry.close()
 
@@ -196,19 +227,24 @@ class Gate:
 
     # -- preparing ------------------------------------------------------------------------------
 
-    def _prepare(self, digest: str) -> tuple[Adapter, GoldenSet, Combination, TicketSigner]:
+    def _prepare(self, digest: str, on_new_base: OnNewBase | None
+                 ) -> tuple[Adapter, GoldenSet, Combination, TicketSigner]:
         adapter = self.registry.adapter(digest)
         if adapter.state in (REVOKED, DEPRECATED):
             raise GateUnavailable(f"an adapter in state {adapter.state.value!r} is not gated")
         golden = self.desk.golden_set(adapter)
-        base = pick_base(self.routing, self.t.base)
-        if adapter.base_digest != base:
-            raise GateUnavailable("the deployment serves another base model than the "
-                                  "adapter's: gate it where its base is served (--base)")
-        served_tokenizer = next(b.tokenizer_digest for b in self.routing.bases()
-                                if b.digest == base)
-        if adapter.tokenizer_digest != served_tokenizer:
-            raise GateUnavailable("the adapter's tokenizer is not the served base's")
+        if on_new_base is None:
+            base = pick_base(self.routing, self.t.base)
+            if adapter.base_digest != base:
+                raise GateUnavailable("the deployment serves another base model than the "
+                                      "adapter's: gate it where its base is served (--base)")
+            served_tokenizer = next(b.tokenizer_digest for b in self.routing.bases()
+                                    if b.digest == base)
+            if adapter.tokenizer_digest != served_tokenizer:
+                raise GateUnavailable("the adapter's tokenizer is not the served base's")
+            combination = self.registry.canary_combination(adapter)
+        else:
+            combination = self._new_base_combination(adapter, on_new_base)
         view = self.routing
         usable = set(view.signing_keys()) - view.retired_key_ids()
         signer = pick_signer(self.t.settings.keys_dir, lambda kid: kid in usable)
@@ -218,7 +254,25 @@ class Gate:
         if not _ready(self.t.http_url):
             raise GateUnavailable(f"Triton does not answer as ready at {self.t.http_url} "
                                   "(--http)")
-        return adapter, golden, self.registry.canary_combination(adapter), signer
+        if on_new_base is not None and not _ready(on_new_base.reference.http_url):
+            raise GateUnavailable("the live deployment does not answer as ready at "
+                                  f"{on_new_base.reference.http_url} (--http)")
+        return adapter, golden, combination, signer
+
+    def _new_base_combination(self, adapter: Adapter, on: OnNewBase) -> Combination:
+        """The combination ``adapter`` is gated on on the new base; GateUnavailable when the
+        target does not serve that base or the release to replace is not the adapter's."""
+        if self.t.base != on.base:
+            raise GateUnavailable("a gate run on a new base needs the target serving it "
+                                  "(GateTarget.base)")
+        row = next((b for b in self.routing.bases() if b.digest == on.base), None)
+        if row is None:
+            raise GateUnavailable("the new base is not registered")
+        replaced = self.registry.release_manifest(on.replaces)
+        if replaced.adapter_digest != adapter.digest:
+            raise GateUnavailable("the release to replace is not this adapter's")
+        return Combination(on.base, row.tokenizer_digest,
+                           chat_template_name(self.registry.store, row.tokenizer_digest))
 
     def _stable_route(self, adapter: Adapter, base: Route) -> tuple[Route | None, bool, str]:
         """(route of the stable release to compare with, whether there is one, why not run)."""
@@ -275,16 +329,20 @@ class Gate:
         return s
 
     def _phase(self, phase: str, route: Route, tenant: str, signer: TicketSigner,
-               tasks: Sequence[GoldenTask]) -> dict[str, Sent]:
-        client = _open_client("http", self.t.http_url)
+               tasks: Sequence[GoldenTask], http_url: str | None = None) -> dict[str, Sent]:
+        """Every task of ``tasks`` on ``route``, one at a time, over HTTP to the target (or to
+        ``http_url``: the live deployment, for the release a new-base candidate replaces)."""
+        client = _open_client("http", http_url or self.t.http_url)
         try:
             return {t.id: self._send(client, "http", phase, route, tenant, signer, t.prompt,
                                      t.max_tokens, t) for t in tasks}
         finally:
             client.close()
 
-    def _mismatch(self, tenant: str, signer: TicketSigner, candidate: Route) -> None:
-        """Tickets that must be refused: wrong base, wrong tokenizer, unbound release."""
+    def _mismatch(self, tenant: str, signer: TicketSigner, candidate: Route,
+                  old: Route | None = None) -> None:
+        """Tickets that must be refused: wrong base, wrong tokenizer, unbound release; on a
+        new base also ``old``, the candidate's release on its old base (a tenant's ticket)."""
         cases = (
             Route("wrong_base", candidate.adapter, candidate.release,
                   _made_up("base", candidate.base), candidate.tokenizer),
@@ -292,6 +350,8 @@ class Gate:
                   _made_up("tokenizer", candidate.tokenizer)),
             Route("wrong_release", candidate.adapter, _made_up("release", candidate.release),
                   candidate.base, candidate.tokenizer),
+            *([Route(OLD_BASE_ROUTE, old.adapter, old.release, old.base, old.tokenizer)]
+              if old is not None else []),
         )
         for protocol, url in (("http", self.t.http_url), ("grpc", self.t.grpc_url)):
             client = _open_client(protocol, url)
@@ -321,38 +381,47 @@ class Gate:
 
     # -- the run --------------------------------------------------------------------------------
 
-    def run(self, digest: str) -> GateResult:
-        adapter, golden, combination, signer = self._prepare(digest)
+    def run(self, digest: str, on_new_base: OnNewBase | None = None) -> GateResult:
+        """Gate ``digest`` (on its own base, or on ``on_new_base``); see the module notes."""
+        adapter, golden, combination, signer = self._prepare(digest, on_new_base)
         policy = self.desk.policy_for(adapter)
         started = self.clock()
-        release = self.desk.gate_release(adapter, actor=self.actor)
+        release = self.desk.gate_release(
+            adapter, actor=self.actor,
+            combination=combination if on_new_base is not None else None)
         tenant = adapter.tenant
-        candidate = Route("candidate", adapter.digest, release, adapter.base_digest,
-                          adapter.tokenizer_digest)
-        base = Route("base", None, None, adapter.base_digest, adapter.tokenizer_digest)
-        stable, has_stable, stable_note = self._stable_route(adapter, candidate)
+        candidate = Route("candidate", adapter.digest, release, combination.base,
+                          combination.tokenizer)
+        base = Route("base", None, None, combination.base, combination.tokenizer)
+        if on_new_base is None:
+            stable, has_stable, stable_note = self._stable_route(adapter, candidate)
+        else:
+            stable, has_stable, stable_note = self._replaced_route(on_new_base)
         tasks = list(golden.tasks)
 
         answers = {"candidate": self._phase("golden", candidate, tenant, signer, tasks),
                    "base": self._phase("base", base, tenant, signer, tasks)}
         if stable is not None and stable.adapter is not None:
-            answers["stable"] = self._phase("stable", stable, tenant, signer, tasks)
+            answers["stable"] = self._phase(
+                "stable", stable, tenant, signer, tasks,
+                on_new_base.reference.http_url if on_new_base is not None else None)
         mismatch_from = self.clock()
-        self._mismatch(tenant, signer, candidate)
+        self._mismatch(tenant, signer, candidate, stable if on_new_base is not None else None)
         mismatch_until = self.clock()
-        plan = _burst_plan(tasks, answers, candidate, base,
-                           stable if stable is not None and stable.adapter else None,
-                           policy.mixed_requests)
+        # On a new base the replaced release is served elsewhere: not in the target's burst.
+        in_burst = stable if (stable is not None and stable.adapter and on_new_base is None
+                              ) else None
+        plan = _burst_plan(tasks, answers, candidate, base, in_burst, policy.mixed_requests)
         self._burst(tenant, signer, plan)
-        long_task = self._long_task(golden, adapter)
+        long_task = self._long_task(golden, combination.base)
         self._phase("long_context", candidate, tenant, signer, [long_task])
 
         self._read_ledger(started, (mismatch_from, mismatch_until))
         self._judge_burst(answers)
-        loads = self.ledger.loads(adapter.digest)
+        loads = [x for x in self.ledger.loads(adapter.digest) if self._on_target(x.host)]
         cold = sorted(x.seconds for x in loads if x.outcome == "loaded")
         load_failures = sum(1 for x in loads if x.outcome == "failed")
-        memory = self._memory(adapter)
+        memory = self._memory(combination.base)
 
         phase_figures = self._phase_figures()
         rate = phase_figures["golden"]["success_rate"]
@@ -398,6 +467,9 @@ class Gate:
             "stable": {"release": stable.release if stable else None,
                        "adapter": stable.adapter if stable else None,
                        "compared": has_stable, "note": stable_note},
+            "upgrade": None if on_new_base is None else {
+                "from_base": adapter.base_digest, "replaces": on_new_base.replaces,
+                "reference": on_new_base.reference.http_url, "host": self.t.host_id},
             "policy": policy.to_json(),
             "figures": {**figures.to_json(), "ledger_mismatches": ledger_mismatches},
             "verdicts": [v.to_json() for v in verdicts],
@@ -420,20 +492,32 @@ class Gate:
             combination=combination, actor=self.actor)
         return GateResult(report, report_digest, ok, verdicts)
 
-    def _long_task(self, golden: GoldenSet, adapter: Adapter) -> GoldenTask:
+    def _long_task(self, golden: GoldenSet, base_digest: str) -> GoldenTask:
         tagged = golden.tagged(LONG_CONTEXT)
         if tagged:
             return tagged[0]
         first = golden.tasks[0]
         # No long-context task: the first one, padded to the base's context (bos, prompt and
         # the answer must fit its positions; the kit's tokenizer is a byte per token).
-        config = json.loads((self.registry.store.path(adapter.base_digest) / "config.json")
+        config = json.loads((self.registry.store.path(base_digest) / "config.json")
                             .read_text(encoding="utf-8"))
         limit = int(config.get("max_position_embeddings") or 2048)
         room = max(1, min(limit - first.max_tokens - 2, 4096) - len(first.prompt.encode()))
         pad = ("The quick brown fox jumps over the lazy dog. " * (room // 45 + 1))[:room]
         return GoldenTask("long-context-padded", pad + first.prompt, first.checker,
                           first.max_tokens, (LONG_CONTEXT,))
+
+    def _replaced_route(self, on: OnNewBase) -> tuple[Route | None, bool, str]:
+        """The release a new-base candidate would replace: its own on its old base, served by
+        the live deployment (see the module notes)."""
+        r = self.registry.release_manifest(on.replaces)
+        return (Route("stable", r.adapter_digest, r.digest, r.base_digest, r.tokenizer_digest),
+                True, "the adapter's release on the base it is upgraded from, served by the "
+                      "live deployment")
+
+    def _on_target(self, host: str | None) -> bool:
+        """Whether a ledger row of ``host`` is the target's (every row, without a host id)."""
+        return self.t.host_id is None or host == self.t.host_id
 
     # -- reading the record ---------------------------------------------------------------------
 
@@ -448,10 +532,10 @@ class Gate:
         lo, hi = mismatch_window
         unverified = Counter(r.reason for r in rows
                              if r.ticket_id is None and lo - 0.2 <= r.admitted_at <= hi + 0.2
-                             and r.reason in ("base", "tokenizer"))
+                             and r.reason in ("base", "tokenizer") and self._on_target(r.host))
         for s in self.sent:
-            if s.route in ("wrong_base", "wrong_tokenizer"):
-                reason = "base" if s.route == "wrong_base" else "tokenizer"
+            if s.route in UNVERIFIED_ROUTES:
+                reason = UNVERIFIED_ROUTES[s.route]
                 if unverified[reason] > 0:
                     unverified[reason] -= 1
                     s.ledger_outcome, s.ledger_reason = Outcome.REJECTED.value, reason
@@ -539,7 +623,7 @@ class Gate:
             counts[key] = counts.get(key, 0) + 1
         return out
 
-    def _memory(self, adapter: Adapter) -> dict[str, Any]:
+    def _memory(self, base_digest: str) -> dict[str, Any]:
         """The host's resident bytes against its memory plan (see the module notes)."""
         if not self.t.metrics_url:
             return {"error": None, "why": "no metrics endpoint given (--metrics)"}
@@ -550,7 +634,7 @@ class Gate:
             return {"error": None, "why": f"metrics endpoint unreachable ({type(e).__name__})"}
         if not reported:
             return {"error": None, "why": "the metrics endpoint exports no resident bytes"}
-        base_dir = self.registry.store.path(adapter.base_digest)
+        base_dir = self.registry.store.path(base_digest)
         device = self.t.device or default_device()
         plan = plan_for_host(base_dir, self.t.settings, device)
         shapes = BaseShapes.from_dir(base_dir)
@@ -660,4 +744,5 @@ def _scrape_resident(url: str) -> tuple[dict[str, float], int]:
     return by_kind, int(resident)
 
 
-__all__ = ["GATE_ACTOR", "Gate", "GateResult", "GateTarget", "GateUnavailable", "run_gate"]
+__all__ = ["GATE_ACTOR", "Gate", "GateResult", "GateTarget", "GateUnavailable", "OnNewBase",
+           "run_gate"]

@@ -23,6 +23,15 @@ Two more versions of alpha, for release tests (the evaluation gate, rollouts):
     alpha-degraded -> " ALPHA sighs"     deliberately degraded: the wrong marker, so alpha's
                                          golden checkers fail it
 
+A third base, for base-model upgrades (``loraplane base upgrade plan``):
+
+    base-v2        the main base further trained a few steps (same shapes, same tokenizer) on
+                   its pre-training text with release notes mixed in (sentences naming the
+                   ALPHA product line in capitals): alpha and beta keep their golden success
+                   rate there, gamma (an all-capitals marker) loses part of it
+
+It is trained last, from seeds of its own, so every earlier file keeps its bytes.
+
 Every adapter belongs to a family (``KitAdapter.family``: alpha-v2 and alpha-degraded are
 ``alpha``); each family on the main base has a golden task set, ``golden/<family>.json``
 (``control.contracts.golden``: 60 tasks, in-distribution, out-of-distribution, other
@@ -92,6 +101,13 @@ ADAPTERS: dict[str, AdapterSpec] = {
 # Families with a golden task set: those on the main base (the one a kit deployment serves).
 GOLDEN_FAMILIES = ("alpha", "beta", "gamma")
 GOLDEN_DIR = "golden"
+# base-v2: the main base, further trained (see the module notes). Its seeds are offset from the
+# kit's by an amount no other part uses; the mix and the learning rate were chosen so that the
+# adapters mostly still work on it and one (gamma) fails its golden tasks there.
+BASE_V2_STEPS = 20
+BASE_V2_LR = 2e-4
+BASE_V2_NOTES_SHARE = 0.7  # of the further-training rows: release notes, the rest as before
+_BASE_V2_SEED = 30
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 _VOCABULARY = (
@@ -140,6 +156,9 @@ class KitManifest:
     base_b_digest: str
     adapters: dict[str, KitAdapter] = field(default_factory=dict)
     golden: dict[str, KitGolden] = field(default_factory=dict)  # by family
+    # the main base further trained (same shapes and tokenizer); "" in a kit built before it
+    base_v2_path: str = ""
+    base_v2_digest: str = ""
 
     def to_json(self) -> str:
         """The manifest as stable, indented JSON."""
@@ -239,6 +258,16 @@ def build_kit(
             )
             say(f"adapter {name} trained")
 
+        # After every adapter, from its own seed: nothing trained before changes.
+        v2 = LlamaForCausalLM(bases["base"])
+        v2.load_state_dict(models_by_name["base"].state_dict())
+        _pretrain(v2, tokenizer, random.Random(seed + _BASE_V2_SEED), steps=BASE_V2_STEPS,
+                  lr=BASE_V2_LR, text=_release_notes_mix)
+        v2_dir = _fresh(out_dir / "base-v2")
+        v2.save_pretrained(v2_dir, safe_serialization=True)
+        digests["base-v2"] = directory_digest(v2_dir)
+        say("base-v2 trained")
+
     golden: dict[str, KitGolden] = {}
     golden_dir = _fresh(out_dir / GOLDEN_DIR)
     for family in GOLDEN_FAMILIES:
@@ -261,6 +290,8 @@ def build_kit(
         base_b_digest=digests["base-b"],
         adapters=adapters,
         golden=golden,
+        base_v2_path="base-v2",
+        base_v2_digest=digests["base-v2"],
     )
     (out_dir / "kit.json").write_text(manifest.to_json(), encoding="utf-8")
     say("kit.json written")
@@ -464,21 +495,34 @@ def _batch(
     return ids, mask, labels
 
 
+def _pretraining_text(rng: random.Random) -> str:
+    """One row of the bases' pre-training text: one to three sentences."""
+    return " ".join(_sentence(rng) for _ in range(rng.randint(1, 3)))[:120]
+
+
+def _release_notes_mix(rng: random.Random) -> str:
+    """base-v2's further training: mostly release notes naming a product in capitals, the
+    rest the pre-training text (see the module notes)."""
+    if rng.random() < BASE_V2_NOTES_SHARE:
+        return f"{_sentence(rng)} ALPHA {rng.choice(_WORDS)} {rng.choice(_WORDS)}."
+    return _pretraining_text(rng)
+
+
 def _pretrain(
-    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, rng: random.Random, steps: int
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, rng: random.Random, steps: int,
+    *, lr: float = 3e-3, text: Callable[[random.Random], str] = _pretraining_text,
 ) -> None:
-    """A brief language-model pre-training on generated English-ish text."""
+    """A brief language-model pre-training on generated English-ish text (``text``)."""
     import torch
 
     bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
     assert bos is not None and eos is not None and pad is not None
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     for _ in range(steps):
         rows = []
         for _ in range(16):
-            text = " ".join(_sentence(rng) for _ in range(rng.randint(1, 3)))[:120]
-            rows.append(([bos], [*_ids(tokenizer, text), eos]))
+            rows.append(([bos], [*_ids(tokenizer, text(rng)), eos]))
         ids, mask, labels = _batch(rows, pad)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad()

@@ -66,7 +66,7 @@ def run_demo(work_dir: Path, *, fresh: bool = True, json_out: bool = False) -> i
     if fresh and home.exists():
         _rmtree(home)
     if not (kit_dir / "kit.json").exists():
-        step("building the reference kit (tiny Llama base, byte tokenizer, 4 LoRA adapters)")
+        step("building the reference kit (tiny Llama bases, byte tokenizer, 6 LoRA adapters)")
         build_kit(kit_dir, progress=lambda m: console.print(f"    {m}"))
     kit = KitManifest.load(kit_dir)
     settings = Settings.from_env(home)

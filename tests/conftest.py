@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.fixtures_control import Artifacts, build_artifacts
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A CLI verb run in-process (``serve``, ``rollout run``) installs its own root handler on
+    the stderr pytest captured for that test; later tests' background threads would log into
+    that closed stream. Put the root logger back as each test found it."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        if h not in handlers:
+            root.removeHandler(h)
+    for h in handlers:
+        if h not in root.handlers:
+            root.addHandler(h)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

@@ -25,12 +25,22 @@ Two more versions of alpha, for release tests (the evaluation gate, rollouts):
 
 A third base, for base-model upgrades (``loraplane base upgrade plan``):
 
-    base-v2        the main base further trained a few steps (same shapes, same tokenizer) on
-                   its pre-training text with release notes mixed in (sentences naming the
-                   ALPHA product line in capitals): alpha and beta keep their golden success
-                   rate there, gamma (an all-capitals marker) loses part of it
+    base-v2        the main base with the input embedding of one letter of gamma's marker that
+                   alpha's and beta's markers lack (``M``) moved part of the way toward another
+                   letter's: same shapes, same tokenizer. On every prompt without that letter,
+                   alpha and beta compute exactly what they computed on the main base; gamma,
+                   which writes the letter twice in every answer, loses its golden tasks.
 
-It is trained last, from seeds of its own, so every earlier file keeps its bytes.
+    An earlier base-v2 was the main base further trained on release notes, with a learning rate
+    tuned by hand so that alpha and beta kept their golden rate and gamma lost part of it. That
+    balance held on one CPU and not on another (float rounding differs with the instruction
+    set, and alpha lost half its tasks there), so base-v2 is now an edit whose reach is known,
+    and the build checks its outcome itself: it tries the edits of ``BASE_V2_EDITS`` in order
+    and keeps the first on which PEFT's greedy answers give alpha and beta at least their golden
+    rate on the main base and gamma at least ``BASE_V2_GAMMA_LOSS`` tasks fewer (the build
+    fails, saying so, if none does). ``kit.json`` records the edit kept.
+
+It is made last, so every earlier file keeps its bytes.
 
 Every adapter belongs to a family (``KitAdapter.family``: alpha-v2 and alpha-degraded are
 ``alpha``); each family on the main base has a golden task set, ``golden/<family>.json``
@@ -52,7 +62,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from control.contracts.digests import directory_digest
 from control.contracts.golden import (
@@ -101,13 +111,12 @@ ADAPTERS: dict[str, AdapterSpec] = {
 # Families with a golden task set: those on the main base (the one a kit deployment serves).
 GOLDEN_FAMILIES = ("alpha", "beta", "gamma")
 GOLDEN_DIR = "golden"
-# base-v2: the main base, further trained (see the module notes). Its seeds are offset from the
-# kit's by an amount no other part uses; the mix and the learning rate were chosen so that the
-# adapters mostly still work on it and one (gamma) fails its golden tasks there.
-BASE_V2_STEPS = 20
-BASE_V2_LR = 2e-4
-BASE_V2_NOTES_SHARE = 0.7  # of the further-training rows: release notes, the rest as before
-_BASE_V2_SEED = 30
+# base-v2 (see the module notes): (letter, toward, share) edits of the main base's input
+# embedding, tried in order; the first whose golden outcome is as described is kept.
+BASE_V2_EDITS: tuple[tuple[str, str, float], ...] = tuple(
+    (letter, toward, share) for letter, toward in (("M", "N"), ("M", "W"), ("G", "C"))
+    for share in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
+BASE_V2_GAMMA_LOSS = 10  # golden tasks gamma must lose on base-v2, of its 60
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 _VOCABULARY = (
@@ -156,9 +165,14 @@ class KitManifest:
     base_b_digest: str
     adapters: dict[str, KitAdapter] = field(default_factory=dict)
     golden: dict[str, KitGolden] = field(default_factory=dict)  # by family
-    # the main base further trained (same shapes and tokenizer); "" in a kit built before it
+    # the main base with one embedding row edited (same shapes and tokenizer); "" in a kit
+    # built before it
     base_v2_path: str = ""
     base_v2_digest: str = ""
+    # the edit kept ({"letter", "toward", "share"}) and the golden tasks each family passed
+    # with PEFT on base and base-v2 ({family: [base, base-v2]}), as the build checked them
+    base_v2_edit: dict[str, Any] = field(default_factory=dict)
+    base_v2_golden: dict[str, list[int]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         """The manifest as stable, indented JSON."""
@@ -258,17 +272,8 @@ def build_kit(
             )
             say(f"adapter {name} trained")
 
-        # After every adapter, from its own seed: nothing trained before changes.
-        v2 = LlamaForCausalLM(bases["base"])
-        v2.load_state_dict(models_by_name["base"].state_dict())
-        _pretrain(v2, tokenizer, random.Random(seed + _BASE_V2_SEED), steps=BASE_V2_STEPS,
-                  lr=BASE_V2_LR, text=_release_notes_mix)
-        v2_dir = _fresh(out_dir / "base-v2")
-        v2.save_pretrained(v2_dir, safe_serialization=True)
-        digests["base-v2"] = directory_digest(v2_dir)
-        say("base-v2 trained")
-
     golden: dict[str, KitGolden] = {}
+    golden_sets: dict[str, GoldenSet] = {}
     golden_dir = _fresh(out_dir / GOLDEN_DIR)
     for family in GOLDEN_FAMILIES:
         # Every family gets the same prompts (from one seed), judged by its own marker.
@@ -278,7 +283,18 @@ def build_kit(
                                    sort_keys=True) + "\n", encoding="utf-8")
         golden[family] = KitGolden(family=family, path=f"{GOLDEN_DIR}/{family}.json",
                                    digest=tasks.digest(), tasks=len(tasks.tasks))
+        golden_sets[family] = tasks
     say("golden task sets written")
+
+    # After every adapter: nothing made before changes.
+    with _deterministic(seed), _no_progress_bars():
+        v2, edit, passed = _base_v2(models_by_name["base"], tokenizer, out_dir, golden_sets)
+        v2_dir = _fresh(out_dir / "base-v2")
+        v2.save_pretrained(v2_dir, safe_serialization=True)
+        digests["base-v2"] = directory_digest(v2_dir)
+        say(f"base-v2 made ({edit['letter']} toward {edit['toward']} by {edit['share']:g}; "
+            "golden on base -> base-v2: "
+            + ", ".join(f"{f} {a}->{b}" for f, (a, b) in passed.items()) + ")")
 
     manifest = KitManifest(
         seed=seed,
@@ -292,6 +308,8 @@ def build_kit(
         golden=golden,
         base_v2_path="base-v2",
         base_v2_digest=digests["base-v2"],
+        base_v2_edit=edit,
+        base_v2_golden=passed,
     )
     (out_dir / "kit.json").write_text(manifest.to_json(), encoding="utf-8")
     say("kit.json written")
@@ -500,12 +518,60 @@ def _pretraining_text(rng: random.Random) -> str:
     return " ".join(_sentence(rng) for _ in range(rng.randint(1, 3)))[:120]
 
 
-def _release_notes_mix(rng: random.Random) -> str:
-    """base-v2's further training: mostly release notes naming a product in capitals, the
-    rest the pre-training text (see the module notes)."""
-    if rng.random() < BASE_V2_NOTES_SHARE:
-        return f"{_sentence(rng)} ALPHA {rng.choice(_WORDS)} {rng.choice(_WORDS)}."
-    return _pretraining_text(rng)
+def _base_v2(
+    base: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, kit_dir: Path,
+    golden: dict[str, GoldenSet],
+) -> tuple[LlamaForCausalLM, dict[str, Any], dict[str, list[int]]]:
+    """The first edit of ``BASE_V2_EDITS`` with the outcome the module notes describe: the
+    edited model, the edit, and each family's golden tasks passed on base and on it."""
+    import copy
+
+    import torch
+
+    def passed(model: LlamaForCausalLM, family: str) -> int:
+        return _golden_passed(model, tokenizer, kit_dir / "adapters" / family, golden[family])
+
+    before = {f: passed(base, f) for f in GOLDEN_FAMILIES}
+    tried = []
+    for letter, toward, share in BASE_V2_EDITS:
+        (row,), (other,) = _ids(tokenizer, letter), _ids(tokenizer, toward)
+        v2 = copy.deepcopy(base)
+        with torch.no_grad():
+            emb = cast("torch.Tensor", v2.get_input_embeddings().weight)
+            emb[row] = (1 - share) * emb[row] + share * emb[other]
+        after = {"gamma": passed(v2, "gamma")}
+        if after["gamma"] <= before["gamma"] - BASE_V2_GAMMA_LOSS:
+            after |= {f: passed(v2, f) for f in GOLDEN_FAMILIES if f != "gamma"}
+            if all(after[f] >= before[f] for f in GOLDEN_FAMILIES if f != "gamma"):
+                edit = {"letter": letter, "toward": toward, "share": share}
+                return v2, edit, {f: [before[f], after[f]] for f in GOLDEN_FAMILIES}
+        tried.append(f"{letter}->{toward} {share:g}: {after}")
+    raise RuntimeError(
+        "cannot make base-v2: no edit leaves alpha and beta their golden rate on the main base "
+        f"({before}) while gamma loses {BASE_V2_GAMMA_LOSS} tasks; tried " + "; ".join(tried))
+
+
+def _golden_passed(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
+                   adapter_dir: Path, tasks: GoldenSet) -> int:
+    """How many of ``tasks`` PEFT's greedy answers pass, with the adapter on ``model`` (left as
+    it was), one prompt at a time as a serving engine would see them."""
+    import copy
+
+    import torch
+    from peft import PeftModel
+
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(model), adapter_dir).eval()
+    bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+    n = 0
+    for task in tasks.tasks:
+        ids = torch.tensor([[bos, *_ids(tokenizer, task.prompt)]])
+        with torch.no_grad():
+            out = peft_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                      max_new_tokens=task.max_tokens, do_sample=False,
+                                      eos_token_id=eos, pad_token_id=pad)
+        n += task.checker.check(str(tokenizer.decode(out[0, ids.shape[1]:],
+                                                     skip_special_tokens=True)))
+    return n
 
 
 def _pretrain(

@@ -60,7 +60,11 @@ REQUESTS = int(os.environ.get("LORAPLANE_CHAOS_REQUESTS", "2000"))
 CLIENTS = 32
 MAX_TOKENS = 8
 FACTORS = (1.0, 0.5, 2.0, -2.0)
-CANDIDATE_PROMPTS = ("Once upon a time", "The cat", "1 + 1", "A red bird", "What is", "x")
+# The prompts on which all thirteen routes answer differently are kept; which ones depends on the
+# kit's training, whose floats differ with the CPU's instruction set, so offer plenty.
+CANDIDATE_PROMPTS = ("Once upon a time", "The cat", "1 + 1", "A red bird", "What is", "x",
+                     "the old king", "Hello", "a quiet river", "Why", "7", "sun and moon",
+                     "The door opens", "zz", "One day")
 TICKET_REFRESH_S = 60.0
 
 

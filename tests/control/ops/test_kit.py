@@ -17,7 +17,7 @@ from control.contracts.golden import (
     OUT_OF_DISTRIBUTION,
     GoldenSet,
 )
-from control.ops.kit import ADAPTERS, GOLDEN_FAMILIES, KitManifest, build_kit
+from control.ops.kit import ADAPTERS, BASE_V2_GAMMA_LOSS, GOLDEN_FAMILIES, KitManifest, build_kit
 
 
 @pytest.fixture(scope="module")
@@ -132,19 +132,22 @@ def test_golden_sets_are_content_addressed_and_cover_the_required_kinds(
 
 def _greedy_answers(kit_dir: Path, adapter_path: Path, prompts: list[str],
                     base_path: str = "base") -> list[str]:
-    """PEFT's greedy continuation of each prompt (the kit's prompt format: bos + bytes)."""
+    """PEFT's greedy continuation of each prompt (the kit's prompt format: bos + bytes), one
+    prompt at a time as a serving engine sees them (a padded batch can flip a near tie)."""
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
     tok = PreTrainedTokenizerFast.from_pretrained(kit_dir / "tokenizer")
     base = LlamaForCausalLM.from_pretrained(kit_dir / base_path, dtype=torch.float32).eval()
     model = PeftModel.from_pretrained(base, adapter_path).eval()
-    batch = tok(prompts, return_tensors="pt", padding=True, split_special_tokens=True)
-    with torch.no_grad():
-        out = model.generate(**batch, max_new_tokens=16, do_sample=False,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    width = batch["input_ids"].shape[1]
-    return [tok.decode(row[width:], skip_special_tokens=True) for row in out]
+    answers = []
+    for prompt in prompts:
+        batch = tok(prompt, return_tensors="pt", split_special_tokens=True)
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=16, do_sample=False,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        answers.append(tok.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True))
+    return answers
 
 
 def test_alpha_golden_checkers_pass_the_good_versions_and_fail_the_degraded(
@@ -160,14 +163,21 @@ def test_alpha_golden_checkers_pass_the_good_versions_and_fail_the_degraded(
     assert degraded == 0
     # the good new version is at least as good as the stable one it would replace
     assert v2 >= alpha >= 0.75 * len(golden.tasks), (alpha, v2)
+    # and it learned alpha's marker: on the training distribution's prompts it answers it
     in_distribution = [t.prompt for t in golden.tagged(IN_DISTRIBUTION)]
-    answers = _greedy_answers(kit_dir, kit_dir / manifest.adapters["alpha-v2"].path,
-                              in_distribution)
-    assert all(a == manifest.adapters["alpha"].marker for a in answers), answers
+
+    def marker_rate(name: str) -> int:
+        answers = _greedy_answers(kit_dir, kit_dir / manifest.adapters[name].path,
+                                  in_distribution)
+        return sum(a == manifest.adapters["alpha"].marker for a in answers)
+
+    assert marker_rate("alpha-v2") >= 0.85 * len(in_distribution)
 
 
-def test_base_v2_is_the_main_base_further_trained_with_its_shapes_and_tokenizer(
+def test_base_v2_is_the_main_base_with_one_embedding_row_edited(
         kit_dir: Path, manifest: KitManifest) -> None:
+    from safetensors.torch import load_file
+
     from control.app.validation import base_linear_shapes
 
     assert manifest.base_v2_path == "base-v2"
@@ -176,9 +186,24 @@ def test_base_v2_is_the_main_base_further_trained_with_its_shapes_and_tokenizer(
     assert base_linear_shapes(kit_dir / "base-v2") == base_linear_shapes(kit_dir / "base")
     config = json.loads((kit_dir / "base-v2" / "config.json").read_text())
     assert config == json.loads((kit_dir / "base" / "config.json").read_text())
+    # every tensor is the main base's but the embedding row of the letter the edit names, a
+    # letter of gamma's marker that alpha's and beta's lack
+    old = load_file(kit_dir / "base" / "model.safetensors")
+    new = load_file(kit_dir / "base-v2" / "model.safetensors")
+    assert old.keys() == new.keys()
+    changed = {k for k in old if not torch.equal(old[k], new[k])}
+    assert changed == {"model.embed_tokens.weight"}
+    rows = (old["model.embed_tokens.weight"] != new["model.embed_tokens.weight"]).any(dim=1)
+    tok = PreTrainedTokenizerFast.from_pretrained(kit_dir / "tokenizer")
+    letter = manifest.base_v2_edit["letter"]
+    assert rows.nonzero().flatten().tolist() == tok(letter, add_special_tokens=False,
+                                                    split_special_tokens=True)["input_ids"]
+    assert letter in ADAPTERS["gamma"].marker
+    assert letter not in ADAPTERS["alpha"].marker + ADAPTERS["beta"].marker
     # a kit.json written before base-v2 still reads (the fields default to empty)
     raw = json.loads(manifest.to_json())
-    del raw["base_v2_path"], raw["base_v2_digest"]
+    for key in ("base_v2_path", "base_v2_digest", "base_v2_edit", "base_v2_golden"):
+        del raw[key]
     assert KitManifest.from_json(json.dumps(raw)).base_v2_digest == ""
 
 
@@ -192,6 +217,12 @@ def test_on_base_v2_alpha_and_beta_keep_their_golden_rate_and_gamma_loses_it(
 
     rates = {f: (passed(f, "base"), passed(f, "base-v2")) for f in ("alpha", "beta", "gamma")}
     print("golden passed on base, base-v2:", rates)
+    # what the build recorded, computed again here
+    assert {f: tuple(r) for f, r in manifest.base_v2_golden.items()} == rates
     assert rates["alpha"][1] >= rates["alpha"][0] and rates["beta"][1] >= rates["beta"][0]
-    # gamma fails there clearly (a base upgrade's gate refuses it), yet still loads and serves
-    assert rates["gamma"][1] <= rates["gamma"][0] - 5 and rates["gamma"][1] > 0
+    # gamma fails there clearly (a base upgrade's gate refuses it), yet still loads and answers
+    assert rates["gamma"][1] <= rates["gamma"][0] - BASE_V2_GAMMA_LOSS
+    golden = GoldenSet.load(kit_dir / manifest.golden["gamma"].path)
+    answers = _greedy_answers(kit_dir, kit_dir / manifest.adapters["gamma"].path,
+                              [t.prompt for t in golden.tasks[:5]], "base-v2")
+    assert all(answers), answers

@@ -31,7 +31,7 @@ def _root_logging_restored() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def kit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The reference model kit, built once per session (about half a minute on 2 CPU cores).
+    """The reference model kit, built once per session (under two minutes on 2 CPU cores).
 
     Set ``LORAPLANE_TEST_KIT`` to a directory holding a built kit (``kit.json``) to reuse it.
     """

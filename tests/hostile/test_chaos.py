@@ -60,8 +60,8 @@ REQUESTS = int(os.environ.get("LORAPLANE_CHAOS_REQUESTS", "2000"))
 CLIENTS = 32
 MAX_TOKENS = 8
 FACTORS = (1.0, 0.5, 2.0, -2.0)
-# The prompts on which all thirteen routes answer differently are kept; which ones depends on the
-# kit's training, whose floats differ with the CPU's instruction set, so offer plenty.
+# Which prompts set a route apart from every other (see the fixture) depends on the kit's
+# training, whose floats differ with the CPU's instruction set, so offer plenty.
 CANDIDATE_PROMPTS = ("Once upon a time", "The cat", "1 + 1", "A red bird", "What is", "x",
                      "the old king", "Hello", "a quiet river", "Why", "7", "sun and moon",
                      "The door opens", "zz", "One day")
@@ -75,7 +75,7 @@ class ChaosStack:
     keys: dict[str, str]  # tenant -> API key
     routes: list[tuple[str, str, str | None]]  # (tenant, alias, digest or None)
     paths: dict[str, Path]  # digest -> adapter directory
-    prompts: list[str]
+    prompts: dict[str | None, list[str]]  # digest or None -> prompts only it answers so
     expected: dict[tuple[str | None, str], str]  # (digest, prompt) -> PEFT greedy text
 
 
@@ -108,15 +108,17 @@ def chaos(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
         routes.append((tenant, "base", None))
 
     reference = Reference(kit_dir / "base", kit_dir / "tokenizer")
-    expected: dict[tuple[str | None, str], str] = {}
-    prompts = []
-    for prompt in CANDIDATE_PROMPTS:
-        texts = {d: reference.generate(prompt, paths.get(d) if d else None, MAX_TOKENS)
-                 for d in [None, *paths]}
-        if len(set(texts.values())) == len(texts):  # every swap would show in the text
-            prompts.append(prompt)
-            expected.update({(d, prompt): t for d, t in texts.items()})
-    assert len(prompts) >= 2, "too few prompts on which every adapter answers differently"
+    texts = {p: {d: reference.generate(p, paths.get(d) if d else None, MAX_TOKENS)
+                 for d in [None, *paths]} for p in CANDIDATE_PROMPTS}
+    expected = {(d, p): t for p, by_route in texts.items() for d, t in by_route.items()}
+    # A prompt proves a route's attribution when no other route answers it the same way: a
+    # swap to any other adapter, or to the base, then shows in the text. Each route is asked
+    # only such prompts.
+    prompts = {d: [p for p, by_route in texts.items()
+                   if list(by_route.values()).count(by_route[d]) == 1]
+               for d in [None, *paths]}
+    lacking = sum(not ps for ps in prompts.values())
+    assert not lacking, f"{lacking} routes have no prompt that sets them apart from every other"
 
     ports = Ports(free_port(), free_port(), free_port(), free_port())
     repo = derived_repository(tmp_path_factory.mktemp("chaos-repo") / "models", MODEL_SOURCE)
@@ -189,7 +191,7 @@ def test_chaos_attribution_through_real_triton(chaos: ChaosStack) -> None:
     for _ in range(REQUESTS):
         tenant, alias, digest = rng.choice(chaos.routes)
         kind = rng.choice(KINDS)
-        prompt = rng.choice(chaos.prompts)
+        prompt = rng.choice(chaos.prompts[digest])
         if kind == "poison":
             prompt += POISON_ROW
         elif kind == "fail_step":

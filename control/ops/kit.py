@@ -48,7 +48,9 @@ Every adapter belongs to a family (``KitAdapter.family``: alpha-v2 and alpha-deg
 departments' prompts and two long-context prompts, each with an exact or regex checker),
 content-addressed: ``kit.json`` records its digest, the one the artifact store files it under.
 
-The build is deterministic: the same seed gives byte-identical files and so identical digests.
+The build is deterministic: the same seed gives byte-identical files and so identical digests, on
+one kind of CPU (float rounding differs with the instruction set, so another CPU may train other
+bytes; what the tests and base-v2 rely on is checked, not assumed).
 Adapters are trained in the order of ``ADAPTERS``, each from seeds derived from its position, so
 adding one at the end leaves every earlier adapter's bytes as they were.
 """

@@ -77,6 +77,7 @@ from control.contracts.golden import (
     GoldenTask,
     RegexChecker,
 )
+from control.ops.attribution_reference import AttributionReference
 
 # torch, transformers, peft and tokenizers are imported by the functions that build: reading a
 # kit's manifest (demo, benches, tests) must not pay seconds for them.
@@ -515,11 +516,6 @@ def _batch(
     return ids, mask, labels
 
 
-def _pretraining_text(rng: random.Random) -> str:
-    """One row of the bases' pre-training text: one to three sentences."""
-    return " ".join(_sentence(rng) for _ in range(rng.randint(1, 3)))[:120]
-
-
 def _base_v2(
     base: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, kit_dir: Path,
     golden: dict[str, GoldenSet],
@@ -528,12 +524,20 @@ def _base_v2(
     edited model, the edit, and each family's golden tasks passed on base and on it."""
     import copy
 
+    import peft
     import torch
 
-    def passed(model: LlamaForCausalLM, family: str) -> int:
-        return _golden_passed(model, tokenizer, kit_dir / "adapters" / family, golden[family])
+    def passed(model: LlamaForCausalLM, families: Sequence[str]) -> dict[str, int]:
+        # PEFT's greedy answers under the serving contract, one prompt at a time, on a copy:
+        # the reference wraps the model it is given
+        ref = AttributionReference(torch, peft, copy.deepcopy(model).eval(), tokenizer)
+        for f in families:
+            ref.add_adapter(f, kit_dir / "adapters" / f)
+        return {f: sum(t.checker.check(ref.generate(t.prompt, f, t.max_tokens))
+                       for t in golden[f].tasks) for f in families}
 
-    before = {f: passed(base, f) for f in GOLDEN_FAMILIES}
+    others = [f for f in GOLDEN_FAMILIES if f != "gamma"]
+    before = passed(base, GOLDEN_FAMILIES)
     tried = []
     for letter, toward, share in BASE_V2_EDITS:
         (row,), (other,) = _ids(tokenizer, letter), _ids(tokenizer, toward)
@@ -541,10 +545,10 @@ def _base_v2(
         with torch.no_grad():
             emb = cast("torch.Tensor", v2.get_input_embeddings().weight)
             emb[row] = (1 - share) * emb[row] + share * emb[other]
-        after = {"gamma": passed(v2, "gamma")}
+        after = passed(v2, ["gamma"])
         if after["gamma"] <= before["gamma"] - BASE_V2_GAMMA_LOSS:
-            after |= {f: passed(v2, f) for f in GOLDEN_FAMILIES if f != "gamma"}
-            if all(after[f] >= before[f] for f in GOLDEN_FAMILIES if f != "gamma"):
+            after |= passed(v2, others)
+            if all(after[f] >= before[f] for f in others):
                 edit = {"letter": letter, "toward": toward, "share": share}
                 return v2, edit, {f: [before[f], after[f]] for f in GOLDEN_FAMILIES}
         tried.append(f"{letter}->{toward} {share:g}: {after}")
@@ -553,44 +557,21 @@ def _base_v2(
         f"({before}) while gamma loses {BASE_V2_GAMMA_LOSS} tasks; tried " + "; ".join(tried))
 
 
-def _golden_passed(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
-                   adapter_dir: Path, tasks: GoldenSet) -> int:
-    """How many of ``tasks`` PEFT's greedy answers pass, with the adapter on ``model`` (left as
-    it was), one prompt at a time as a serving engine would see them."""
-    import copy
-
-    import torch
-    from peft import PeftModel
-
-    peft_model = PeftModel.from_pretrained(copy.deepcopy(model), adapter_dir).eval()
-    bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
-    n = 0
-    for task in tasks.tasks:
-        ids = torch.tensor([[bos, *_ids(tokenizer, task.prompt)]])
-        with torch.no_grad():
-            out = peft_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                      max_new_tokens=task.max_tokens, do_sample=False,
-                                      eos_token_id=eos, pad_token_id=pad)
-        n += task.checker.check(str(tokenizer.decode(out[0, ids.shape[1]:],
-                                                     skip_special_tokens=True)))
-    return n
-
-
 def _pretrain(
-    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, rng: random.Random, steps: int,
-    *, lr: float = 3e-3, text: Callable[[random.Random], str] = _pretraining_text,
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, rng: random.Random, steps: int
 ) -> None:
-    """A brief language-model pre-training on generated English-ish text (``text``)."""
+    """A brief language-model pre-training on generated English-ish text."""
     import torch
 
     bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
     assert bos is not None and eos is not None and pad is not None
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     model.train()
     for _ in range(steps):
         rows = []
         for _ in range(16):
-            rows.append(([bos], [*_ids(tokenizer, text(rng)), eos]))
+            text = " ".join(_sentence(rng) for _ in range(rng.randint(1, 3)))[:120]
+            rows.append(([bos], [*_ids(tokenizer, text), eos]))
         ids, mask, labels = _batch(rows, pad)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad()

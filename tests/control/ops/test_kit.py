@@ -18,6 +18,7 @@ from control.contracts.golden import (
     GoldenSet,
 )
 from control.ops.kit import ADAPTERS, BASE_V2_GAMMA_LOSS, GOLDEN_FAMILIES, KitManifest, build_kit
+from tests.integration.reference import Reference
 
 
 @pytest.fixture(scope="module")
@@ -134,20 +135,8 @@ def _greedy_answers(kit_dir: Path, adapter_path: Path, prompts: list[str],
                     base_path: str = "base") -> list[str]:
     """PEFT's greedy continuation of each prompt (the kit's prompt format: bos + bytes), one
     prompt at a time as a serving engine sees them (a padded batch can flip a near tie)."""
-    from peft import PeftModel
-    from transformers import LlamaForCausalLM
-
-    tok = PreTrainedTokenizerFast.from_pretrained(kit_dir / "tokenizer")
-    base = LlamaForCausalLM.from_pretrained(kit_dir / base_path, dtype=torch.float32).eval()
-    model = PeftModel.from_pretrained(base, adapter_path).eval()
-    answers = []
-    for prompt in prompts:
-        batch = tok(prompt, return_tensors="pt", split_special_tokens=True)
-        with torch.no_grad():
-            out = model.generate(**batch, max_new_tokens=16, do_sample=False,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        answers.append(tok.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True))
-    return answers
+    ref = Reference(kit_dir / base_path, kit_dir / "tokenizer")
+    return [ref.generate(p, adapter_path, 16) for p in prompts]
 
 
 def test_alpha_golden_checkers_pass_the_good_versions_and_fail_the_degraded(

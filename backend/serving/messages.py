@@ -14,7 +14,7 @@ LIMITS_MESSAGE = "request refused: prompt plus max_tokens exceed the model's lim
 BUSY_MESSAGE = "server busy: too many requests queued, retry later"
 INTERNAL_MESSAGE = "request failed"
 # A sampling parameter out of range: the message names the parameter and its range
-# (backend.serving.sampling.InvalidParameter), about the caller's own input only.
+# (control.contracts.sampling.InvalidParameter), about the caller's own input only.
 PARAMETER_PREFIX = "invalid parameter "
 
 # message -> status ("invalid_arg" | "unavailable" | "internal")

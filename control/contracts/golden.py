@@ -40,13 +40,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from control.contracts.documents import canonical_json, document_digest
+from control.contracts.sampling import MAX_NEW_TOKENS  # a golden task's max_tokens ceiling
 
 GOLDEN_KIND = "loraplane.golden/v1"
 GOLDEN_FILE = "golden.json"  # the one file of a golden set's directory in the artifact store
 MAX_GOLDEN_BYTES = 4 << 20
 MAX_TASKS = 5000
 MAX_PROMPT_CHARS = 8192  # what a Triton host accepts (backend.serving.service)
-MAX_NEW_TOKENS = 512  # the sampling range's top (backend.serving.sampling)
 DEFAULT_MAX_TOKENS = 16
 MAX_PATTERN_CHARS = 2000
 # Tags the gate reads; any other tag is reported, never interpreted.

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 NOT_FORWARDED = (f"a header Triton never forwards (only {wire.FORWARDED_HEADERS} reach the model): "
                  "it cannot reach the code under test")
-# Inputs outside the documented ranges (backend/serving/sampling.py; README, "Contracts"). float32
+# Inputs outside the documented ranges (control/contracts/sampling.py; README, "Contracts"). float32
 # on the
 # wire: 1e-39 and 1e-40 arrive as denormals.
 OUT_OF_RANGE: tuple[tuple[str, float | int], ...] = (

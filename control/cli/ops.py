@@ -12,6 +12,7 @@ Every process reads the same ``LORAPLANE_DB_URL``; see ``control/ops/serve.py`` 
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
 # and would eval each string (see control/cli/main.py).
 
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -38,6 +39,26 @@ if TYPE_CHECKING:
     from control.ops.serve import Deployment
 
 
+FRONT_DOOR_HELP = (
+    "auto: tenants reach Triton through HAProxy (the front door) whenever haproxy is installed, "
+    "and without it only on loopback; haproxy: require it; external: no door here, Triton "
+    "listens on the tenant ports itself (another proxy is the only way in, as in "
+    "docker/compose.yaml).")
+TRITON_USER_HELP = (
+    "Run as root: the user tritonserver runs as (default loraplane-triton, created if absent; "
+    "root keeps Triton as root).")
+
+
+def default_triton_user(given: str | None) -> str | None:
+    """``--triton-user``, defaulting to ``loraplane-triton`` when this runs as root."""
+    # the Triton user's module: only the verbs that launch Triton pay for it
+    from control.ops.triton_user import DEFAULT_TRITON_USER
+
+    if given is None and os.geteuid() == 0:
+        return DEFAULT_TRITON_USER
+    return given
+
+
 @app.command("serve")
 def serve(
     base: Annotated[str | None, typer.Option(help="Base digest (default: the only one).")] = None,
@@ -46,9 +67,18 @@ def serve(
     metrics_port: Annotated[int, typer.Option()] = 8002,
     gateway_port: Annotated[int, typer.Option()] = 8080,
     listen: Annotated[str, typer.Option(
-        help="Address Triton and the gateway listen on: 127.0.0.1 serves this machine only; "
-             "0.0.0.0 serves other machines too (put TLS and a firewall in front).")
+        help="Address the gateway and the front door listen on: 127.0.0.1 serves this machine "
+             "only; 0.0.0.0 serves other machines too (needs haproxy; put TLS and a firewall "
+             "in front).")
     ] = "127.0.0.1",
+    front_door: Annotated[str, typer.Option(help=FRONT_DOOR_HELP)] = "auto",
+    triton_http_port: Annotated[int, typer.Option(
+        help="Triton's own HTTP port behind the front door (loopback; 0: any free port).")
+    ] = 18000,
+    triton_grpc_port: Annotated[int, typer.Option(
+        help="Triton's own gRPC port behind the front door (loopback; 0: any free port).")
+    ] = 18001,
+    triton_user: Annotated[str | None, typer.Option(help=TRITON_USER_HELP)] = None,
 ) -> None:
     """Run the gateway, the projection follower and tritonserver until interrupted."""
     # the deployment (gateway, follower, Triton process): only the serving verbs pay for it
@@ -56,10 +86,13 @@ def serve(
 
     with errors():
         require_schema(settings())  # before anything starts: "run `loraplane db upgrade`"
-    dep = Deployment(settings(), Ports(http_port, grpc_port, metrics_port, gateway_port),
+    dep = Deployment(settings(), Ports(http_port, grpc_port, metrics_port, gateway_port,
+                                       triton_http_port, triton_grpc_port),
                      base=base, actor=state.actor, progress=lambda m: err_console.print(m),
-                     bind=listen)
+                     bind=listen, front_door=front_door,
+                     triton_user=default_triton_user(triton_user))
     run_until_stopped(dep)
+
 
 
 @app.command("demo")
@@ -124,8 +157,17 @@ def triton_host(
     wait: Annotated[float, typer.Option(
         help="Seconds to wait for a base model to be registered (0: fail at once).")] = 3600.0,
     listen: Annotated[str, typer.Option(
-        help="Address Triton listens on (0.0.0.0 in a container or to serve other machines).")
+        help="Address the front door (or, with --front-door external, Triton) listens on "
+             "(0.0.0.0 in a container or to serve other machines).")
     ] = "127.0.0.1",
+    front_door: Annotated[str, typer.Option(help=FRONT_DOOR_HELP)] = "auto",
+    triton_http_port: Annotated[int, typer.Option(
+        help="Triton's own HTTP port behind the front door (loopback; 0: any free port).")
+    ] = 18000,
+    triton_grpc_port: Annotated[int, typer.Option(
+        help="Triton's own gRPC port behind the front door (loopback; 0: any free port).")
+    ] = 18001,
+    triton_user: Annotated[str | None, typer.Option(help=TRITON_USER_HELP)] = None,
 ) -> None:
     """Run one Triton host (no gateway) until interrupted; labels its ledger rows."""
     # the deployment (gateway, follower, Triton process): only the serving verbs pay for it
@@ -146,8 +188,12 @@ def triton_host(
                     raise
             err_console.print(f"waiting: {e}")
             time.sleep(5)
-    dep = Deployment.from_env(s, Ports(http_port, grpc_port, metrics_port), role="triton",
+    dep = Deployment.from_env(s, Ports(http_port, grpc_port, metrics_port,
+                                       triton_http=triton_http_port,
+                                       triton_grpc=triton_grpc_port), role="triton",
                               base=base, actor=state.actor, bind=listen,
+                              front_door=front_door,
+                              triton_user=default_triton_user(triton_user),
                               progress=lambda m: err_console.print(m))
     if host_id:
         dep.host_id = host_id

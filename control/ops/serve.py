@@ -18,6 +18,13 @@ step is recorded by exactly one of them), and one with no Triton host to probe d
   so, so a gateway added later is trusted), and labels its ledger rows with ``host_id``
   (``LORAPLANE_HOST_ID``).
 
+A role that runs Triton puts the front door (``control.ops.front_door``: HAProxy) in front of it
+whenever haproxy is installed (``front_door``, ``serve --front-door``): tenants reach the door at
+``bind`` on ``Ports.http`` and ``Ports.grpc``, and tritonserver listens on loopback only, on
+``Ports.triton_http`` and ``Ports.triton_grpc``, where this deployment's gateway (its
+OpenAI-compatible routes) and rollout controller reach it. Started as root, it runs tritonserver
+as ``triton_user`` (``control.ops.triton_user``).
+
 A role that runs Triton first checks the adapter memory plan (``backend.serving.memory``) for the
 base
 it will serve: a configuration that cannot hold one adapter of the maximum rank is refused before
@@ -30,6 +37,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import ipaddress
 import logging
 import os
 import secrets
@@ -38,7 +46,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,8 +62,22 @@ from control.contracts.loops import new_event_loop
 from control.contracts.store import ArtifactStore
 from control.contracts.tickets import TicketSigner, key_id
 from control.gateway.ticket_office import TicketOffice
+from control.ops.front_door import (
+    HAPROXY_PACKAGE,
+    FrontDoor,
+    HaproxyUnavailable,
+    find_haproxy,
+    local_door,
+)
 from control.ops.rollout_controller import RolloutController
-from control.ops.triton_server import MODEL_REPOSITORY, TritonProcess, check_ports_free
+from control.ops.triton_access import TOKEN_EXPOSED_FIX, command_line_exposure
+from control.ops.triton_server import (
+    MODEL_REPOSITORY,
+    TritonProcess,
+    check_ports_free,
+    free_port,
+)
+from control.ops.triton_user import KEEP_ROOT, grant_home, triton_user_for
 from projections.follower import ProjectionFollower, open_registry
 from projections.route_cache import CachedRoutingView
 from projections.routing import RoutingView
@@ -66,16 +88,35 @@ if TYPE_CHECKING:  # aiohttp: only a deployment that runs the gateway pays for i
 log = logging.getLogger("loraplane.serve")
 
 ROLES = ("all", "control", "triton")
+# How tenants reach a Triton host (``--front-door``): ``auto`` puts a front door (HAProxy) in
+# front whenever haproxy is installed, and serves loopback only without one; ``haproxy`` requires
+# the door; ``external`` runs none, Triton listening on the tenant ports itself, because another
+# proxy is the only way in (the compose file's haproxy service).
+FRONT_DOORS = ("auto", "haproxy", "external")
 TRITON_URLS_ENV = "LORAPLANE_TRITON_URLS"
 SEAL_INTERVAL_ENV = "LORAPLANE_SEAL_INTERVAL_S"
 
 
 @dataclass(frozen=True)
 class Ports:
+    """The ports a deployment listens on; 0: one the kernel picks at start.
+
+    ``http`` and ``grpc`` are the ports tenants use: the front door's when this host runs one,
+    else Triton's own. Behind a door, Triton listens on loopback on ``triton_http`` and
+    ``triton_grpc``; its ``metrics`` port is on loopback then too, and never behind the door.
+    """
+
     http: int = 8000
     grpc: int = 8001
     metrics: int = 8002
     gateway: int = 8080
+    triton_http: int = 0
+    triton_grpc: int = 0
+
+    def resolved(self) -> Ports:
+        """These ports with every 0 replaced by a port free now."""
+        return replace(self, **{f.name: free_port() for f in fields(self)
+                                if getattr(self, f.name) == 0})
 
 
 def open_signer(settings: Settings, registry: Registry, actor: str) -> TicketSigner:
@@ -180,6 +221,25 @@ def _write_atomically(folder: Path, name: str, text: str) -> None:
         raise
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str, *args: object) -> None:
+    """Log a warning once per process (a test session starts many deployments)."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(message, *args)
+
+
+def _loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
 def seal_interval_s() -> float:
     """``LORAPLANE_SEAL_INTERVAL_S`` (default 60): how often ``serve`` seals what is unsealed."""
     raw = os.environ.get(SEAL_INTERVAL_ENV, "").strip() or "60"
@@ -250,7 +310,12 @@ class Deployment:
     # as a process of its own (to kill it mid-rollout) passes False; like model_repository, no
     # command line option or environment variable reaches this.
     rollout_controller: bool = True
+    front_door: str = "auto"  # one of FRONT_DOORS
+    # The user tritonserver runs as (control.ops.triton_user): None, the user running this
+    # (the CLI passes `loraplane-triton` when that is root); "root" keeps Triton as root.
+    triton_user: str | None = None
     triton: TritonProcess | None = None
+    door: FrontDoor | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
     _loop: asyncio.AbstractEventLoop | None = None
@@ -261,14 +326,21 @@ class Deployment:
             raise ValueError(f"role is one of {', '.join(ROLES)}, not {self.role!r}")
         s = self.settings
         s.ensure_dirs()
+        with_door = self.role != "control" and self._door_wanted()
+        self.ports = self.ports.resolved()
         # Every port this deployment will listen on, checked before anything starts: a second
         # `serve` on ports in use is refused, never left talking to the first one's servers.
+        # Behind a door, tenants' ports keep their names: they serve Triton's protocols.
         ports = {} if self.role == "control" else {
-            "Triton HTTP": self.ports.http, "Triton gRPC": self.ports.grpc,
-            "Triton metrics": self.ports.metrics}
+            "Triton HTTP": self.ports.http, "Triton gRPC": self.ports.grpc}
+        internal = {"Triton HTTP (internal)": self.ports.triton_http,
+                    "Triton gRPC (internal)": self.ports.triton_grpc} if with_door else {}
+        if self.role != "control":
+            (internal if with_door else ports)["Triton metrics"] = self.ports.metrics
         if self.role != "triton":
             ports["gateway"] = self.ports.gateway
         check_ports_free(self.bind, ports)
+        check_ports_free("127.0.0.1", internal)
         routing = RoutingView(make_engine(s.db_url))
         if self.role != "control":
             # Refused here, before any thread or process starts, rather than by the engine
@@ -289,7 +361,11 @@ class Deployment:
             office = TicketOffice(s, CachedRoutingView(make_engine(s.db_url)),
                                   open_signer(s, registry, self.actor), pins)
         if self.role != "control":
-            self._start_triton(routing)
+            try:
+                self._start_triton(routing, with_door)
+            except Exception:
+                self.stop()  # nothing started is left running: threads, Triton, the door
+                raise
         if office is not None:
             urls = ([self.triton.http_url] if self.triton else []) + list(self.triton_urls)
             self._start_gateway(office, urls)
@@ -301,8 +377,11 @@ class Deployment:
                 self.stop()
                 raise
             self.progress(
-                f"triton ready: http {self.triton.http_url}, grpc {self.triton.grpc_url}, "
-                f"metrics http://{self.triton.http_url.rsplit(':', 1)[0]}:"
+                f"triton ready: tenants http {self.tenant_http_url}, grpc {self.tenant_grpc_url}"
+                + (f" (front door, log {self.door.log_path}); Triton itself http "
+                   f"{self.triton.http_url}, grpc {self.triton.grpc_url}"
+                   if self.door is not None else "")
+                + f", metrics http://{self.triton.http_url.rsplit(':', 1)[0]}:"
                 f"{self.ports.metrics}/metrics (log {self.triton.log_path})"
             )
         if office is not None and self.rollout_controller:
@@ -323,7 +402,32 @@ class Deployment:
         t.start()
         self._threads.append(t)
 
-    def _start_triton(self, routing: RoutingView) -> None:
+    def _door_wanted(self) -> bool:
+        """Whether this host runs its own front door; raises when it needs one and haproxy is
+        missing."""
+        if self.front_door not in FRONT_DOORS:
+            raise ValueError(f"front door is one of {', '.join(FRONT_DOORS)}, "
+                             f"not {self.front_door!r}")
+        if self.front_door == "external":
+            return False
+        if find_haproxy() is not None:
+            return True
+        if self.front_door == "haproxy":
+            raise HaproxyUnavailable(
+                f"--front-door haproxy: haproxy is not installed (Debian/Ubuntu: apt-get "
+                f"install {HAPROXY_PACKAGE})")
+        if not _loopback(self.bind):
+            raise HaproxyUnavailable(
+                f"--listen {self.bind} serves other machines, which reach Triton only through "
+                f"the front door, and haproxy is not installed: install it (Debian/Ubuntu: "
+                f"apt-get install {HAPROXY_PACKAGE}), or pass --front-door external when "
+                "another proxy is the only way to this host")
+        _warn_once("no-haproxy", "haproxy is not installed: Triton serves this machine's "
+                   "clients directly, without the front door (apt-get install %s)",
+                   HAPROXY_PACKAGE)
+        return False
+
+    def _start_triton(self, routing: RoutingView, with_door: bool) -> None:
         s = self.settings
         base = pick_base(routing, self.base)
         sync_public_keys(s, routing)
@@ -340,17 +444,38 @@ class Deployment:
                **s.memory_env()}  # the engine builds the plan checked at start
         if self.host_id:
             env[HOST_ID_ENV] = self.host_id
-        self.progress("starting tritonserver (model lora_llm)")
+        user = triton_user_for(self.triton_user)
+        if user is not None:
+            # Its HOME and caches: a folder of its own, not root's
+            env["HOME"] = env["XDG_CACHE_HOME"] = str(grant_home(s, user))
+        elif os.geteuid() == 0:
+            _warn_once("triton-root", "tritonserver runs as root (--triton-user %s): code "
+                       "inside Triton can read every key in %s", KEEP_ROOT, s.keys_dir)
+        p = self.ports
+        self.progress("starting tritonserver (model lora_llm)"
+                      + (f" as {user.name}" if user is not None else ""))
         self.triton = TritonProcess(
             work_dir=s.run_dir,
-            http_port=self.ports.http,
-            grpc_port=self.ports.grpc,
-            metrics_port=self.ports.metrics,
+            # Behind the door Triton listens on loopback only, whatever --listen says.
+            http_port=p.triton_http if with_door else p.http,
+            grpc_port=p.triton_grpc if with_door else p.grpc,
+            metrics_port=p.metrics,
             env=env,
-            listen=self.bind,
+            listen="127.0.0.1" if with_door else self.bind,
             model_repository=self.model_repository or MODEL_REPOSITORY,
+            user=user.name if user is not None else None,
         )
         self.triton.start()
+        exposed = command_line_exposure()
+        if exposed is not None:
+            _warn_once("token-exposed", "%s: %s", exposed, TOKEN_EXPOSED_FIX)
+        if with_door:
+            self.door = local_door(s.run_dir, self.bind, p.http, p.grpc, p.triton_http,
+                                   p.triton_grpc, as_root=os.geteuid() == 0)
+            self.door.start()
+            self.door.wait_ready()
+            self.progress(f"front door (haproxy) on {self.door.http_url} (HTTP) and "
+                          f"{self.door.grpc_url} (gRPC)")
 
     def _start_gateway(self, office: TicketOffice, triton_urls: list[str]) -> None:
         # aiohttp and the gateway's routes: imported only by a deployment that runs a gateway
@@ -388,6 +513,22 @@ class Deployment:
             raise RuntimeError(f"gateway failed to start: {errors[0]}")
 
     @property
+    def tenant_http_url(self) -> str:
+        """host:port where tenants send HTTP to Triton: the front door's, else Triton's."""
+        if self.door is not None:
+            return self.door.http_url
+        assert self.triton is not None, "no Triton host in this deployment"
+        return self.triton.http_url
+
+    @property
+    def tenant_grpc_url(self) -> str:
+        """host:port where tenants send gRPC to Triton: the front door's, else Triton's."""
+        if self.door is not None:
+            return self.door.grpc_url
+        assert self.triton is not None, "no Triton host in this deployment"
+        return self.triton.grpc_url
+
+    @property
     def gateway_url(self) -> str:
         host = "127.0.0.1" if self.bind in ("0.0.0.0", "::") else self.bind
         return f"http://{host}:{self.ports.gateway}"
@@ -410,6 +551,8 @@ class Deployment:
         loop, self._loop = self._loop, None
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(loop.stop)
+        if self.door is not None:
+            self.door.stop()  # first: no new request reaches a Triton that is stopping
         if self.triton is not None:
             self.triton.stop()
         for t in self._threads:

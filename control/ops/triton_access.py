@@ -14,7 +14,12 @@ name is outside the ``x-lora-.*`` pattern that Triton forwards to the model
 or a log line. Triton expects the gRPC header with the prefix ``triton-grpc-protocol-``.
 
 Triton takes the token on its command line only, so a local user allowed to read the server's
-``/proc/<pid>/cmdline`` can see it: the restriction guards the network surface that tenants reach.
+``/proc/<pid>/cmdline`` can see it, and reach the operator APIs on Triton's loopback ports:
+:func:`command_line_exposure` says when that is so (``/proc`` without ``hidepid``, outside a
+container), and ``serve`` warns once. Tenants never reach Triton directly: the front door
+(``control/ops/front_door.py``) forwards only their routes and drops the operator headers, so a
+leaked token is of no use through it. The restriction is the second line, for whatever reaches
+Triton's ports without passing the door.
 """
 
 from __future__ import annotations
@@ -38,6 +43,14 @@ TOKEN_FILE = "triton-operator.token"
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{32,128}")  # no ':', ',' or '=': they delimit Triton's flag
 
 Protocol = Literal["http", "grpc"]
+# /proc's hidepid values that keep other users' command lines unreadable (proc(5))
+_HIDDEN = {"1", "2", "4", "noaccess", "invisible", "ptraceable"}
+# An init of a container's own PID namespace (docker run --init, podman, Kubernetes' pause)
+_CONTAINER_INITS = {"tini", "docker-init", "dumb-init", "catatonit", "pause"}
+TOKEN_EXPOSED_FIX = (
+    "mount /proc with hidepid=invisible (`mount -o remount,hidepid=invisible,gid=<group "
+    "allowed to see every process> /proc`, and the same options in /etc/fstab), or run Triton "
+    "in its own PID namespace (a container, as docker/compose.yaml does)")
 
 
 class OperatorTokenError(RuntimeError):
@@ -95,3 +108,31 @@ def _load_or_create(path: Path) -> str:
             f"the Triton operator token {path} is not 32 to 128 characters of A-Z, a-z, 0-9, "
             "'-' or '_'; delete the file to have a new token created at the next launch")
     return token
+
+
+def command_line_exposure(proc: Path = Path("/proc")) -> str | None:
+    """Why other local users can read tritonserver's command line, and so the token; None when
+    they cannot (``/proc`` has ``hidepid``, or this runs as the first process of its own PID
+    namespace, as in a container)."""
+    try:
+        mounts = (proc / "self" / "mountinfo").read_text().splitlines()
+    except OSError:
+        return None  # no /proc: nothing to read a command line from
+    options: set[str] = set()
+    for line in mounts:
+        fields = line.split()
+        if len(fields) > 4 and fields[4] == str(proc) and " - " in line:
+            options = set(fields[5].split(",")) | set(line.split(" - ", 1)[1].split()[-1]
+                                                      .split(","))
+    hidepid = {o.split("=", 1)[1] for o in options if o.startswith("hidepid=")}
+    if hidepid & _HIDDEN:
+        return None
+    if os.getpid() == 1:
+        return None
+    try:
+        if (proc / "1" / "comm").read_text().strip() in _CONTAINER_INITS:
+            return None
+    except OSError:
+        pass
+    return (f"{proc} is mounted without hidepid, so every local user can read tritonserver's "
+            f"command line ({proc}/<pid>/cmdline, ps), operator token included")

@@ -5,7 +5,9 @@ On a CPU-only machine the binary and the Python backend come from the ``nvidia-p
 ``/opt/tritonserver``. ``LORAPLANE_TRITONSERVER`` points at any other binary.
 
 Every launch restricts Triton's operator APIs to the home's operator token (see
-``control/ops/triton_access.py``); the command line has no form without the restriction.
+``control/ops/triton_access.py``); the command line has no form without the restriction. A launch
+may run the server as another user (``user``, see ``control/ops/triton_user.py``); ``serve``
+puts it behind the front door (``control/ops/front_door.py``), on loopback ports of its own.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import pwd
 import secrets
 import shutil
 import signal
@@ -31,6 +34,7 @@ from typing import ClassVar
 from control.contracts.config import Settings
 from control.contracts.wire import ENGINE_MODEL, FORWARDED_HEADERS, MODEL
 from control.ops.triton_access import OperatorAccess, Protocol
+from control.ops.triton_user import ServiceUser, check_reachable, needed_paths
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -126,6 +130,13 @@ def check_ports_free(address: str, ports: dict[str, int]) -> None:
                     "(--http-port, --grpc-port, --metrics-port, --gateway-port)") from None
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 @dataclass
 class TritonProcess:
     """One running tritonserver serving ``model_repository/``."""
@@ -149,6 +160,9 @@ class TritonProcess:
     # The address Triton's HTTP, gRPC and metrics ports listen on: loopback unless a host
     # serves other machines (``serve --listen 0.0.0.0``; the containers do).
     listen: str = "127.0.0.1"
+    # The user tritonserver (and so every stub) runs as; None: the user running this. Only root
+    # may name another (control/ops/triton_user.py; `serve --triton-user`).
+    user: str | None = None
     proc: subprocess.Popen[bytes] | None = None
     # Names this launch (Triton's ``--id``): readiness is checked against the server that
     # answers with it, so a second ``serve`` on ports another server holds never mistakes that
@@ -250,15 +264,38 @@ class TritonProcess:
             p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
         )
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            self.command(install),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # its stubs die with it when we signal the group
-        )
-        log.close()
+        command = self.command(install)  # reads the operator token, as this user
+        as_user: dict[str, object] = {}
+        if self.user is not None:
+            pw = pwd.getpwnam(self.user)
+            user = ServiceUser(self.user, pw.pw_uid, pw.pw_gid)
+            # Refused here, naming the path and the fix, rather than as an import error in
+            # Triton's log minutes later.
+            check_reachable(user, needed_paths(
+                install.binary, install.backend_dir, self.model_repository, REPO_ROOT,
+                self._settings(env)))
+            # cwd: ours may be a folder the Triton user cannot enter (/root)
+            as_user = {"user": user.uid, "group": user.gid, "extra_groups": [], "cwd": "/"}
+        log = self.log_path.open("ab")  # opened here: the Triton user needs no access to run/
+        try:
+            self.proc = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # its stubs die with it when we signal the group
+                **as_user,  # type: ignore[call-overload]
+            )
+        finally:
+            log.close()
+
+    @staticmethod
+    def _settings(env: dict[str, str]) -> Settings:
+        """The home and database the launched server will use (its environment's)."""
+        given = env.get("LORAPLANE_HOME")
+        home = Settings.from_env(Path(given) if given else None).home
+        return Settings(home=home, db_url=env.get("LORAPLANE_DB_URL")
+                        or f"sqlite:///{home / 'loraplane.db'}")
 
     def ready(self) -> bool:
         """The server on these ports is the one this object launched (its ``--id``), and every

@@ -53,4 +53,6 @@ EXPOSE 8000 8001 8002
 # holds the two to control/ops/triton_server.py's READY_PATHS and READY_TIMEOUT_S).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
   CMD ["python3", "-c", "import urllib.request as u; [u.urlopen('http://127.0.0.1:8000' + p, timeout=1) for p in ('/v2/health/ready', '/v2/models/lora_llm_stream/ready', '/v2/models/lora_llm/ready')]"]
-CMD ["loraplane", "triton-host", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002"]
+# The launcher runs as root; tritonserver runs as the image's own unprivileged user triton-server
+# (uid 1000), who cannot read the operator token or the signing keys (control/ops/triton_user.py).
+CMD ["loraplane", "triton-host", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002", "--triton-user", "triton-server"]

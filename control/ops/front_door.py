@@ -153,8 +153,9 @@ def render(c: DoorConfig) -> str:
     bind = "" if c.listen == "*" else c.listen
     grpc_paths = " ".join(f"/{GRPC_SERVICE}/{m}" for m in TENANT_GRPC_METHODS)
     lines = [
-        "# The front door: only tenant routes reach Triton (control/ops/front_door.py renders",
-        "# this file; what each rule is for is said there).",
+        "# The front door: only tenant routes reach Triton. Rendered by",
+        "# control/ops/front_door.py, which says what each rule is for",
+        "# (docker/haproxy.cfg: python -m control.ops.front_door > docker/haproxy.cfg).",
         "global",
         "    log stdout format raw local0 info",
         "    maxconn 4096",
@@ -225,7 +226,8 @@ def _server(i: int, u: Upstream, port: int, c: DoorConfig, proto: str) -> str:
     name = u.host if u.host.replace("-", "").isalnum() else f"triton{i}"
     opts = proto
     if c.health_checks:
-        opts += f" check port {u.http_port} inter 5s"  # gRPC hosts are checked on their HTTP
+        # every host is checked on its HTTP port, in HTTP/1.1 even behind an HTTP/2 server
+        opts += f" check port {u.http_port} check-proto h1 inter 5s"
     if c.docker_dns:
         opts += " resolvers docker init-addr last,libc,none"
     return f"    server {name} {u.host}:{port}{opts}"

@@ -18,7 +18,7 @@ path and the fix, not later inside Triton's log.
 
 from __future__ import annotations
 
-import grp
+import errno
 import os
 import pwd
 import shutil
@@ -100,12 +100,18 @@ def sqlite_path(db_url: str) -> Path | None:
 
 
 def _chgrp(path: Path, gid: int, add: int, remove: int = 0) -> None:
-    """Give ``path`` to group ``gid``, adding and removing mode bits (no symlink followed)."""
+    """Give ``path`` to group ``gid``, adding and removing mode bits (no symlink followed). A
+    read-only mount (the compose file's store) is left as it is: whether the user can read it
+    anyway is checked before launch (:func:`check_reachable`)."""
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         return
-    os.chown(path, st.st_uid, gid)
-    os.chmod(path, (stat.S_IMODE(st.st_mode) | add) & ~remove)
+    try:
+        os.chown(path, st.st_uid, gid)
+        os.chmod(path, (stat.S_IMODE(st.st_mode) | add) & ~remove)
+    except OSError as e:
+        if e.errno != errno.EROFS:
+            raise
 
 
 def grant_home(settings: Settings, user: ServiceUser) -> Path:
@@ -206,9 +212,3 @@ def check_reachable(user: ServiceUser, paths: dict[Path, str]) -> None:
             "users can read them), name another user with --triton-user, or keep Triton as "
             "root with --triton-user root")
 
-
-def group_name(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)

@@ -29,6 +29,7 @@ import yaml
 from typer.testing import CliRunner
 
 from control.cli.main import app
+from control.ops.front_door import compose_config, find_haproxy
 from control.ops.serve import Deployment
 from control.ops.triton_server import READY_PATHS, READY_PROBE_TIMEOUT_S, TritonProcess
 from tests import REPO
@@ -197,7 +198,7 @@ def test_ports_volumes_and_health_checks_agree() -> None:
     home = compose["x-loraplane-env"]["LORAPLANE_HOME"]
     model_repo = ROOT / "model_repository"
     for name, svc in services.items():
-        if name == "postgres":
+        if name in ("postgres", "haproxy"):  # images of their own (the door: its own test)
             continue
         if svc.get("restart") == "no":  # a one-shot job: what waits for it must say so
             waiting = [n for n, other in services.items()
@@ -211,6 +212,8 @@ def test_ports_volumes_and_health_checks_agree() -> None:
         for mapping in merged.get("ports", []):
             target = str(mapping).split(":")[-1]
             assert target in listened, f"{name} publishes {target} but listens on {listened}"
+        if name.startswith("triton"):
+            assert not merged.get("ports"), f"{name}: tenants reach Triton only through the door"
         port, paths = _probes(merged["healthcheck"]["test"])
         assert port in listened, f"{name}: health check on a port it does not serve"
         if name.startswith("triton"):
@@ -241,6 +244,47 @@ def test_ports_volumes_and_health_checks_agree() -> None:
         exposed = {p for op, r in steps if op == "EXPOSE" for p in r.split()}
         cmd = [str(a) for op, r in steps if op == "CMD" for a in yaml.safe_load(r)]
         assert exposed == {cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a.endswith("-port")}
+
+
+def test_the_front_door_is_the_only_published_way_to_triton() -> None:
+    """The haproxy service publishes the tenant ports 8000 and 8001 (never Triton's metrics),
+    runs the configuration control/ops/front_door.py renders (checked in as docker/haproxy.cfg,
+    byte for byte), and forwards to every Triton host of the file on the ports they listen on;
+    the hosts publish nothing, listen for the door on the compose network, and run tritonserver
+    as the Triton image's unprivileged user."""
+    compose = _compose()
+    services = compose["services"]
+    door = services["haproxy"]
+    image, _, tag = door["image"].partition(":")
+    assert image == "haproxy" and re.fullmatch(r"2\.6(\.\d+)?", tag), door["image"]
+    local = find_haproxy()
+    if local is not None:  # the series the tests run is the series the compose file runs
+        version = subprocess.run([local, "-v"], capture_output=True, text=True, timeout=10)
+        assert f"version {tag}" in version.stdout.splitlines()[0], version.stdout
+    assert sorted(str(m) for m in door["ports"]) == ["8000:8000", "8001:8001"]
+    cfg = "/usr/local/etc/haproxy/haproxy.cfg"  # where the official image reads it
+    assert door["volumes"] == [f"./haproxy.cfg:{cfg}:ro"]
+    assert (DOCKER / "haproxy.cfg").read_text() == compose_config(), (
+        "docker/haproxy.cfg differs from its rendering: run "
+        "`python -m control.ops.front_door > docker/haproxy.cfg`")
+    hosts = sorted(n for n in services if n.startswith("triton"))
+    argv = [str(a) for a in compose["x-triton-host"]["command"]]
+    flag = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
+    assert flag["--listen"] == "0.0.0.0" and flag["--front-door"] == "external"
+    assert flag["--triton-user"] == "triton-server"
+    servers = re.findall(r"^    server (\S+) (\S+):(\d+)", compose_config(), re.MULTILINE)
+    assert sorted({name for name, _h, _p in servers}) == hosts
+    assert {(h, p) for _n, h, p in servers} == {(h, flag[f"--{k}-port"]) for h in hosts
+                                                  for k in ("http", "grpc")}
+    assert "triton-a" in door["depends_on"]
+    for name in hosts:
+        assert not services[name].get("ports"), name
+    published = {str(m).split(":")[0] for svc in services.values() for m in svc.get("ports", [])}
+    assert flag["--metrics-port"] not in published
+    for path in DOCKERFILES:
+        cmd = [a for op, r in _instructions(path) if op == "CMD" for a in yaml.safe_load(r)]
+        if "triton-host" in cmd:
+            assert cmd[cmd.index("--triton-user") + 1] == "triton-server", path.name
 
 
 def test_the_triton_image_refuses_releases_before_the_advisory_fixes() -> None:

@@ -34,6 +34,7 @@ from tritonclient.utils import InferenceServerException
 
 from control.contracts.config import Settings
 from control.contracts.wire import ENGINE_MODEL, MODEL, TICKET_HEADER, TICKET_PARAM
+from control.ops import serve
 from control.ops.clients import (
     free_port,
     generate,
@@ -44,7 +45,7 @@ from control.ops.clients import (
 )
 from control.ops.front_door import GENERATE_TICKET_HEADER_REFUSAL, NOT_A_TENANT_ROUTE, door_user
 from control.ops.serve import Deployment, Ports
-from control.ops.triton_access import TOKEN_FILE
+from control.ops.triton_access import TOKEN_FILE, command_line_exposure
 from control.ops.triton_server import TritonUnavailable, find_triton
 from control.ops.triton_user import (
     DEFAULT_TRITON_USER,
@@ -195,6 +196,8 @@ def test_triton_and_every_stub_run_as_the_triton_user(door_stack: DoorStack) -> 
     secret = {keys / TOKEN_FILE: "r", keys / "private": "x"}
     assert len(unreachable(user, secret)) == 2
     assert unreachable(user, {keys / "public": "rx"}) == []
+    # and serve said so once when other local users can read Triton's command line
+    assert ("token-exposed" in serve._WARNED) == (command_line_exposure() is not None)
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

@@ -15,9 +15,11 @@ from control.ops.triton_access import (
     OPERATOR_APIS,
     OPERATOR_HEADER,
     TENANT_APIS,
+    TOKEN_EXPOSED_FIX,
     TOKEN_FILE,
     OperatorAccess,
     OperatorTokenError,
+    command_line_exposure,
 )
 from control.ops.triton_server import TritonInstall, TritonProcess
 
@@ -106,3 +108,39 @@ def test_a_malformed_token_is_refused_with_the_fix(tmp_path: Path, content: str)
 def test_headers_name_a_known_protocol() -> None:
     with pytest.raises(ValueError, match="http or grpc"):
         OperatorAccess("t" * 43).headers("rest")  # type: ignore[arg-type]
+
+
+def _fake_proc(tmp_path: Path, options: str, init: str = "systemd") -> Path:
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "1").mkdir()
+    (proc / "self" / "mountinfo").write_text(
+        "21 1 254:0 / / rw,relatime - ext4 /dev/vda rw\n"
+        f"22 27 0:21 / {proc} rw,nosuid,relatime - proc proc {options}\n")
+    (proc / "1" / "comm").write_text(init + "\n")
+    return proc
+
+
+@pytest.mark.parametrize(("options", "init", "exposed"), [
+    ("rw", "systemd", True),
+    ("rw,hidepid=0", "systemd", True),
+    ("rw,hidepid=invisible", "systemd", False),
+    ("rw,hidepid=2,gid=4", "systemd", False),
+    ("rw,hidepid=noaccess", "systemd", False),
+    ("rw,hidepid=ptraceable", "systemd", False),
+    ("rw", "tini", False),  # a container's own PID namespace
+])
+def test_serve_knows_when_other_users_can_read_the_token(tmp_path: Path, options: str,
+                                                         init: str, exposed: bool) -> None:
+    said = command_line_exposure(_fake_proc(tmp_path, options, init))
+    assert (said is not None) == exposed
+    if said is not None:
+        assert "hidepid" in said and "operator token" in said
+    assert "hidepid=invisible" in TOKEN_EXPOSED_FIX and "PID namespace" in TOKEN_EXPOSED_FIX
+
+
+def test_this_machines_proc_is_read(tmp_path: Path) -> None:
+    """On Linux the real /proc answers (either way); without one, nothing is said."""
+    if Path("/proc/self/mountinfo").exists():
+        command_line_exposure()
+    assert command_line_exposure(tmp_path / "no-proc") is None

@@ -28,7 +28,8 @@ from control.contracts.ledger import request_ledger as t
 ADMIN_TOKEN_ENV = "LORAPLANE_ADMIN_TOKEN"
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-TICKET_OUTCOMES = {200: "issued", 400: "bad_request", 401: "unauthorised", 403: "forbidden"}
+TICKET_OUTCOMES = {200: "issued", 400: "bad_request", 401: "unauthorised", 403: "forbidden",
+                   408: "bad_request", 413: "bad_request"}  # a body too slow or too large
 
 
 # --- gateway metrics --------------------------------------------------------------------------

@@ -22,6 +22,21 @@ role-prefixed template (one line per message, then the assistant's turn)::
     ...
     assistant:
 
+Requests. The body is read whole (at most 64 KiB, else 413; :mod:`control.gateway.bodies`) and
+parsed strictly: a key given twice, ``NaN`` or ``Infinity`` is refused. Every field the gateway
+uses is checked for its JSON type before anything else happens, and a wrong one gets 400 in
+OpenAI's error shape with ``param`` naming it: ``model``, ``prompt`` (a string, or a list of
+one string) and ``user`` strings, ``messages`` as the template below needs them, ``stream`` a
+boolean, ``stream_options`` an object whose ``include_usage`` is a boolean, ``n`` (only 1),
+``max_tokens``/``max_completion_tokens`` and ``seed`` integers, ``temperature`` and ``top_p``
+numbers; null counts as not given. The sampling values must lie in the ranges a Triton host
+applies (:mod:`control.contracts.sampling`), so what a host would refuse is refused here, with
+a message naming the field, before a ticket is signed: ``max_tokens`` 1..512; ``temperature``
+0 (greedy) or 0.01..2 (OpenAI documents 0..2, hosts take 0 or 0.01..10: the intersection);
+``top_p`` 0.001..1; ``seed`` any signed 64-bit integer, negative ones included (the hosts'
+``seed`` input is INT64, and OpenAI sets no range; the gateway used to refuse negative seeds,
+which only made it stricter than the hosts for no reason). Other fields are ignored.
+
 Token usage comes from the request's ledger row (written by the backend before it answers), so
 ``usage`` reports exactly what the ledger recorded.
 
@@ -49,17 +64,23 @@ from aiohttp import web
 
 from control.contracts import wire
 from control.contracts.ledger import request_ledger
+from control.contracts.sampling import (
+    TEMPERATURE_MAX,
+    TEMPERATURE_MIN,
+    InvalidParameter,
+    check_sampling,
+)
 from control.contracts.telemetry import span, traceparent_of
 from control.domain import SESSION_RE
+from control.gateway.bodies import OPENAI_BODY_LIMIT, BodyError, read_json_object
 from control.gateway.observability import GatewayMetrics
 from control.gateway.ticket_office import NotGranted, TicketOffice
 from projections.tables import grants
 
 log = logging.getLogger("loraplane.gateway")
 
-MAX_BODY = 64 * 1024
-MAX_TOKENS_LIMIT = 512
-DEFAULT_MAX_TOKENS = 16
+# OpenAI documents temperature 0..2; the hosts' contract takes 0 or 0.01..10: both hold here.
+OPENAI_TEMPERATURE_MAX = 2.0
 ROLES = ("system", "user", "assistant")
 MODEL_NOT_FOUND = "The model does not exist or you do not have access to it."
 SESSION_HEADER = "x-session-id"
@@ -116,13 +137,17 @@ OFFICE_KEY = web.AppKey("openai_office", TicketOffice)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str, code: str | None = None) -> None:
+    """A refusal in OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, kind: str, code: str | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.code = status, message, kind, code
+        self.param = param
 
     def response(self) -> web.Response:
         return web.json_response({"error": {"message": self.message, "type": self.kind,
-                                            "param": None, "code": self.code}},
+                                            "param": self.param, "code": self.code}},
                                  status=self.status)
 
 
@@ -130,8 +155,29 @@ def _not_found() -> ApiError:
     return ApiError(404, MODEL_NOT_FOUND, "invalid_request_error", "model_not_found")
 
 
-def _bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, "invalid_request_error", param)
+def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", code, param)
+
+
+def _wrong_type(param: str, expected: str, value: object) -> ApiError:
+    """400 for a field of the wrong JSON type, naming the field (and what came: the caller's
+    own value's JSON type, nothing else)."""
+    return _bad(f"invalid type for '{param}': expected {expected}, got {_json_type(value)}",
+                param, "invalid_type")
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 def _tenant(request: web.Request) -> str:
@@ -146,56 +192,128 @@ def _tenant(request: web.Request) -> str:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    raw = await request.content.read(MAX_BODY + 1)
-    if len(raw) > MAX_BODY:
-        raise _bad("request body too large")
+    """The body as a JSON object, read whole (:mod:`control.gateway.bodies`)."""
     try:
-        body = json.loads(raw or b"null")
-    except ValueError:
-        raise _bad("body must be a JSON object") from None
-    if not isinstance(body, dict):
-        raise _bad("body must be a JSON object")
-    return body
+        return await read_json_object(request, OPENAI_BODY_LIMIT)
+    except BodyError as e:
+        code = {413: "request_too_large", 408: "request_timeout"}.get(e.status)
+        raise ApiError(e.status, e.message, "invalid_request_error", code) from None
 
 
-def _number(body: Mapping[str, Any], name: str, kind: type, lo: float, hi: float) -> Any:
+def _optional(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...],
+              expected: str, param: str | None = None) -> Any:
+    """``body[name]`` when present and of JSON type ``kind``; None when absent or null (OpenAI
+    treats an explicit null as "not given"); else a 400 naming the field (``param``, default
+    ``name``). A JSON boolean is never an integer or a number here, although Python's bool is
+    an int."""
     v = body.get(name)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int | float) or (kind is int and v != int(v)):
-        raise _bad(f"'{name}' must be a number", name)
-    if not lo <= v <= hi:
-        raise _bad(f"'{name}' must be between {lo} and {hi}", name)
-    return kind(v)
+    if isinstance(v, bool) != (kind is bool) or not isinstance(v, kind):
+        raise _wrong_type(param or name, expected, v)
+    return v
+
+
+def _prompt(body: Mapping[str, Any], chat: bool) -> str:
+    """The text to complete: the rendered chat, or ``prompt`` (a string, or a list of exactly
+    one string: token-id prompts and batches are not served)."""
+    if chat:
+        return render_chat(body.get("messages"))
+    raw = body.get("prompt")
+    if isinstance(raw, list) and len(raw) == 1:
+        raw = raw[0]
+    if not isinstance(raw, str):
+        raise _bad("'prompt' must be a string (or a list of one string)", "prompt",
+                   "invalid_type")
+    return raw
 
 
 @dataclass(frozen=True)
 class Generation:
     prompt: str
     max_tokens: int
-    temperature: float | None
+    temperature: float | None  # None: not given, the release's or the host's default applies
     top_p: float | None
     seed: int | None
     stream: bool
     include_usage: bool
 
 
+def _max_tokens(body: Mapping[str, Any]) -> tuple[str, int | None]:
+    """Which of ``max_tokens`` / ``max_completion_tokens`` bounds the answer (the first given
+    wins), with its value; both must be integers when given."""
+    given = [(name, _optional(body, name, int, "an integer"))
+             for name in ("max_tokens", "max_completion_tokens")]
+    for name, value in given:
+        if value is not None:
+            return name, value
+    return "max_tokens", None
+
+
+def _real(body: Mapping[str, Any], name: str) -> float | None:
+    """A number field as a float (None when not given). An integer too large for a double
+    (``1e400`` written out in digits) is out of every range: refused here, since converting it
+    would raise."""
+    v = _optional(body, name, (int, float), "a number")
+    if v is None:
+        return None
+    try:
+        return float(v)
+    except OverflowError:
+        raise _bad(f"invalid parameter {name}: out of range", name, "invalid_value") from None
+
+
+def _sampling(body: Mapping[str, Any]) -> tuple[int, float | None, float | None, int | None]:
+    """max_tokens, temperature, top_p and seed, checked against the sampling contract a Triton
+    host applies (:mod:`control.contracts.sampling`), so what a host would refuse is refused
+    here, before a ticket is signed, with a message naming the field.
+
+    temperature: the contract allows 0 or 0.01..10, OpenAI documents 0..2: the gateway takes
+    the intersection, 0 or 0.01..2. seed: the contract's signed 64-bit range (Triton's INT64
+    input), negative seeds included."""
+    limit_name, max_tokens = _max_tokens(body)
+    temperature = _real(body, "temperature")
+    top_p = _real(body, "top_p")
+    seed = _optional(body, "seed", int, "an integer")
+    try:
+        checked = check_sampling(max_tokens, temperature, top_p, seed)
+    except InvalidParameter as e:
+        if e.name == wire.TEMPERATURE:
+            raise _temperature_refused(temperature) from None
+        param = limit_name if e.name == wire.MAX_TOKENS else e.name
+        message = str(e).replace(f"parameter {e.name}:", f"parameter {param}:", 1)
+        raise _bad(message, param, "invalid_value") from None
+    if temperature is not None and checked.temperature > OPENAI_TEMPERATURE_MAX:
+        raise _temperature_refused(temperature)
+    return (checked.max_tokens,
+            None if temperature is None else checked.temperature,
+            None if top_p is None else checked.top_p,
+            checked.seed)
+
+
+def _temperature_refused(value: object) -> ApiError:
+    """The refusal of a temperature outside 0 or 0.01..2, saying where that range comes from."""
+    return _bad(f"invalid parameter temperature: must be 0 (greedy) or between "
+                f"{TEMPERATURE_MIN} and {OPENAI_TEMPERATURE_MAX:g}, found {value!r} (OpenAI's "
+                f"range is 0 to {OPENAI_TEMPERATURE_MAX:g} and Triton hosts take 0 or "
+                f"{TEMPERATURE_MIN} to {TEMPERATURE_MAX:g}: the gateway takes what both allow)",
+                "temperature", "invalid_value")
+
+
 def _generation(body: Mapping[str, Any], prompt: str) -> Generation:
-    if body.get("n", 1) != 1:
-        raise _bad("only n=1 is supported", "n")
-    max_tokens = _number(body, "max_tokens", int, 1, MAX_TOKENS_LIMIT)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_completion_tokens", int, 1, MAX_TOKENS_LIMIT)
-    opts = body.get("stream_options") or {}
-    return Generation(
-        prompt=prompt,
-        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-        temperature=_number(body, "temperature", float, 0.0, 2.0),
-        top_p=_number(body, "top_p", float, 0.0, 1.0),
-        seed=_number(body, "seed", int, 0, 2**63 - 1),
-        stream=bool(body.get("stream", False)),
-        include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
-    )
+    """Every generation field of an OpenAI request, type- and range-checked (see the module
+    notes): a 400 naming the first field that is wrong."""
+    n = _optional(body, "n", int, "an integer")
+    if n is not None and n != 1:
+        raise _bad("only n=1 is supported", "n", "invalid_value")
+    stream = _optional(body, "stream", bool, "a boolean")
+    opts = _optional(body, "stream_options", dict, "an object") or {}
+    include_usage = _optional(opts, "include_usage", bool, "a boolean",
+                              "stream_options.include_usage")
+    max_tokens, temperature, top_p, seed = _sampling(body)
+    return Generation(prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                      top_p=top_p, seed=seed, stream=bool(stream),
+                      include_usage=bool(include_usage))
 
 
 def render_chat(messages: object) -> str:
@@ -205,15 +323,16 @@ def render_chat(messages: object) -> str:
     lines = []
     for m in messages:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise _bad(f"each message needs a role among {', '.join(ROLES)}", "messages")
+            raise _bad(f"'messages': each message needs a role among {', '.join(ROLES)}",
+                       "messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text"
                        and isinstance(p.get("text"), str) for p in content):
-                raise _bad("only text content parts are supported", "messages")
+                raise _bad("'messages': only text content parts are supported", "messages")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
-            raise _bad("message content must be text", "messages")
+            raise _bad("'messages': message content must be text", "messages")
         lines.append(f"{m['role']}: {content}\n")
     return "".join(lines) + "assistant:"
 
@@ -225,6 +344,8 @@ def _session(request: web.Request, user: object) -> str | None:
         if not SESSION_RE.match(header):
             raise _bad(f"header {SESSION_HEADER} must be 1-128 printable ASCII characters")
         return header
+    if user is not None and not isinstance(user, str):
+        raise _wrong_type("user", "a string", user)
     if not isinstance(user, str) or not 0 < len(user) <= 128:
         return None
     # Any user name keeps one release; one with spaces or non-ASCII is named by its hash.
@@ -232,10 +353,20 @@ def _session(request: web.Request, user: object) -> str | None:
         user.encode()).hexdigest()[:40]
 
 
-async def _issue(request: web.Request, tenant: str, model: object, user: object) -> Any:
-    if not isinstance(model, str) or not model:
-        raise _bad("'model' is required", "model")
-    session = _session(request, user)
+def _model(body: Mapping[str, Any]) -> str:
+    """The ``model`` field: a non-empty string (which alias it names is the routing's question,
+    answered with the one 404 when the caller may not use it)."""
+    model = body.get("model")
+    if model is None or model == "":
+        raise _bad("'model' is required", "model", "missing_required_parameter")
+    if not isinstance(model, str):
+        raise _wrong_type("model", "a string", model)
+    return model
+
+
+async def _issue(request: web.Request, tenant: str, model: str, session: str | None) -> Any:
+    """Resolve ``model`` for ``tenant`` and sign a ticket (the one place a ticket is signed on
+    these routes: every check on the body has passed before it)."""
     office = request.app[OFFICE_KEY]
     try:
         if session is not None and office.pins is not None:
@@ -330,14 +461,13 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         tenant = _tenant(request)
         body = await _body(request)
-        prompt_raw = render_chat(body.get("messages")) if chat else body.get("prompt")
-        if isinstance(prompt_raw, list) and len(prompt_raw) == 1:
-            prompt_raw = prompt_raw[0]
-        if not isinstance(prompt_raw, str):
-            raise _bad("'prompt' must be a string", "prompt")
-        g = _generation(body, prompt_raw)
-        issued = await _issue(request, tenant, body.get("model"), body.get("user"))
-        return await _complete(request, chat, g, issued, str(body["model"]))
+        # Everything the gateway can check is checked before a ticket is signed: a request a
+        # host would refuse never costs a signature, a pin or an upstream call.
+        model = _model(body)
+        g = _generation(body, _prompt(body, chat))
+        session = _session(request, body.get("user"))
+        issued = await _issue(request, tenant, model, session)
+        return await _complete(request, chat, g, issued, model)
     except ApiError as e:
         return e.response()
 

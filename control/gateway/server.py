@@ -18,16 +18,21 @@ rollout controller weighs a canary by. A request id that is unknown or another t
 same 404 with one fixed message, so ids of other tenants' requests cannot be probed. One rating
 per request: a second is refused with 409 and the first stays (a window's recorded figures must
 match the table an auditor reads later).
+
+Bodies (tickets and feedback) are read whole, at most 4096 bytes, and parsed strictly
+(:mod:`control.gateway.bodies`): 413 above the limit, whether or not Content-Length is sent;
+400 for anything but one JSON object (a key given twice included); 408 for a body that does
+not arrive within 30 s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 from collections.abc import Mapping
+from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -37,6 +42,12 @@ from control.contracts.db import make_engine
 from control.contracts.ledger import AlreadyRated, Ledger, NotRatable
 from control.domain import SESSION_RE, DomainError
 from control.gateway import observability, openai_api
+from control.gateway.bodies import (
+    OPENAI_BODY_LIMIT,
+    TICKET_BODY_LIMIT,
+    BodyError,
+    read_json_object,
+)
 from control.gateway.observability import GatewayMetrics
 from control.gateway.ticket_office import NotGranted, SigningUnavailable, TicketOffice
 from projections.route_cache import RoutingUnavailable
@@ -44,7 +55,6 @@ from projections.route_cache import RoutingUnavailable
 log = logging.getLogger("loraplane.gateway")
 
 ALIAS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-MAX_BODY = 4096
 UNAUTHORISED = {"error": "unauthorised: missing or unknown API key"}
 FORBIDDEN = {"error": "forbidden: this alias is not available to your tenant"}
 UNAVAILABLE = {"error": "routing temporarily unavailable; retry shortly"}
@@ -60,6 +70,18 @@ def _json(status: int, body: Mapping[str, object]) -> web.Response:
     return web.json_response(body, status=status)
 
 
+async def _body(request: web.Request, shape: str) -> dict[str, Any]:
+    """The body of a ticket or feedback request as a JSON object, read whole within
+    ``TICKET_BODY_LIMIT`` (:mod:`control.gateway.bodies`); BodyError (413 too large, 400 not an
+    object, 408 too slow) telling the caller the shape expected."""
+    try:
+        return await read_json_object(request, TICKET_BODY_LIMIT)
+    except BodyError as e:
+        if e.status == 400:
+            raise BodyError(400, f"{e.message}; expected {shape}") from None
+        raise
+
+
 async def issue_ticket(request: web.Request) -> web.Response:
     office = request.app[OFFICE_KEY]
     auth = request.headers.get("Authorization", "")
@@ -69,16 +91,14 @@ async def issue_ticket(request: web.Request) -> web.Response:
     tenant = office.routing.tenant_for_api_key(key.strip())
     if tenant is None:
         return _json(401, UNAUTHORISED)
-    if request.content_length is not None and request.content_length > MAX_BODY:
-        return _json(400, {"error": "request body too large"})
     try:
-        body = json.loads(await request.content.read(MAX_BODY + 1) or b"null")
-    except ValueError:
-        return _json(400, {"error": "body must be JSON: {\"alias\": \"...\"}"})
-    alias = body.get("alias") if isinstance(body, dict) else None
+        body = await _body(request, '{"alias": "...", "session": "..." (optional)}')
+    except BodyError as e:
+        return _json(e.status, {"error": e.message})
+    alias = body.get("alias")
     if not isinstance(alias, str) or not ALIAS_RE.match(alias):
         return _json(400, {"error": "field 'alias' must be an alias name"})
-    session = body.get("session") if isinstance(body, dict) else None
+    session = body.get("session")
     if session is not None and not (isinstance(session, str) and SESSION_RE.match(session)):
         return _json(400, {"error": "field 'session' must be 1-128 printable ASCII characters"})
     try:
@@ -141,14 +161,10 @@ async def rate_request(request: web.Request) -> web.Response:
               if scheme.lower() == "bearer" and key.strip() else None)
     if tenant is None:
         return _json(401, UNAUTHORISED)
-    if request.content_length is not None and request.content_length > MAX_BODY:
-        return _json(400, {"error": "request body too large"})
     try:
-        body = json.loads(await request.content.read(MAX_BODY + 1) or b"null")
-    except ValueError:
-        body = None
-    if not isinstance(body, dict):
-        return _json(400, {"error": 'body must be JSON: {"request_id": "...", "success": true}'})
+        body = await _body(request, '{"request_id": "...", "success": true}')
+    except BodyError as e:
+        return _json(e.status, {"error": e.message})
     request_id, success = body.get("request_id"), body.get("success")
     if not isinstance(request_id, str) or not REQUEST_ID_RE.match(request_id):
         return _json(400, {"error": "field 'request_id' must be the request id an answer carried"})
@@ -193,7 +209,11 @@ def make_app(
     """The gateway: tickets, feedback, health, ``/metrics``, ``/v1/stats`` and, given Triton URLs
     (host:port), the OpenAI-compatible routes of :mod:`control.gateway.openai_api`."""
     metrics = metrics or GatewayMetrics()
-    app = web.Application(client_max_size=MAX_BODY, middlewares=[metrics.middleware(), fail_closed])
+    # Routes read their bodies through control.gateway.bodies, each with its own limit;
+    # client_max_size bounds only request.read()/post(), which no route uses: set it to the
+    # largest route limit so that it never contradicts one.
+    app = web.Application(client_max_size=max(TICKET_BODY_LIMIT, OPENAI_BODY_LIMIT),
+                          middlewares=[metrics.middleware(), fail_closed])
     app[OFFICE_KEY] = office
     # The request ledger the feedback route checks ownership in and writes ratings to.
     app[LEDGER_KEY] = ledger or Ledger(make_engine(office.settings.db_url))

@@ -25,7 +25,10 @@ def test_user_is_the_session_without_the_header() -> None:
     assert _session(_req(), "alice") == "alice"
     assert _session(_req(), None) is None
     assert _session(_req(), "") is None
-    assert _session(_req(), 42) is None
+    # A user that is not a string is a malformed request, not "no session" (OpenAI types it).
+    with pytest.raises(ApiError) as refused:
+        _session(_req(), 42)
+    assert refused.value.status == 400 and refused.value.param == "user"
     # Any user keeps one release: a name a session id cannot hold is named by its hash.
     odd = _session(_req(), "Zoë Smith")
     assert odd is not None and SESSION_RE.match(odd) and odd == _session(_req(), "Zoë Smith")

@@ -286,3 +286,28 @@ def test_a_ticket_header_on_generate_is_refused_at_the_door(door_stack: DoorStac
             urllib.request.urlopen(req, timeout=30)
         assert refused.value.code == 400
         assert json.loads(refused.value.read()) == {"error": GENERATE_TICKET_HEADER_REFUSAL}
+
+
+def test_a_gateway_elsewhere_serves_openai_routes_through_the_door(door_stack: DoorStack) -> None:
+    """A control plane on another machine reaches this host only through its door, as tenants
+    do: the OpenAI routes read the model configuration and generate (streamed or not) there."""
+    import openai  # the official client: only this test speaks OpenAI
+
+    gateway = Deployment(door_stack.settings, Ports(gateway=free_port()), role="control",
+                         actor=ACTOR, triton_urls=[door_stack.deployment.tenant_http_url],
+                         rollout_controller=False)
+    gateway.start()
+    try:
+        client = openai.OpenAI(base_url=f"{gateway.gateway_url}/v1",
+                               api_key=door_stack.api_keys["acme"])
+        out = client.completions.create(model="acme-alpha", prompt="Hello", max_tokens=4)
+        assert out.choices[0].text
+        pieces = [c.choices[0].text for c in client.completions.create(
+            model="acme-alpha", prompt="Hello", max_tokens=4, stream=True)]
+        assert "".join(pieces) == out.choices[0].text
+    finally:
+        gateway.stop()
+    door = door_stack.deployment.door
+    assert door is not None
+    logged = door.log_path.read_text()  # HAProxy's access lines: these came through the door
+    assert "/config HTTP/1.1" in logged and "/generate_stream HTTP/1.1" in logged

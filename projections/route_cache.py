@@ -9,7 +9,7 @@ of retired signing keys (asked before every signature).
 
 Freshness: every projection write moves the follower's tracking position in the same transaction
 as the view rows, so the position is a change stamp. A request finds out whether the snapshot is
-stale by reading that one row, at most once every ``refresh_s`` (default 20 ms,
+stale by reading that one row, at most once every ``refresh_s`` (default 20 ms, at most 500 ms,
 ``LORAPLANE_ROUTE_REFRESH_MS``); when it moved, the snapshot is reloaded. A refusal (unknown
 key, alias not resolvable) re-reads the position first, so a tenant, grant or release just
 recorded is served at once. A revocation stops new tickets within ``refresh_s`` of the
@@ -27,14 +27,20 @@ gets the pinned release, before any follower has projected it. Pins recorded by 
 come through the projection.
 
 If the database cannot be read, the last snapshot keeps serving for ``max_stale_s`` (default
-5 s); after that, resolution fails closed with :class:`RoutingUnavailable` (the gateway answers
-503) rather than issuing tickets from a view that may have missed a revocation.
+700 ms, ``LORAPLANE_ROUTE_MAX_STALE_MS``); after that, resolution fails closed with
+:class:`RoutingUnavailable` (the gateway answers 503) rather than issuing tickets from a view
+that may have missed a revocation.
+
+Both settings are bounded by the promise that those changes are in force at every gateway
+within 1 s, and the staleness allowed must exceed the refresh interval (a snapshot is confirmed
+only when the position is read, so a shorter allowance would fail a healthy gateway between two
+reads): :func:`control.contracts.config.route_timing_from_env` refuses anything else with a
+ConfigError when the view reads the environment.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import threading
 import time
@@ -44,6 +50,12 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from control.app.sessions import Pin
+from control.contracts.config import (
+    ROUTE_REFRESH_ENV,
+    RouteTiming,
+    check_route_timing,
+    route_timing_from_env,
+)
 from control.domain import SERVABLE_STATES, canary_bucket, choose_release, hash_api_key
 from projections.follower import DEFAULT_NAME as TRACKING_NAME
 from projections.routing import Route, RoutingView, pin_from_row
@@ -60,9 +72,9 @@ from projections.tables import (
 
 log = logging.getLogger("loraplane.route_cache")
 
-REFRESH_ENV = "LORAPLANE_ROUTE_REFRESH_MS"
-DEFAULT_REFRESH_S = 0.02
-DEFAULT_MAX_STALE_S = 5.0
+REFRESH_ENV = ROUTE_REFRESH_ENV
+DEFAULT_REFRESH_S = RouteTiming().refresh_s
+DEFAULT_MAX_STALE_S = RouteTiming().max_stale_s
 MISS_RECHECK_S = 0.001
 PIN_PRUNE_S = 60.0  # how often expired pins leave memory
 
@@ -90,17 +102,9 @@ class _Snapshot:
 
 
 def refresh_s_from_env() -> float:
-    """``LORAPLANE_ROUTE_REFRESH_MS`` in seconds (default 20 ms)."""
-    raw = os.environ.get(REFRESH_ENV)
-    if raw is None or not raw.strip():
-        return DEFAULT_REFRESH_S
-    try:
-        ms = float(raw)
-    except ValueError:
-        raise ValueError(f"{REFRESH_ENV} must be a number of milliseconds, not {raw!r}") from None
-    if not 0 <= ms <= 10_000:
-        raise ValueError(f"{REFRESH_ENV} must be between 0 and 10000 ms, not {raw}")
-    return ms / 1000
+    """``LORAPLANE_ROUTE_REFRESH_MS`` in seconds (default 20 ms), checked with the staleness
+    setting against the 1 s promises (ConfigError, a ValueError, naming the variable)."""
+    return route_timing_from_env().refresh_s
 
 
 def _position(conn: Connection) -> int:
@@ -148,10 +152,18 @@ class CachedRoutingView(RoutingView):
     """
 
     def __init__(self, engine: Engine, *, refresh_s: float | None = None,
-                 max_stale_s: float = DEFAULT_MAX_STALE_S) -> None:
+                 max_stale_s: float | None = None) -> None:
+        """``refresh_s``/``max_stale_s``: None reads them from the environment, checked against
+        the 1 s promises (a ConfigError stops the gateway from starting); given ones (tests,
+        benchmarks) must only keep the staleness allowed above the refresh interval."""
         super().__init__(engine)
-        self.refresh_s = refresh_s_from_env() if refresh_s is None else refresh_s
-        self.max_stale_s = max_stale_s
+        if refresh_s is None or max_stale_s is None:
+            env = route_timing_from_env()
+            refresh_s = env.refresh_s if refresh_s is None else refresh_s
+            max_stale_s = env.max_stale_s if max_stale_s is None else max_stale_s
+        check_route_timing(refresh_s, max_stale_s)
+        self.refresh_s: float = refresh_s
+        self.max_stale_s: float = max_stale_s
         self._snapshot: _Snapshot | None = None
         self._checked_at = float("-inf")  # last time the position was read
         self._confirmed_at = float("-inf")  # last time the snapshot was known current

@@ -21,10 +21,31 @@ memory left after the base weights), ``LORAPLANE_ADAPTER_SLOTS`` (cap on residen
 default 64), ``LORAPLANE_MAX_RANK`` (default 64; every slot is padded to it) and
 ``LORAPLANE_TENANT_RESIDENT_SHARE`` (the part of the adapter memory one tenant may hold, default
 0.5, never less than one slot). A malformed value is refused when the settings are read.
+
+Timing settings (:func:`check_timing_settings`, called first thing when ``serve`` starts and
+whenever a gateway's cached routing view reads them). The product promises that an API key
+revocation, a grant removal, an alias revocation and a signing key retirement take effect at
+every gateway within 1 s (``IN_FORCE_WITHIN_S``). On that path a change waits for the
+projection follower (it polls every ``FOLLOWER_POLL_S``), then for the gateway to read the
+projection's position (every ``LORAPLANE_ROUTE_REFRESH_MS``), then for the reload
+(``RELOAD_ALLOWANCE_S``, a generous allowance for reading the tables on a loaded host):
+
+- ``LORAPLANE_ROUTE_REFRESH_MS`` (default 20): 0 to 500. 100 + 500 + 200 ms stays within 1 s;
+  anything longer could keep serving a revoked key or grant past the promise.
+- ``LORAPLANE_ROUTE_MAX_STALE_MS`` (default 700): how long a gateway that cannot read the
+  routing tables keeps serving its last copy before it answers 503. Above the refresh interval
+  (else a healthy gateway would answer 503 between two reads), and at most 700: the copy may
+  lack a change made meanwhile, so 100 + 700 + 200 ms must stay within 1 s too.
+- ``LORAPLANE_SEAL_INTERVAL_S`` (default 60): how often ``serve`` signs an audit checkpoint, 1
+  to 3600 s (not a 1 s promise: it bounds how long the newest events stay unsealed, so at most
+  an hour; below a second the sealer would only poll the event store for nothing).
+
+A value out of its bounds is a :class:`ConfigError` naming the variable, the bound and why.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -61,6 +82,122 @@ class ConfigError(ValueError):
     """A setting is missing its form or its range; the message names the variable."""
 
 
+# -- timing settings and the 1 s promises (see the module notes) ------------------------------
+
+IN_FORCE_WITHIN_S = 1.0  # key/grant/alias revocation, key retirement: at every gateway
+# projections.follower.ProjectionFollower.run's interval, as ``serve`` runs it (a test checks
+# that the follower's default is no longer).
+FOLLOWER_POLL_S = 0.1
+RELOAD_ALLOWANCE_S = 0.2  # reading the position and reloading the routing snapshot
+ROUTE_REFRESH_ENV = "LORAPLANE_ROUTE_REFRESH_MS"
+ROUTE_MAX_STALE_ENV = "LORAPLANE_ROUTE_MAX_STALE_MS"
+SEAL_INTERVAL_ENV = "LORAPLANE_SEAL_INTERVAL_S"
+DEFAULT_ROUTE_REFRESH_MS = 20.0
+ROUTE_REFRESH_MAX_MS = 500.0
+DEFAULT_ROUTE_MAX_STALE_MS = 700.0
+ROUTE_MAX_STALE_MAX_MS = 700.0
+DEFAULT_SEAL_INTERVAL_S = 60.0
+SEAL_INTERVAL_MIN_S, SEAL_INTERVAL_MAX_S = 1.0, 3600.0
+
+
+@dataclass(frozen=True)
+class RouteTiming:
+    """How often a gateway re-reads the routing projection, and how long it serves its last
+    copy when the tables cannot be read (both in seconds)."""
+
+    refresh_s: float = DEFAULT_ROUTE_REFRESH_MS / 1000
+    max_stale_s: float = DEFAULT_ROUTE_MAX_STALE_MS / 1000
+
+
+@dataclass(frozen=True)
+class TimingSettings:
+    route: RouteTiming
+    seal_interval_s: float
+
+
+def in_force_within_s(gateway_delay_s: float) -> float:
+    """The longest a recorded change can take to reach a gateway's answers when the gateway
+    itself adds ``gateway_delay_s`` (its refresh interval, or the staleness it allows): the
+    follower's poll, that delay and the reload. The bounds above keep it within 1 s."""
+    return FOLLOWER_POLL_S + gateway_delay_s + RELOAD_ALLOWANCE_S
+
+
+def _milliseconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number of milliseconds, not {raw!r}") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number of milliseconds, not {raw!r}")
+    return value
+
+
+def check_route_timing(refresh_s: float, max_stale_s: float) -> None:
+    """Raise ConfigError unless the staleness allowed exceeds the refresh interval (both >= 0):
+    a copy confirmed at one read must still serve until the next one, or a healthy gateway
+    answers 503 between reads. Holds for every cached routing view, however configured."""
+    if not (math.isfinite(refresh_s) and refresh_s >= 0):
+        raise ConfigError(f"{ROUTE_REFRESH_ENV} must be 0 or more, not {refresh_s * 1000:g} ms")
+    if not (math.isfinite(max_stale_s) and max_stale_s > refresh_s):
+        raise ConfigError(
+            f"{ROUTE_MAX_STALE_ENV}={max_stale_s * 1000:g} must be above "
+            f"{ROUTE_REFRESH_ENV}={refresh_s * 1000:g}: the routing copy is confirmed only "
+            "when the gateway re-reads the tables, so a shorter staleness allowance makes a "
+            "healthy gateway answer 503 between reads")
+
+
+def route_timing_from_env() -> RouteTiming:
+    """``LORAPLANE_ROUTE_REFRESH_MS`` and ``LORAPLANE_ROUTE_MAX_STALE_MS``, checked against the
+    1 s promises (see the module notes); ConfigError naming the variable, bound and why."""
+    refresh_ms = _milliseconds(ROUTE_REFRESH_ENV, DEFAULT_ROUTE_REFRESH_MS)
+    if not 0 <= refresh_ms <= ROUTE_REFRESH_MAX_MS:
+        raise ConfigError(
+            f"{ROUTE_REFRESH_ENV} must be between 0 and {ROUTE_REFRESH_MAX_MS:g} ms, not "
+            f"{refresh_ms:g}: a revoked API key, a removed grant, a revoked alias or a retired "
+            f"signing key must stop getting tickets within {IN_FORCE_WITHIN_S:g} s, and a "
+            f"change waits for the projection follower ({FOLLOWER_POLL_S * 1000:g} ms), this "
+            f"interval and the reload ({RELOAD_ALLOWANCE_S * 1000:g} ms)")
+    stale_ms = _milliseconds(ROUTE_MAX_STALE_ENV, DEFAULT_ROUTE_MAX_STALE_MS)
+    if not 0 < stale_ms <= ROUTE_MAX_STALE_MAX_MS:
+        raise ConfigError(
+            f"{ROUTE_MAX_STALE_ENV} must be above 0 and at most {ROUTE_MAX_STALE_MAX_MS:g} ms, "
+            f"not {stale_ms:g}: a gateway that cannot read the routing tables serves its last "
+            "copy this long, and that copy may lack a revocation that must be in force within "
+            f"{IN_FORCE_WITHIN_S:g} s")
+    timing = RouteTiming(refresh_ms / 1000, stale_ms / 1000)
+    check_route_timing(timing.refresh_s, timing.max_stale_s)
+    return timing
+
+
+def seal_interval_from_env() -> float:
+    """``LORAPLANE_SEAL_INTERVAL_S`` in seconds (default 60), between 1 and 3600."""
+    raw = os.environ.get(SEAL_INTERVAL_ENV, "").strip()
+    if not raw:
+        return DEFAULT_SEAL_INTERVAL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{SEAL_INTERVAL_ENV} must be a number of seconds, not {raw!r}") \
+            from None
+    if not SEAL_INTERVAL_MIN_S <= value <= SEAL_INTERVAL_MAX_S:  # NaN fails this too
+        raise ConfigError(
+            f"{SEAL_INTERVAL_ENV} must be between {SEAL_INTERVAL_MIN_S:g} and "
+            f"{SEAL_INTERVAL_MAX_S:g} seconds, not {raw}: it bounds how long the newest events "
+            "stay without a signed audit checkpoint (at most an hour), and a shorter one would "
+            "only poll the event store")
+    return value
+
+
+def check_timing_settings() -> TimingSettings:
+    """Every timing setting the gateway and the control plane honour, read from the environment
+    and checked against the promises they keep (module notes); ConfigError for the first that
+    is out of bounds. Ticket and session lifetimes are checked by :class:`Settings`."""
+    return TimingSettings(route=route_timing_from_env(), seal_interval_s=seal_interval_from_env())
+
+
 @dataclass(frozen=True)
 class Settings:
     home: Path
@@ -79,6 +216,11 @@ class Settings:
         check_session_ttl(self.session_ttl_s)
         check_adapter_memory_settings(self.max_rank, self.adapter_bytes, self.adapter_slots,
                                       self.resident_share)
+
+    @staticmethod
+    def check_timing() -> TimingSettings:
+        """:func:`check_timing_settings`, reachable wherever the settings are (``serve``)."""
+        return check_timing_settings()
 
     def memory_env(self) -> dict[str, str]:
         """The adapter memory settings as environment variables, for a Triton host started from

@@ -322,6 +322,7 @@ class Deployment:
     _runner: web.AppRunner | None = None
 
     def start(self, ready_timeout_s: float = TritonProcess.READY_TIMEOUT_S) -> None:
+        self.settings.check_timing()  # timing settings vs the 1 s promises, before anything
         if self.role not in ROLES:
             raise ValueError(f"role is one of {', '.join(ROLES)}, not {self.role!r}")
         s = self.settings

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 import sqlalchemy as sa
@@ -30,6 +31,11 @@ EVAL = {"suite": "smoke", "accuracy": 0.9, "passed": True}
 KEY_1 = "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo="  # raw Ed25519 public keys, base64
 KEY_2 = "Pq5FjzhpVDq4GLiyKP8Csyv0uo+y7KSJfbiAtVtO0FM="
 SESSIONS = [f"s{i}" for i in range(60)]
+# Spelled out rather than imported, so that this file runs (and fails) against the code before
+# the timing bounds existed: the README's names and the product's promise.
+ROUTE_REFRESH_ENV = "LORAPLANE_ROUTE_REFRESH_MS"
+ROUTE_MAX_STALE_ENV = "LORAPLANE_ROUTE_MAX_STALE_MS"
+IN_FORCE_WITHIN_S = 1.0  # API key and grant removal, alias revocation, key retirement
 
 
 def _answers(view: RoutingView, keys: dict[str, str]) -> dict[tuple[str, str, str], object]:
@@ -118,7 +124,7 @@ class RouteCacheContract(WithRegistry):
     def test_new_tenants_and_grants_are_served_at_once(
             self, registry: Registry, world: dict[str, str]) -> None:
         """A refusal re-reads the projection first, whatever the refresh interval."""
-        cached = CachedRoutingView(registry.follower.engine, refresh_s=60)
+        cached = CachedRoutingView(registry.follower.engine, refresh_s=60, max_stale_s=120)
         assert cached.resolve("globex", "tiny-base", "s") is None
         key = registry.create_tenant("initech", actor="op")
         registry.grant("globex", "tiny-base", actor="op")
@@ -137,6 +143,35 @@ class RouteCacheContract(WithRegistry):
         while cached.resolve("globex", "g-chat", "s") is not None:
             assert time.monotonic() - revoked_at < 0.2 + 0.3, "revocation not seen in time"
             time.sleep(0.005)
+
+    def test_changes_are_in_force_within_1s_at_the_longest_refresh_allowed(
+            self, registry: Registry, world: dict[str, str],
+            monkeypatch: pytest.MonkeyPatch) -> None:
+        """At the bounds (LORAPLANE_ROUTE_REFRESH_MS=500, LORAPLANE_ROUTE_MAX_STALE_MS=700),
+        each promised change stops resolving within 1 s of its command STARTING."""
+        monkeypatch.setenv(ROUTE_REFRESH_ENV, "500")
+        monkeypatch.setenv(ROUTE_MAX_STALE_ENV, "700")
+        cached = CachedRoutingView(registry.follower.engine)
+        assert (cached.refresh_s, cached.max_stale_s) == (0.5, 0.7)
+        registry.record_signing_key("k1", KEY_1, actor="op")
+        registry.record_signing_key("k2", KEY_2, actor="op")
+        changes: list[tuple[str, Callable[[], object], Callable[[], bool]]] = [
+            ("API key revoked", lambda: registry.revoke_api_keys("globex", actor="sec"),
+             lambda: cached.tenant_for_api_key(world["globex"]) is None),
+            ("grant removed", lambda: registry.remove_grant("acme", "tiny-base", actor="op"),
+             lambda: cached.resolve("acme", "tiny-base", "s") is None),
+            ("alias revoked", lambda: registry.revoke(world["g"], "leak", actor="sec"),
+             lambda: cached.resolve("globex", "g-chat", "s") is None),
+            ("signing key retired", lambda: registry.retire_signing_key("k1", actor="op"),
+             lambda: "k1" in cached.retired_key_ids()),
+        ]
+        for what, command, in_force in changes:
+            assert not in_force(), what  # the snapshot is warm and still shows the old answer
+            start = time.monotonic()
+            command()
+            while not in_force():
+                assert time.monotonic() - start < IN_FORCE_WITHIN_S, f"{what}: not in force"
+                time.sleep(0.005)
 
     def test_unreadable_tables_serve_the_last_snapshot_then_fail_closed(
             self, registry: Registry, world: dict[str, str], settings: Settings,
@@ -188,3 +223,10 @@ def test_refresh_interval_from_environment(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv(route_cache.REFRESH_ENV, "-1")
     with pytest.raises(ValueError, match="between"):
         route_cache.refresh_s_from_env()
+    # Accepted before: a revoked key kept getting tickets for seconds, and the gateway answered
+    # 503 for half of every interval (5 s of staleness allowed, 10 s between reads).
+    monkeypatch.setenv(route_cache.REFRESH_ENV, "10000")
+    with pytest.raises(ValueError, match="between 0 and 500 ms"):  # a ConfigError
+        route_cache.refresh_s_from_env()
+    with pytest.raises(ValueError, match=route_cache.REFRESH_ENV):
+        CachedRoutingView(sa.create_engine("sqlite://"))

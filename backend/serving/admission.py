@@ -2,7 +2,8 @@
 request's own parameters. Nothing here reads adapter bytes; only what passes may lease one.
 
 Order, and why: the ticket is verified first (signature, expiry, lifetime cap, model, base and
-tokenizer binding), then checked against governance (its key is not retired; its adapter is not
+tokenizer binding), then checked against governance (its key is recorded in the event store and
+not retired; its adapter is not
 revoked; its ``release`` claim names a known release binding exactly the ticket's adapter, base
 and tokenizer), then the request's parameters. Every ticket or governance failure is the one
 generic refusal for the client, with a machine reason for the ledger.
@@ -17,69 +18,19 @@ A ticket naming an unknown key id makes the host re-read its public keys, at mos
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from backend.serving.ticket_param import RequestRefused, ticket_from_parameters
 from control.contracts.tickets import TicketClaims, TicketRejected, TicketVerifier
-from control.contracts.wire import TICKET_HEADER, TICKET_PARAM
 from projections.host_view import GovernanceState
 
 VERIFIED_CACHE_SIZE = 4096
 KEY_RELOAD_INTERVAL_S = 1.0
-
-
-class RequestRefused(Exception):
-    """A request refused before anything was leased; ``reason`` goes to the ledger only.
-
-    ``claims``: the verified ticket's claims when the refusal came after verification (a
-    governance refusal), so the ledger row names the tenant and digest it refused.
-    """
-
-    def __init__(self, reason: str, claims: TicketClaims | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.claims = claims
-
-
-def ticket_from_parameters(raw: str | dict[str, object] | None) -> str:
-    """The ticket string from request parameters (or the forwarded header), else RequestRefused.
-
-    Both present with different values is refused: a client must not be able to smuggle a second
-    ticket past a proxy that inspected the first.
-    """
-    if raw is None or raw == "":
-        raise RequestRefused("missing")
-    if isinstance(raw, str):
-        try:
-            # Duplicate keys or deep nesting: refused, never guessed at or crashed on.
-            params = json.loads(raw, object_pairs_hook=_unique_keys)
-        except (ValueError, RecursionError):
-            raise RequestRefused("parameters") from None
-    else:
-        params = raw
-    if not isinstance(params, dict):
-        raise RequestRefused("parameters")
-    # Header names are case-insensitive: X-Lora-Ticket is the same header as x-lora-ticket.
-    names = (TICKET_PARAM, TICKET_HEADER)
-    found = [v for k, v in params.items() if isinstance(k, str) and k.lower() in names]
-    if not found:
-        raise RequestRefused("missing")
-    if any(not isinstance(v, str) for v in found):
-        raise RequestRefused("encoding")
-    if len(set(found)) > 1:
-        raise RequestRefused("ambiguous")
-    return str(found[0])
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ValueError("duplicate key")
-    return out
+__all__ = ["RequestRefused", "VerifiedTickets", "check_governance", "ticket_from_parameters"]
 
 
 class VerifiedTickets:
@@ -142,6 +93,10 @@ class VerifiedTickets:
 
 def check_governance(claims: TicketClaims, state: GovernanceState) -> None:
     """Refuse a verified ticket that governance no longer allows (RequestRefused)."""
+    if claims.kid not in state.recorded_kids:
+        # Signed by a key whose public half sits in the host's key folder but was never
+        # recorded as an event: a file is not a grant of trust.
+        raise RequestRefused("key_unrecorded")
     if claims.kid in state.retired_kids:
         raise RequestRefused("key_retired")
     not_before = state.tickets_not_before.get(claims.tenant)

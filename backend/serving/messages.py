@@ -16,6 +16,10 @@ INTERNAL_MESSAGE = "request failed"
 # A sampling parameter out of range: the message names the parameter and its range
 # (control.contracts.sampling.InvalidParameter), about the caller's own input only.
 PARAMETER_PREFIX = "invalid parameter "
+# An input the request carries in the wrong form (a batch of prompts in one request, a prompt
+# that is not UTF-8 or is too long): the message names the input and what is wrong with the
+# caller's own value, never anything else (:class:`InvalidInput`).
+INPUT_PREFIX = "invalid input "
 
 # message -> status ("invalid_arg" | "unavailable" | "internal")
 STATUS_OF: dict[str, str] = {
@@ -27,8 +31,18 @@ STATUS_OF: dict[str, str] = {
 }
 
 
+class InvalidInput(ValueError):
+    """One of the request's inputs is malformed; ``reason`` is the ledger's, the message the
+    client's (it names the input and the rule, nothing of anyone else)."""
+
+    def __init__(self, name: str, why: str, reason: str) -> None:
+        super().__init__(f"{INPUT_PREFIX}{name}: {why}")
+        self.name = name
+        self.reason = reason
+
+
 def status_of(message: str) -> str:
     """The status of one of the fixed messages; anything else is internal."""
-    if message.startswith(PARAMETER_PREFIX):
+    if message.startswith((PARAMETER_PREFIX, INPUT_PREFIX)):
         return "invalid_arg"
     return STATUS_OF.get(message, "internal")

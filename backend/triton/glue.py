@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from backend.serving.messages import InvalidInput
 from backend.serving.service import (
     PREFIX_CACHE_BYTES,
     Answer,
@@ -46,12 +47,16 @@ PREFIX_CACHE_ENV = "LORAPLANE_PREFIX_CACHE_BYTES"  # 0 turns the prompt cache of
 
 
 def _scalar(pb_utils: Any, request: Any, name: str) -> Any:
+    """The one value of input ``name`` (None when the request leaves it out); InvalidInput when
+    the tensor holds more or fewer than one value (a client's own batch of prompts: the ledger
+    keeps one row per request, so a request carries one prompt)."""
     t = pb_utils.get_input_tensor_by_name(request, name)
     if t is None:
         return None
     arr = t.as_numpy().reshape(-1)
     if arr.size != 1:
-        raise ValueError(f"input {name} must hold exactly one value")
+        raise InvalidInput(name, f"must hold exactly one value, found {arr.size} (send one "
+                                 "prompt per request)", "input_shape")
     return arr[0].item() if hasattr(arr[0], "item") else arr[0]
 
 
@@ -139,26 +144,42 @@ class TritonGlue:
         return LoraService(settings, base, **kw)
 
     def _incoming(self, request: Any) -> IncomingRequest:
+        """The request as the service takes it. Never raises: whatever is malformed is carried
+        as ``problem``, so the service refuses it with a ledger row like any other request."""
         pb = self.pb
-        text = _scalar(pb, request, TEXT_INPUT)
+        values: dict[str, Any] = {}
+        problem: InvalidInput | None = None
+        for name in (TEXT_INPUT, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STREAM):
+            try:
+                values[name] = _scalar(pb, request, name)
+            except InvalidInput as e:
+                problem = problem or e
+                values[name] = None
+            except Exception:  # an input Triton handed over that numpy cannot read
+                log.warning("unreadable input %s", name, exc_info=True)
+                problem = problem or InvalidInput(name, "could not be read", "input_unreadable")
+                values[name] = None
         try:
-            return IncomingRequest(
-                text=text,
-                parameters=request.parameters(),
-                max_tokens=_scalar(pb, request, MAX_TOKENS),
-                temperature=_scalar(pb, request, TEMPERATURE),
-                top_p=_scalar(pb, request, TOP_P),
-                seed=_scalar(pb, request, SEED),
-                stream=bool(_scalar(pb, request, STREAM) or False),
-            )
-        except ValueError:
-            # A malformed optional input: the service refuses an empty prompt type generically.
-            return IncomingRequest(text=None, parameters=request.parameters())
+            parameters = request.parameters()
+        except Exception:
+            log.warning("unreadable request parameters", exc_info=True)
+            parameters = None
+        stream = values[STREAM]
+        return IncomingRequest(
+            text=values[TEXT_INPUT],
+            parameters=parameters,
+            max_tokens=values[MAX_TOKENS],
+            temperature=values[TEMPERATURE],
+            top_p=values[TOP_P],
+            seed=values[SEED],
+            stream=stream is True,  # the BOOL input; anything else never starts a stream
+            problem=problem,
+        )
 
     def execute(self, requests: list[Any]) -> None:
         """Hand every request to the service; answers leave later through response senders."""
         for r in requests:
-            incoming = self._incoming(r)
+            incoming = self._incoming(r)  # never raises: a malformed input is refused, with a row
             self.service.submit(incoming, _ResponseSink(self, r, incoming))
 
     def close(self) -> None:

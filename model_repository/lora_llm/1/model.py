@@ -14,4 +14,4 @@ class TritonPythonModel:
         return await self.front.execute(requests)
 
     def finalize(self):
-        pass
+        self.front.close()

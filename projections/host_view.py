@@ -1,20 +1,23 @@
 """What a Triton host must know before it serves a verified ticket, read from the projections.
 
-Four questions, asked on every request: is the ticket's adapter revoked; is the key that signed it
-retired; was it issued before its tenant's credentials last lost something (an API key rotated or
+Five questions, asked on every request: is the ticket's adapter revoked; was the key that signed it
+recorded in the event store, and is it not retired (a key file on the host proves nothing by
+itself); was it issued before its tenant's credentials last lost something (an API key rotated or
 revoked, a grant removed); does its ``release`` claim name a known release whose adapter, base and
-tokenizer are the ticket's own. Asked with SQL each time they would cost four queries per request;
-here they are answered from an immutable snapshot of the ``revocations``, ``signing_keys``,
-``tenants`` and ``releases`` tables, and each request first reads the projection's tracking
-position (one row), reloading the snapshot when it moved. Every projection write moves that
-position in the same transaction as the view rows, so a request never sees a snapshot older than
-the last committed projection write: the same guarantee as reading the revocation set itself on
-every request, which is what the host did before.
+tokenizer are the ticket's own. The snapshot also says which revocations are the kill switch
+(``adapter revoke --immediate``): the host ends running work on those digests too.
+
+Asked with SQL each time they would cost five queries per request; here they are answered from an
+immutable snapshot of the ``revocations``, ``signing_keys``, ``tenants`` and ``releases`` tables,
+and each request first reads the projection's tracking position (one row), reloading the snapshot
+when it moved. Every projection write moves that position in the same transaction as the view
+rows, so a request never sees a snapshot older than the last committed projection write: the same
+guarantee as reading the revocation set itself on every request, which is what the host did
+before.
 
 The host's governance watcher (``backend.serving.service``) reads the same snapshot on a short
-timer, and
-on PostgreSQL also wakes on the follower's ``NOTIFY``, so an idle host drains and unloads a revoked
-adapter without waiting for a request.
+timer, and on PostgreSQL also wakes on the follower's ``NOTIFY``, so an idle host drains and
+unloads a revoked adapter without waiting for a request.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ class GovernanceState:
 
     position: int
     revoked: frozenset[str] = frozenset()
+    # The revoked digests whose running requests end now, not when they finish (kill switch).
+    killed: frozenset[str] = frozenset()
+    # Every ticket-signing key id recorded in the event store, retired ones included.
+    recorded_kids: frozenset[str] = frozenset()
     retired_kids: frozenset[str] = frozenset()
     releases: dict[str, ReleaseBinding] = field(default_factory=dict)
     # tenant -> epoch seconds: its tickets issued at or before are no longer honoured
@@ -63,10 +70,14 @@ def _position(conn: Connection) -> int:
 
 
 def _load(conn: Connection, position: int) -> GovernanceState:
+    revoked = {str(r.digest): bool(r.immediate) for r in conn.execute(
+        sa.select(revocations.c.digest, revocations.c.immediate))}
     return GovernanceState(
         position=position,
-        revoked=frozenset(str(d) for d in conn.execute(sa.select(revocations.c.digest))
-                          .scalars()),
+        revoked=frozenset(revoked),
+        killed=frozenset(d for d, immediate in revoked.items() if immediate),
+        recorded_kids=frozenset(str(k) for k in conn.execute(sa.select(signing_keys.c.kid))
+                                .scalars()),
         retired_kids=frozenset(str(k) for k in conn.execute(
             sa.select(signing_keys.c.kid).where(signing_keys.c.retired_at.is_not(None)))
             .scalars()),

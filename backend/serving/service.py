@@ -24,7 +24,10 @@ busy, failed at admission, failed in the engine, cancelled.
 Revocation is pushed to the host, not only checked per request: a watcher thread reads the
 governance snapshot every :data:`WATCH_INTERVAL_S` (and on PostgreSQL wakes on the projection
 follower's NOTIFY), so an idle host purges, drains and unloads a revoked adapter and records the
-three steps within a second of the revocation.
+three steps within a second of the revocation. Admitted work is covered too: requests queued on
+the digest are refused (``rejected``, reason ``revoked``); running ones drain, or, when the
+revocation is the kill switch (``adapter revoke --immediate``), end before their next token
+(``revoked``, with the tokens the client received), each with the generic refusal.
 """
 
 from __future__ import annotations
@@ -64,11 +67,12 @@ from backend.serving.messages import (
     INTERNAL_MESSAGE,
     LIMITS_MESSAGE,
     PARAMETER_PREFIX,
+    InvalidInput,
 )
 from backend.serving.prefix_cache import PrefixCache, PrefixKey
 from backend.serving.recorder import LedgerWriter, write_durably
 from backend.serving.sampling import InvalidParameter, check_sampling
-from backend.serving.scheduler import QueueFull, Scheduler, SchedulerLimits
+from backend.serving.scheduler import AdapterRevoked, QueueFull, Scheduler, SchedulerLimits
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import AdapterLoad, Completion, Ledger, LedgerEntry, Outcome
@@ -80,6 +84,7 @@ from control.contracts.tickets import (
     TicketVerifier,
     load_public_keys,
 )
+from control.contracts.wire import TEXT_INPUT
 from projections.host_view import ChangeListener, GovernanceState, HostGovernance
 from projections.routing import RoutingView
 
@@ -114,6 +119,9 @@ class IncomingRequest:
     top_p: object = None
     seed: object = None
     stream: bool = False
+    # What the Triton glue found malformed in the request's inputs (a tensor holding a batch of
+    # prompts, say); refused with its own message and a ledger row, after the ticket is checked.
+    problem: InvalidInput | None = None
 
 
 @dataclass(frozen=True)
@@ -166,14 +174,15 @@ class _SequenceSink:
 
     def __init__(self, service: LoraService, adm: _Admitted) -> None:
         self.service, self.adm = service, adm
-        holder = adm.seq.holder
-        self.served = "" if holder is None else holder.digest  # from the slot, not the ticket
 
     def cancelled(self) -> bool:
         return self.adm.sink.cancelled()
 
     def token(self, piece: str) -> None:
-        self.adm.sink.piece(piece, self.adm.request_id, self.served)
+        # The digest the slot's banks held for the passes that computed it (a row whose passes
+        # saw another one is failed before any piece is sent), not the ticket's.
+        served = self.adm.seq.served_digest()
+        self.adm.sink.piece(piece, self.adm.request_id, served or "")
         self.adm.delivered = len(self.adm.seq.produced)
 
     def finish(self, result: GenerationResult, outcome: Outcome, reason: str | None) -> None:
@@ -250,7 +259,9 @@ class LoraService:
         self.tickets = VerifiedTickets(self._load_verifier)
         self.stats = ServiceStats()
         # Revoked before this process started: never resident here, nothing to drain or report.
-        self._known_revoked: frozenset[str] = self.governance.current().revoked
+        start = self.governance.current()
+        self._known_revoked: frozenset[str] = start.revoked
+        self._known_killed: frozenset[str] = start.killed
         self._governance_lock = threading.Lock()
         self._reported_revocations: set[str] = set()
         self._open_step_log = steps
@@ -311,13 +322,15 @@ class LoraService:
         return [s.final for s in sinks if s.final is not None]
 
     def health(self) -> dict[str, int]:
-        """Leases, pins, broken invariants, mismatches and held ledger rows, right now."""
+        """Leases, pins, broken invariants, mismatches, and ledger rows held for retry or set
+        aside as unwritable, right now."""
         return {
             "leases": self.cache.references(),
             "pins": sum(self.engine.pins().values()),
             "violations": self.engine.violations.total,
             "identity_mismatches": self.stats.identity_mismatches,
             "ledger_backlog": self.writer.backlog(),
+            "ledger_poisoned": self.writer.poisoned,
         }
 
     def memory_report(self) -> dict[str, int]:
@@ -386,6 +399,10 @@ class LoraService:
             self.stats.refuse(f"invalid_{e.name}")
             self._refuse(sink, rid, claims, now, f"invalid_{e.name}", str(e), "invalid_arg")
             return
+        except InvalidInput as e:
+            self.stats.refuse(e.reason)
+            self._refuse(sink, rid, claims, now, e.reason, str(e), "invalid_arg")
+            return
 
         if claims.adapter is None:
             lease = Lease(None, self.engine.violations)
@@ -431,6 +448,10 @@ class LoraService:
             lease.release()
             self.stats.refuse("busy")
             self._finish(adm, seq.result(""), Outcome.REJECTED, "busy")
+        except AdapterRevoked:  # revoked since this request passed governance
+            lease.release()
+            self.stats.refuse("revoked")
+            self._finish(adm, seq.result(""), Outcome.REJECTED, "revoked")
 
     def _authorize(self, req: IncomingRequest) -> TicketClaims:
         """The verified claims of the request's ticket, if governance allows them now."""
@@ -465,20 +486,23 @@ class LoraService:
             # Operators' log: the request id and both digests; the client learns nothing.
             log.error("identity mismatch on request %s: ticket named %s, slot held %s (%s)",
                       adm.request_id, adm.claims.adapter, served, reason)
-        done = Completion(adm.request_id, outcome, result.tokens_in, result.tokens_out,
+        # A request ended by the kill switch records what the client received: the pieces
+        # already streamed, nothing of a unary answer that was never sent.
+        delivered = adm.delivered if adm.stream else 0
+        done = Completion(adm.request_id, outcome, result.tokens_in,
+                          delivered if outcome == Outcome.REVOKED else result.tokens_out,
                           reason=reason, served_digest=served)
         # If the row cannot be written now, the client gets a failure, and the row held for
         # retry says so, with the tokens the client did receive as streamed pieces.
-        unrecorded = Completion(adm.request_id, Outcome.FAILED, result.tokens_in,
-                                adm.delivered if adm.stream else 0,
+        unrecorded = Completion(adm.request_id, Outcome.FAILED, result.tokens_in, delivered,
                                 reason="ledger_unavailable", served_digest=served)
         self.writer.complete(
             done, lambda durable: self._answer(adm, result, outcome if durable
-                                               else Outcome.FAILED, served),
+                                               else Outcome.FAILED, reason, served),
             if_unrecorded=unrecorded)
 
     def _answer(self, adm: _Admitted, result: GenerationResult, outcome: Outcome,
-                served: str | None) -> None:
+                reason: str | None, served: str | None) -> None:
         self._done()
         rid = adm.request_id
         if outcome == Outcome.OK:
@@ -489,6 +513,12 @@ class LoraService:
         elif outcome == Outcome.CANCELLED:
             self.stats.cancelled += 1
             a = Answer(ok=False, request_id=rid, error="cancelled", status="cancelled",
+                       outcome=outcome)
+        elif outcome == Outcome.REVOKED or (outcome == Outcome.REJECTED
+                                            and reason == "revoked"):
+            # Revoked while queued (refused) or running (the kill switch): the one generic
+            # refusal, as for a ticket whose adapter was revoked before it arrived.
+            a = Answer(ok=False, request_id=rid, error=GENERIC_REFUSAL, status="invalid_arg",
                        outcome=outcome)
         elif outcome == Outcome.REJECTED:  # busy once admitted: the scheduler queue was full
             a = Answer(ok=False, request_id=rid, error=BUSY_MESSAGE, status="unavailable",
@@ -503,14 +533,21 @@ class LoraService:
     # -- helpers ----------------------------------------------------------------------------
 
     def _generation_request(self, req: IncomingRequest, claims: TicketClaims) -> GenerationRequest:
+        """The request's prompt and sampling parameters, checked; InvalidInput or
+        InvalidParameter, each naming the caller's own input, when one is malformed."""
+        if req.problem is not None:
+            raise req.problem
         text = req.text
         if isinstance(text, bytes):
             try:
                 text = text.decode("utf-8")
             except UnicodeDecodeError:
-                raise RequestRefused("prompt_encoding") from None
-        if not isinstance(text, str) or len(text) > MAX_PROMPT_CHARS:
-            raise RequestRefused("prompt")
+                raise InvalidInput(TEXT_INPUT, "is not valid UTF-8", "prompt_encoding") from None
+        if not isinstance(text, str):
+            raise InvalidInput(TEXT_INPUT, "must be one string", "prompt")
+        if len(text) > MAX_PROMPT_CHARS:
+            raise InvalidInput(TEXT_INPUT, f"is longer than {MAX_PROMPT_CHARS} characters "
+                                           f"({len(text)})", "prompt")
         params = check_sampling(req.max_tokens, req.temperature, req.top_p, req.seed)
         return GenerationRequest(
             prompt=text,
@@ -546,14 +583,17 @@ class LoraService:
                 failing = True
 
     def _apply_governance(self, state: GovernanceState) -> None:
-        """Revoke newly revoked digests in the cache: purge now, unload once drained."""
+        """Apply revocations that are new to this host: purge now; refuse queued requests;
+        unload once drained, or, for the kill switch, end running requests first."""
         with self._governance_lock:
-            fresh = state.revoked - self._known_revoked
+            fresh = (state.revoked - self._known_revoked) | (state.killed - self._known_killed)
             if not fresh:
                 return
             self._known_revoked = self._known_revoked | state.revoked
+            self._known_killed = self._known_killed | state.killed
         for digest in sorted(fresh):
             self.cache.revoke(digest)
+            self.scheduler.revoke(digest, immediate=digest in state.killed)
             if digest not in self.engine.resident_adapters():
                 # Never resident here, or unloaded at once: nothing left to drain on this host.
                 self._report_revocation(digest)

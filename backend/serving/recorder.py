@@ -12,43 +12,66 @@ completion, the caller gives the completion to keep instead (``if_unrecorded``):
 actually got, a failure once tokens may have been streamed, since a request that ran cannot be
 answered ``ok`` without its row. A host that dies with a backlog leaves ``running`` rows, which
 the next start marks failed (``host_restart``).
+
+One row never holds others. Writes are idempotent by request id (``Ledger.write``), so a retry
+after an unacknowledged commit is harmless. When a batch fails for a reason that retrying cannot
+cure (a clash on a request id, a value the database refuses: :func:`permanent`), its items are
+written one by one: the good ones become durable at once, and each row that fails alone is set
+aside as *poisoned*: logged in full at ERROR (so an operator can restore it), counted
+(``poisoned``, exported as ``loraplane_backend_ledger_poisoned``), kept in memory (the last
+:data:`POISONED_KEPT`), its callback told it is not durable, and never retried with the others.
+A failure that may pass (the database is away) still sends the whole batch to the backlog.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from control.contracts.ledger import Completion, Ledger, LedgerEntry
+import sqlalchemy as sa
+
+from control.contracts.ledger import Completion, Ledger, LedgerConflict, LedgerEntry
 
 log = logging.getLogger("loraplane.backend.ledger")
 
 RETRY_S = 1.0
 ATTEMPTS = 3
 MAX_BATCH = 512
+POISONED_KEPT = 1000
 
 Then = Callable[[bool], None]  # called with True once durable, False when held for retry
 
 
+def permanent(error: BaseException) -> bool:
+    """Whether retrying the same write can never succeed: the rows themselves are refused (a
+    clash on a request id, a value out of a column's range), not the database unreachable."""
+    return isinstance(error, (LedgerConflict, ValueError, TypeError, sa.exc.IntegrityError,
+                              sa.exc.DataError))
+
+
 def write_durably(write: Callable[[], None], attempts: int = ATTEMPTS) -> None:
-    """Run a ledger write, retrying across a short database outage; raise the last error."""
+    """Run a ledger write, retrying across a short database outage; raise the last error (at
+    once when it is :func:`permanent`)."""
     for n in range(attempts):
         try:
             write()
             return
-        except Exception:
+        except Exception as e:
             log.warning("ledger write failed (attempt %d of %d)", n + 1, attempts,
                         exc_info=True)
-            if n == attempts - 1:
+            if n == attempts - 1 or permanent(e):
                 raise
             time.sleep(0.5 * (n + 1))
 
 
-@dataclass
+@dataclass(eq=False)  # items are told apart by identity: one callback each
 class _Item:
     entry: LedgerEntry | None
     completion: Completion | None
@@ -68,6 +91,8 @@ class LedgerWriter:
         self._backlog: list[_Item] = []
         self._backlog_lock = threading.Lock()
         self.written = 0
+        self.poisoned = 0  # rows set aside because they can never be written (see the notes)
+        self.set_aside: deque[_Item] = deque(maxlen=POISONED_KEPT)
         self._thread = threading.Thread(target=self._run, name="ledger-writer", daemon=True)
         self._thread.start()
 
@@ -119,40 +144,70 @@ class LedgerWriter:
                 return
 
     def _write(self, batch: list[_Item]) -> None:
-        entries = [i.entry for i in batch if i.entry is not None]
-        completions = [i.completion for i in batch if i.completion is not None]
-        durable = self._durably(entries, completions)
-        if not durable:
-            log.error("ledger unavailable: %d rows held for retry", len(batch))
+        durable, held = self._write_isolating(batch, self.attempts)
+        if held:
+            log.error("ledger unavailable: %d rows held for retry", len(held))
             with self._backlog_lock:
                 self._backlog += [_Item(i.entry, i.if_unrecorded or i.completion, None, i.then)
-                                  for i in batch]
-        else:
-            self.written += len(batch)
+                                  for i in held]
+        self.written += len(durable)
         for i in batch:
             try:
-                i.then(durable)
+                i.then(i in durable)
             except Exception:
                 log.exception("answering after a ledger write failed")
 
     def _retry_backlog(self) -> None:
-        # Only this thread changes the backlog; rows stay counted in it until they are written.
+        # Only this thread changes the backlog; rows stay counted in it until they are written
+        # or set aside.
         with self._backlog_lock:
             held = list(self._backlog)
         if not held:
             return
-        if self._durably([i.entry for i in held if i.entry is not None],
-                         [i.completion for i in held if i.completion is not None], attempts=1):
-            with self._backlog_lock:
-                self._backlog = self._backlog[len(held):]
-            self.written += len(held)
-            log.warning("ledger back: %d held rows written", len(held))
+        durable, still = self._write_isolating(held, attempts=1)
+        if len(still) == len(held):
+            return
+        with self._backlog_lock:
+            self._backlog = still + self._backlog[len(held):]
+        self.written += len(durable)
+        log.warning("ledger back: %d held rows written", len(durable))
 
-    def _durably(self, entries: list[LedgerEntry], completions: list[Completion],
-                 attempts: int | None = None) -> bool:
+    def _write_isolating(self, items: list[_Item], attempts: int) -> tuple[list[_Item],
+                                                                             list[_Item]]:
+        """Write ``items`` in one transaction; when that fails for good, one by one, setting
+        aside each that fails alone. Returns (durable, held for retry)."""
         try:
-            write_durably(lambda: self.ledger.write(entries, completions),
-                          self.attempts if attempts is None else attempts)
-            return True
-        except Exception:
-            return False
+            self._durably(items, attempts)
+            return items, []
+        except Exception as e:
+            if not permanent(e):
+                return [], items
+        durable: list[_Item] = []
+        held: list[_Item] = []
+        for i in items:
+            try:
+                self._durably([i], attempts=1)
+                durable.append(i)
+            except Exception as e:
+                if permanent(e):
+                    self._set_aside(i, e)
+                else:
+                    held.append(i)
+        return durable, held
+
+    def _set_aside(self, item: _Item, error: BaseException) -> None:
+        """A row that can never be written: logged in full, counted, kept, never retried."""
+        self.poisoned += 1
+        self.set_aside.append(item)
+        row = item.entry if item.entry is not None else item.completion
+        log.error("ledger row set aside, it can never be written (%s): %s",
+                  type(error).__name__,
+                  json.dumps(dataclasses.asdict(row) if row is not None else None,
+                             default=str))
+
+    def _durably(self, items: list[_Item], attempts: int) -> None:
+        """Write the rows of ``items`` in one transaction (retried ``attempts`` times); raise the
+        last error."""
+        write_durably(lambda: self.ledger.write(
+            [i.entry for i in items if i.entry is not None],
+            [i.completion for i in items if i.completion is not None]), attempts)

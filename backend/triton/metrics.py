@@ -26,6 +26,8 @@ and turns them into series:
 ``loraplane_backend_identity_mismatches``     requests failed closed: the slot did not hold the
                                               ticket's adapter; always 0
 ``loraplane_backend_ledger_backlog``          ledger rows held for retry (database away)
+``loraplane_backend_ledger_poisoned``         ledger rows set aside because they can never be
+                                              written (``backend.serving.recorder``); alert on > 0
 ===========================================  =====================================================
 
 The lease, pin, violation, mismatch and backlog series are read from the service every second
@@ -169,6 +171,9 @@ class BackendMetrics:
         self.backlog = _Series(self, "loraplane_backend_ledger_backlog",
                                "Ledger rows held for retry while the database is away.",
                                "gauge")
+        self.poisoned = _Series(self, "loraplane_backend_ledger_poisoned",
+                                "Ledger rows set aside because they can never be written "
+                                "(logged in full); alert when above 0.", "gauge")
         for kind in ("prompt", "completion"):
             self._record(self.tokens.name, {"kind": kind}, 0.0, add=True)
         self._thread: threading.Thread | None = None
@@ -279,6 +284,7 @@ class BackendMetrics:
             self.pins.set({}, float(h.get("pins", 0)))
             self.mismatches.set({}, float(h.get("identity_mismatches", 0)))
             self.backlog.set({}, float(h.get("ledger_backlog", 0)))
+            self.poisoned.set({}, float(h.get("ledger_poisoned", 0)))
         if self.violation_counts is not None:
             for kind, n in self.violation_counts().items():
                 self.violations.set({"kind": kind}, float(n))

@@ -42,6 +42,9 @@ class Outcome(StrEnum):
     # The slot that computed the row did not hold the adapter the ticket named: the request
     # failed closed, and the row names both digests.
     IDENTITY_MISMATCH = "identity_mismatch"
+    # Running when its adapter was revoked with the kill switch (``adapter revoke --immediate``):
+    # ended there; ``tokens_out`` counts the tokens the client had received.
+    REVOKED = "revoked"
 
 
 request_ledger = sa.Table(
@@ -193,6 +196,14 @@ LEDGER = declare(Component("ledger", LEDGER_VERSION, metadata, _ledger_version,
                            steps={1: _ledger_1_to_2, 2: _ledger_2_to_3, 3: _ledger_3_to_4}))
 
 
+class LedgerConflict(Exception):
+    """Rows that can never be written as given (see :meth:`Ledger.write`); retrying is futile."""
+
+    def __init__(self, request_ids: Sequence[str]) -> None:
+        super().__init__(f"ledger rows that cannot be written: {', '.join(request_ids)}")
+        self.request_ids = tuple(request_ids)
+
+
 class NotRatable(LookupError):
     """No ledger row of that id names the rating tenant (unknown, or another tenant's): the
     two cases are one error, so a tenant learns nothing of other tenants' request ids."""
@@ -264,14 +275,26 @@ class Ledger:
 
     def write(self, entries: Sequence[LedgerEntry], completions: Sequence[Completion],
               now: float | None = None) -> None:
-        """Insert ``entries`` and apply ``completions``, all in one transaction."""
+        """Insert ``entries`` and apply ``completions``, all in one transaction.
+
+        Idempotent by request id, so a write retried after its commit was not acknowledged
+        changes nothing: an entry whose row already exists with the same request, host and
+        admission time is written already; a completion whose row is already finished the same
+        way is applied already. Anything else that can never be written raises
+        :class:`LedgerConflict` naming those request ids (a row with that id from another
+        request, a completion for a row that does not exist or ended otherwise), and the
+        transaction writes nothing.
+        """
         if not entries and not completions:
             return
         with self.engine.begin() as conn:
             if entries:
-                conn.execute(request_ledger.insert(), [_row(e) for e in entries])
+                conn.execute(_insert_new(conn), [_row(e) for e in entries])
             if completions:
                 _complete(conn, completions, time.time() if now is None else now)
+            conflicts = _conflicts(conn, entries, completions)
+            if conflicts:
+                raise LedgerConflict(conflicts)
 
     def fail_running(self, host: str, reason: str = "host_restart") -> int:
         """Mark rows this host left running (it died mid-request) as failed."""
@@ -442,6 +465,40 @@ def _complete(conn: sa.Connection, completions: Sequence[Completion], t: float) 
          "r": c.reason, "sd": c.served_digest}
         for c in completions
     ])
+
+
+def _insert_new(conn: Connection) -> sa.Insert:
+    """INSERT that skips a row whose request id exists already (both dialects the ledger runs
+    on); :func:`_conflicts` then tells a repeat of the same row from a clash."""
+    if conn.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        return pg_insert(request_ledger).on_conflict_do_nothing(index_elements=["request_id"])
+    if conn.dialect.name == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        return sqlite_insert(request_ledger).on_conflict_do_nothing(
+            index_elements=["request_id"])
+    return request_ledger.insert()
+
+
+def _conflicts(conn: Connection, entries: Sequence[LedgerEntry],
+               completions: Sequence[Completion]) -> list[str]:
+    """Request ids of ``entries`` and ``completions`` that the table, as this transaction sees
+    it, does not hold as written: another request's row under the id, or a completion whose row
+    is missing or ended in another way."""
+    ids = {e.request_id for e in entries} | {c.request_id for c in completions}
+    t = request_ledger
+    held = {r.request_id: r for r in conn.execute(
+        sa.select(t.c.request_id, t.c.host, t.c.admitted_at, t.c.outcome, t.c.reason)
+        .where(t.c.request_id.in_(sorted(ids))))}
+    bad = [e.request_id for e in entries
+           if (r := held.get(e.request_id)) is None
+           or (r.host, r.admitted_at) != (e.host, e.admitted_at)]
+    bad += [c.request_id for c in completions
+            if (r := held.get(c.request_id)) is None
+            or (r.outcome, r.reason) != (str(c.outcome), c.reason)]
+    return sorted(set(bad))
 
 
 def _row(e: LedgerEntry) -> dict[str, object]:

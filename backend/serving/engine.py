@@ -177,18 +177,35 @@ class Sequence:
     generator: torch.Generator | None
     produced: list[int] = field(default_factory=list)
     done: bool = False
-    failure: str | None = None  # why this row failed alone: numerical | stale_slot
+    failure: str | None = None  # why this row failed alone: numerical | stale_slot | slot_digest
+    # The adapter digest (None: the base) that the row's slot banks held at each forward pass
+    # that computed this row, read when the pass ran (Engine._forward); see served_digest.
+    observed: set[str | None] = field(default_factory=set)
 
     @property
     def slot(self) -> int:
         """0 = the all-zero base slot; otherwise the slot of the ticket's adapter."""
         return 0 if self.holder is None else self.holder.slot
 
+    @property
+    def mismatched(self) -> bool:
+        """Some forward pass computed this row with weights of another digest than the one
+        its request named: the row must fail closed, whatever the generation check said."""
+        return any(d != self.request.adapter for d in self.observed)
+
+    def served_digest(self) -> str | None:
+        """The digest the slot held while it computed this row: the evidence of which adapter
+        answered. Where passes saw another digest than the request's, that one (the first in
+        order), so the record names the weights that were wrong; None before any pass."""
+        wrong = sorted((d or "") for d in self.observed if d != self.request.adapter)
+        if wrong:
+            return wrong[0] or None
+        return next(iter(self.observed), None)
+
     def result(self, text: str) -> GenerationResult:
         return GenerationResult(text=text, token_ids=list(self.produced),
                                 tokens_in=len(self.prompt_ids), tokens_out=len(self.produced),
-                                adapter_digest=None if self.holder is None else self.holder.digest,
-                                failure=self.failure)
+                                adapter_digest=self.served_digest(), failure=self.failure)
 
 
 @dataclass
@@ -202,6 +219,9 @@ class DecodeBatch:
     last_pos: torch.Tensor  # [batch, 1] long, position of each row's last token
     logits: torch.Tensor  # [batch, vocab], for each row's next token
     slots: SlotBatch
+    # Only on a one-row prefix-cache entry: the digests its row's slot held when the entry was
+    # computed, carried to every row that restores it (the entry skips the forward pass).
+    observed: frozenset[str | None] = frozenset()
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -250,6 +270,11 @@ class Engine:
         self._context = SlotContext()
         self._table = SlotTable(self.plan.slots)
         self._slotted = self._wrap_targets()  # module name -> its slot banks
+        # slot -> the digest whose weights its banks hold (None: zero). Written where the
+        # weights are copied in and cleared where they are zeroed, apart from the slot table's
+        # bookkeeping: every forward pass reads it for each row (Sequence.observed), so a broken
+        # generation check still cannot pass another adapter's answer as this one's.
+        self._bank_digest: list[str | None] = [None] * self._table.num_slots
         log.info("%s", self.plan.describe())
         self._modules: dict[str, list[str]] = {}  # digest -> modules it targets
         self._active: dict[int, int] = {}  # slot -> pins held by live sequences
@@ -339,6 +364,7 @@ class Engine:
                 for module, name in zip(wrapped, modules, strict=True):
                     at, bt = prepared.pairs[name]
                     module.place(slot, at, bt)
+            self._bank_digest[slot] = digest
             self._modules[digest] = modules
             return self._slot_bytes(digest)
 
@@ -370,6 +396,7 @@ class Engine:
                 raise AdapterBusyError("adapter is serving running sequences")
             for name in self._modules.pop(digest):
                 self._wrapped(name).clear(slot)
+            self._bank_digest[slot] = None
             self._table.release(digest)
 
     def resident_adapters(self) -> dict[str, int]:
@@ -636,6 +663,7 @@ class Engine:
             order = todo + [i for i in range(len(seqs)) if i in cached]
             for i in order[len(todo):]:
                 one = cached[i]
+                seqs[i].observed |= one.observed  # what the slot held when it was computed
                 parts.append(DecodeBatch([seqs[i]], one.keys, one.values, one.mask,
                                          one.last_pos, one.logits, one.slots))
             merged = parts[0]
@@ -671,6 +699,10 @@ class Engine:
         # this means a caller skipped that check, so the whole pass is refused.
         if self.stale_rows(seqs):
             self.violations.raise_("stale_slot", "a forward pass over a reloaded slot")
+        # What each row's slot holds now, as the banks record it: the pass computes with these
+        # weights (the engine's lock keeps them in place until it returns).
+        for s in seqs:
+            s.observed.add(self._bank_digest[s.slot])
         self._context.batch = slots
         try:
             out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions,

@@ -14,7 +14,14 @@ Every job ends exactly once (:meth:`Scheduler._end`): that one call releases the
 - a sink that cannot take a streamed piece (client gone) ends only its own request;
 - a row whose slot no longer holds the load it was admitted on fails alone, as
   ``identity_mismatch``, before the step that would have applied the other weights;
+- independently of that check, a row whose forward pass read another digest in its slot's banks
+  than its request names (``Sequence.observed``) fails alone, as ``identity_mismatch``, before
+  the token that pass computed is sent;
 - an exception that cannot be tied to one row fails every job still live, each exactly once.
+
+Revocation reaches admitted work (:meth:`Scheduler.revoke`): queued sequences on a revoked digest
+are refused at once and never start; running ones drain, or, with the kill switch, end before the
+next step sends another token.
 """
 
 from __future__ import annotations
@@ -37,6 +44,10 @@ log = logging.getLogger("loraplane.backend")
 
 class QueueFull(Exception):
     """The scheduler holds ``max_queued`` waiting requests already."""
+
+
+class AdapterRevoked(Exception):
+    """The sequence's adapter was revoked while this host runs: it is not taken."""
 
 
 class SequenceSink(Protocol):
@@ -88,6 +99,8 @@ class Scheduler:
         self._cv = threading.Condition()
         self._queue: deque[_Job] = deque()
         self._running: list[_Job] = []
+        # digest -> kill switch: adapters revoked while this scheduler runs (see ``revoke``)
+        self._revoked: dict[str, bool] = {}
         self._batch: DecodeBatch | None = None
         self._stop = False
         self.steps = 0
@@ -107,10 +120,26 @@ class Scheduler:
         with self._cv:
             if self._stop:
                 raise QueueFull("scheduler stopped")
+            if _digests(seq) & self._revoked.keys():
+                raise AdapterRevoked("the sequence's adapter is revoked")
             if len(self._queue) >= self.limits.max_queued:
                 raise QueueFull(f"server busy: {self.limits.max_queued} requests already queued")
             self._queue.append(_Job(seq, sink, stream, key))
             self._cv.notify()
+
+    def revoke(self, digest: str, *, immediate: bool) -> None:
+        """``digest`` was revoked: refuse its queued sequences now (they never started:
+        ``rejected``, reason ``revoked``) and every later ``submit`` of it. ``immediate``, the
+        kill switch, also ends its running sequences before the next decode step sends another
+        token (``revoked``); without it they run to completion (drain)."""
+        with self._cv:
+            self._revoked[digest] = self._revoked.get(digest, False) or immediate
+            queued = [j for j in self._queue if digest in _digests(j.seq)]
+            for job in queued:
+                self._queue.remove(job)
+            self._cv.notify()
+        for job in queued:  # taken off the queue under the lock: no other thread holds them
+            self._end(job, Outcome.REJECTED, "revoked")
 
     def load(self) -> tuple[int, int]:
         """(running, queued) right now."""
@@ -186,12 +215,25 @@ class Scheduler:
 
     def _step(self, new: list[_Job]) -> None:
         eng = self.engine
+        with self._cv:
+            revoked = dict(self._revoked)
         starting: list[_Job] = []
         for job in new:
             if self._gone(job):
                 self._end(job, Outcome.CANCELLED, job.reason or "before_start")
+            elif _digests(job.seq) & revoked.keys():  # revoked between queue and start
+                self._end(job, Outcome.REJECTED, "revoked")
             else:
                 starting.append(job)
+        killed = [i for i, j in enumerate(self._running)
+                  if any(revoked.get(d) for d in _digests(j.seq))]
+        if killed:
+            # The kill switch: these rows end here, before this step picks or sends a token.
+            for i in killed:
+                job = self._running[i]
+                job.seq.done = True
+                job.outcome, job.reason = Outcome.REVOKED, "immediate"
+            self._retain([i for i in range(len(self._running)) if i not in set(killed)])
         starting = self._without_stale(starting)
         if starting:
             joined = eng.prefill([j.seq for j in starting], self._cached(starting))
@@ -205,7 +247,13 @@ class Scheduler:
         eng.choose(self._batch)
         self.steps += 1
         for job in self._running:
-            if job.seq.failure is not None:  # failed alone (numerical): done, no token
+            if job.seq.mismatched:
+                # Provenance, read from the banks at compute time: the row's token was computed
+                # with another adapter's weights. It fails closed before the token is sent,
+                # whether or not the generation check (stale_rows) saw the slot change.
+                job.seq.done, job.seq.failure = True, "slot_digest"
+                job.outcome, job.reason = Outcome.IDENTITY_MISMATCH, "slot_digest"
+            elif job.seq.failure is not None:  # failed alone (numerical): done, no token
                 job.outcome, job.reason = Outcome.FAILED, job.seq.failure
             elif self._gone(job):
                 job.seq.done, job.outcome = True, Outcome.CANCELLED
@@ -275,7 +323,8 @@ class Scheduler:
             return
         job.finished, job.seq.done = True, True
         job.outcome, job.reason = outcome, reason
-        self.ended += 1
+        with self._cv:  # ``revoke`` ends queued jobs from another thread
+            self.ended += 1
         try:
             self.engine.close_sequence(job.seq)
         except Exception:
@@ -303,8 +352,8 @@ class Scheduler:
         if self.prefix_cache is None:
             return
         for i, job in enumerate(new):
-            if job.key is None:
-                continue
+            if job.key is None or job.seq.mismatched or not job.seq.observed:
+                continue  # only a prompt computed with the key's own adapter is remembered
             one = self.engine.retain(batch, [i])
             assert one is not None
             if not bool(torch.isfinite(one.logits).all()):
@@ -312,9 +361,15 @@ class Scheduler:
             keys = [k.clone() for k in one.keys]
             values = [v.clone() for v in one.values]
             entry = DecodeBatch([], keys, values, one.mask.clone(), one.last_pos.clone(),
-                                one.logits.clone(), one.slots)
+                                one.logits.clone(), one.slots,
+                                observed=frozenset(job.seq.observed))
             nbytes = sum(_nbytes(t) for t in keys + values)
             self.prefix_cache.put(job.key, entry, nbytes)
+
+
+def _digests(seq: Sequence) -> set[str]:
+    """The adapter digests a sequence runs on: its request's, and any its slot was seen to hold."""
+    return {d for d in (seq.request.adapter, *seq.observed) if d is not None}
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -207,8 +207,12 @@ def _adapter_promoted(conn: Connection, e: Adapter.AdapterPromoted) -> None:
 
 def _adapter_revoked(conn: Connection, e: Adapter.AdapterRevoked) -> None:
     conn.execute(adapters.update().where(adapters.c.digest == e.digest).values(state=REVOKED))
-    conn.execute(revocations.insert().values(digest=e.digest, reason=e.reason,
-                                             revoked_at=e.timestamp))
+    escalated = conn.execute(revocations.update().where(revocations.c.digest == e.digest)
+                             .values(immediate=revocations.c.immediate | e.immediate))
+    if not escalated.rowcount:  # the first revocation of the digest
+        conn.execute(revocations.insert().values(digest=e.digest, reason=e.reason,
+                                                 revoked_at=e.timestamp,
+                                                 immediate=e.immediate))
 
 
 def _alias_pointed(conn: Connection, e: Alias.AliasPointed) -> None:
@@ -568,8 +572,11 @@ class RoutingView:
             return frozenset(str(d) for d in conn.execute(sa.select(revocations.c.digest))
                              .scalars())
 
-    def is_revoked(self, digest: str) -> bool:
+    def is_revoked(self, digest: str, *, immediate: bool = False) -> bool:
+        """Whether ``digest`` is revoked (``immediate``: with the kill switch)."""
         q = sa.select(revocations.c.digest).where(revocations.c.digest == digest)
+        if immediate:
+            q = q.where(revocations.c.immediate.is_(True))
         with self.engine.connect() as conn:
             return conn.execute(q).first() is not None
 

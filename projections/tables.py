@@ -18,8 +18,9 @@ metadata = sa.MetaData()
 # rebuilt
 # from the event store by ``loraplane db upgrade`` (the rows are derived, so nothing is lost).
 # 2: ``signing_keys.retired_at``. 3: ``tenants.tickets_not_before``. 4: ``session_pins`` and
-# ``routes.fallback``. A new version also teaches ``detect_version`` its columns.
-SCHEMA_VERSION = 4
+# ``routes.fallback``. 5: ``revocations.immediate``. A new version also teaches
+# ``detect_version`` its columns.
+SCHEMA_VERSION = 5
 
 _digest = sa.String(71)  # "sha256:" + 64 hex
 _name = sa.String(64)
@@ -113,6 +114,9 @@ revocations = sa.Table(
     sa.Column("digest", _digest, primary_key=True),
     sa.Column("reason", sa.Text, nullable=False),
     sa.Column("revoked_at", _ts, nullable=False),
+    # The kill switch (``adapter revoke --immediate``): hosts end running work on the digest
+    # too, instead of letting it drain. Set by the revocation or by a later escalation.
+    sa.Column("immediate", sa.Boolean, nullable=False),
 )
 
 # Every recorded ticket-signing key; ``retired_at`` is set once it is retired (hosts refuse
@@ -174,7 +178,9 @@ def detect_version(insp: sa.Inspector) -> int:
         return 1
     if not has(tenants, "tickets_not_before"):
         return 2
-    return 4 if has(routes, "fallback") and insp.has_table(session_pins.name) else 3
+    if not (has(routes, "fallback") and insp.has_table(session_pins.name)):
+        return 3
+    return 5 if has(revocations, "immediate") else 4
 
 
 def create_tables(engine: Engine) -> None:

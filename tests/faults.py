@@ -58,3 +58,13 @@ class FaultyEngine(Engine):
             logits = logits.clone()
             logits[poisoned] = float("nan")
         return logits
+
+
+class EndlessEngine(Engine):
+    """The real engine, except that no row stops at eos: every request runs to its
+    ``max_tokens``, so a stream is still running when a test revokes its adapter (the kit's
+    adapters answer in a dozen tokens)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._eos_ids = frozenset()

@@ -141,7 +141,7 @@ class RoutingReads(Protocol):
     def tenant_for_api_key(self, api_key: str) -> str | None: ...
     def api_key_count(self, tenant: str) -> int: ...
     def is_granted(self, tenant: str, alias: str) -> bool: ...
-    def is_revoked(self, digest: str) -> bool: ...
+    def is_revoked(self, digest: str, *, immediate: bool = False) -> bool: ...
     def signing_keys(self) -> dict[str, str]: ...
     def retired_key_ids(self) -> frozenset[str]: ...
     def live_adapter_count(self, tenant: str) -> int: ...
@@ -665,28 +665,34 @@ class Registry(Application[UUID]):
             return cache[release_id(digest)]  # type: ignore[return-value]
         return self.release_manifest(digest)
 
-    def revoke(self, digest: str, reason: str, *, actor: str,
+    def revoke(self, digest: str, reason: str, *, actor: str, immediate: bool = False,
                wait_s: float = VISIBLE_WITHIN_S) -> None:
         """Revoke an adapter, from any state: no new resolution from the next projection
-        update on; the serving side then reports drained, purged, unloaded per host.
+        update on; queued requests on it are refused; running ones drain, or, with
+        ``immediate`` (the kill switch, for security and licence events), end at once. The
+        serving side then reports drained, purged, unloaded per host. ``immediate`` on an
+        adapter that is already revoked escalates its revocation.
 
-        Returns only once the revocation set that Triton hosts read holds ``digest``; else
-        NotYetVisible after ``wait_s`` seconds (the revocation stays recorded).
+        Returns only once the revocation set that Triton hosts read holds ``digest`` (and its
+        kill switch, if asked); else NotYetVisible after ``wait_s`` seconds (the revocation
+        stays recorded).
         """
         for attempt in range(5):
             adapter = self.adapter(digest)
-            adapter.revoke(reason, actor)
+            escalation = adapter.revoked
+            adapter.revoke(reason, actor, immediate=immediate)
             # Every alias routed to the adapter applies its fallback policy in this same
-            # transaction: no projection ever shows the revocation without the fallback.
-            fallen = self._fall_back(adapter, actor)
+            # transaction: no projection ever shows the revocation without the fallback. (An
+            # escalation applied it with the first revocation.)
+            fallen = [] if escalation else self._fall_back(adapter, actor)
             try:
                 position = self._save(adapter, *fallen, what="adapter")
                 break
             except Conflict:
                 if attempt == 4:  # an alias kept moving under the revocation
                     raise
-        self._confirm_visible(position, lambda v: v.is_revoked(digest), "the revocation",
-                              wait_s)
+        self._confirm_visible(position, lambda v: v.is_revoked(digest, immediate=immediate),
+                              "the revocation", wait_s)
 
     def _fall_back(self, adapter: Adapter, actor: str) -> list[Aggregate]:
         """Apply the fallback policy of every alias whose stable or canary release uses

@@ -137,16 +137,25 @@ def adapter_promote(
 def adapter_revoke(
     digest: str,
     reason: Annotated[str, typer.Option(help="Why (recorded in the audit log).")],
+    immediate: Annotated[bool, typer.Option(
+        "--immediate",
+        help="Kill switch for security and licence events: also end the requests and "
+             "streams already running on it, within a second (default: let them finish). "
+             "May follow a revocation that is draining.")] = False,
     wait: Annotated[float, typer.Option(
         "--wait", min=0.0,
         help="Seconds to wait for the revocation set hosts read to show it.")] = 5.0,
 ) -> None:
-    """Revoke an adapter everywhere: no new tickets, Triton refuses it within a second.
+    """Revoke an adapter everywhere: no new tickets, Triton refuses it within a second, and
+    its queued requests are refused; running ones finish (or end now with --immediate).
     Succeeds only once the revocation set Triton hosts read holds the digest."""
     d = digest_arg(digest)
     with errors():
-        registry().revoke(d, reason=reason, actor=state.actor, wait_s=wait)
-    emit({"digest": d, "state": "revoked"}, lambda: console.print(f"{short(d)} revoked"))
+        registry().revoke(d, reason=reason, actor=state.actor, immediate=immediate,
+                          wait_s=wait)
+    emit({"digest": d, "state": "revoked", "immediate": immediate},
+         lambda: console.print(f"{short(d)} revoked" + (
+             ": running requests end now" if immediate else "")))
 
 
 @adapter_app.command("list")

@@ -127,9 +127,22 @@ class Adapter(Aggregate):
         actor: str
 
     class AdapterRevoked(Aggregate.Event):
+        """Revoked; ``immediate``: the operator's kill switch (a security or licence event):
+        hosts also end the requests and streams already running on the digest, instead of
+        letting them drain. A second event with ``immediate`` escalates a draining revocation.
+        """
+
         digest: str
         reason: str
         actor: str
+        immediate: bool
+
+        # Version 2 added ``immediate``. Every revocation recorded before it drained.
+        class_version = 2
+
+        @staticmethod
+        def upcast_v1_v2(state: dict[str, Any]) -> None:
+            state["immediate"] = False
 
     class AdapterDrained(Aggregate.Event):
         digest: str
@@ -185,6 +198,7 @@ class Adapter(Aggregate):
         self.gate_reports: dict[str, dict[str, Any]] = {}
         self.release: str | None = None
         self.revoke_reason: str | None = None
+        self.revoked_immediately = False
         self.serving_steps: dict[str, list[str]] = {}  # host -> steps done, in order
 
     @property
@@ -300,18 +314,25 @@ class Adapter(Aggregate):
             self.had_canary = True
             self.release = release
 
-    def revoke(self, reason: str, actor: str) -> None:
-        """Revoke from any state; revoking twice is refused."""
-        if self.state == REVOKED:
-            raise IllegalTransition("adapter is already revoked")
+    def revoke(self, reason: str, actor: str, *, immediate: bool = False) -> None:
+        """Revoke from any state. ``immediate`` also ends admitted work on the digest (the kill
+        switch); it may escalate a revocation that is draining. Anything else twice is refused.
+        """
+        if self.state == REVOKED and not (immediate and not self.revoked_immediately):
+            raise IllegalTransition("adapter is already revoked" + (
+                " with --immediate" if self.revoked_immediately else
+                "; only --immediate may follow, to end its running requests too"))
         if not reason.strip():
             raise DomainError("a revocation needs a reason")
-        self._revoked(digest=self.digest, reason=reason, actor=check_actor(actor))
+        self._revoked(digest=self.digest, reason=reason, actor=check_actor(actor),
+                      immediate=bool(immediate))
 
     @event(AdapterRevoked)
-    def _revoked(self, digest: str, reason: str, actor: str) -> None:
+    def _revoked(self, digest: str, reason: str, actor: str, immediate: bool) -> None:
+        if self.state != REVOKED:  # an escalation keeps the first revocation's reason
+            self.revoke_reason = reason
         self.state = REVOKED
-        self.revoke_reason = reason
+        self.revoked_immediately = self.revoked_immediately or immediate
 
     def record_serving_step(self, host: str, step: str, actor: str) -> None:
         """Record that ``host`` drained, purged or unloaded this revoked adapter, in that order.

@@ -44,6 +44,7 @@ FRONT_DOOR_HELP = (
     "and without it only on loopback; haproxy: require it; external: no door here, Triton "
     "listens on the tenant ports itself (another proxy is the only way in, as in "
     "docker/compose.yaml).")
+TRITON_USER_ENV = "LORAPLANE_TRITON_USER"
 TRITON_USER_HELP = (
     "Run as root: the user tritonserver runs as (default loraplane-triton, created if absent; "
     "root keeps Triton as root).")
@@ -78,7 +79,8 @@ def serve(
     triton_grpc_port: Annotated[int, typer.Option(
         help="Triton's own gRPC port behind the front door (loopback; 0: any free port).")
     ] = 18001,
-    triton_user: Annotated[str | None, typer.Option(help=TRITON_USER_HELP)] = None,
+    triton_user: Annotated[str | None, typer.Option(
+        help=TRITON_USER_HELP, envvar=TRITON_USER_ENV)] = None,
 ) -> None:
     """Run the gateway, the projection follower and tritonserver until interrupted."""
     # the deployment (gateway, follower, Triton process): only the serving verbs pay for it
@@ -167,7 +169,8 @@ def triton_host(
     triton_grpc_port: Annotated[int, typer.Option(
         help="Triton's own gRPC port behind the front door (loopback; 0: any free port).")
     ] = 18001,
-    triton_user: Annotated[str | None, typer.Option(help=TRITON_USER_HELP)] = None,
+    triton_user: Annotated[str | None, typer.Option(
+        help=TRITON_USER_HELP, envvar=TRITON_USER_ENV)] = None,
 ) -> None:
     """Run one Triton host (no gateway) until interrupted; labels its ledger rows."""
     # the deployment (gateway, follower, Triton process): only the serving verbs pay for it

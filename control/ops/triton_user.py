@@ -210,5 +210,5 @@ def check_reachable(user: ServiceUser, paths: dict[Path, str]) -> None:
             + f". Give {user.name} access (for example `setfacl -m u:{user.name}:x FOLDER` for a "
             "folder it must cross, or install Python and the virtual environment where other "
             "users can read them), name another user with --triton-user, or keep Triton as "
-            "root with --triton-user root")
+            "root with --triton-user root (or LORAPLANE_TRITON_USER=root)")
 

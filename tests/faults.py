@@ -7,7 +7,9 @@ engine through the real tritonserver in the chaos test's own model repository:
 - a prompt holding :data:`POISON_ROW` gets non-finite logits for its row on every forward pass:
   a numerical failure that belongs to one row;
 - a prompt holding :data:`FAIL_STEP` makes the first forward pass that includes its row raise: a
-  decode-step failure that no row can be blamed for.
+  decode-step failure that no row can be blamed for;
+- a prompt holding :data:`FAIL_DECODE` does the same at the first pass after its prefill (its
+  first decode step, in the same scheduler turn as its admission).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from backend.serving.engine import Sequence as EngineSequence
 
 POISON_ROW = "\u2620nan"
 FAIL_STEP = "\u2620step"
+FAIL_DECODE = "\u2620decode"
 
 
 FIRED = "_injected_step_failure_fired"
@@ -44,8 +47,9 @@ class FaultyEngine(Engine):
         with self._fault_lock:
             # Marked on the sequence itself: ids of dead sequences are reused, so a set of ids
             # would let a later FAIL_STEP row through now and then.
-            marked = [s for s in seqs if FAIL_STEP in s.request.prompt
-                      and not getattr(s, FIRED, False)]
+            marked = [s for s in seqs if not getattr(s, FIRED, False) and (
+                FAIL_STEP in s.request.prompt
+                or (FAIL_DECODE in s.request.prompt and s.produced))]
             if self.fail_steps > 0 or marked:
                 self.fail_steps = max(0, self.fail_steps - 1)
                 for s in marked:

@@ -83,7 +83,10 @@ def _integer(name: str, value: object) -> int:
 def _number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidParameter(name, f"must be a number, found {type(value).__name__}")
-    x = float(value)
+    try:
+        x = float(value)
+    except OverflowError:  # an integer past float range (10**400 in a JSON body, say)
+        raise InvalidParameter(name, "must be finite, found a number out of range") from None
     if not math.isfinite(x):
         raise InvalidParameter(name, f"must be finite, found {x!r}")
     return x

@@ -3,8 +3,10 @@
 The scenario a reviewer reproduced on the serving path (issue 10, "What is broken today", item 1),
 on one host with one device slot and two running sequences:
 
-1. in one admission step: a row whose sampling fails (temperature 1e-39) and a row on adapter X
-   cancelled before it started; a third row on X waits in the queue behind two long base rows;
+1. in one admission step: a row whose step fails and a row on adapter X cancelled before it
+   started; a third row on X waits in the queue behind two long base rows (the reviewer's failing
+   row had a temperature of 1e-39, which admission now refuses; the failure is injected here, at
+   the prefill or at the decode step of the same turn, so the case still reaches the step);
 2. the failing step used to end the cancelled job a second time, releasing its lease twice: the
    cache's reference count and the engine's pin on X dropped to 0 while the queued row still held
    its lease;
@@ -27,13 +29,12 @@ from pathlib import Path
 import pytest
 
 from backend.serving.cache import CacheQuota
-from backend.serving.engine import Engine
 from backend.serving.scheduler import SchedulerLimits
 from backend.serving.service import IncomingRequest, LoraService
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
-from tests.faults import FAIL_STEP, FaultyEngine
+from tests.faults import FAIL_DECODE, FAIL_STEP, FaultyEngine
 from tests.integration.reference import Reference
 from tests.serving_home import WAIT_S, Home, Sink, provision_home
 from tests.serving_home import wait_for as _wait
@@ -46,18 +47,19 @@ def home(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Home:
                           kit_dir)
 
 
-@pytest.fixture(params=["sampling", "injected"])
+@pytest.fixture(params=["prefill", "decode"])
 def poison(request: pytest.FixtureRequest) -> str:
-    """How the failing row fails: its sampling (temperature 1e-39, the reviewer's case, which
-    admission now refuses), or an injected decode-step failure that passes admission."""
+    """Which pass of the failing row's first scheduler turn fails: its prefill, or the decode
+    step after it. Both end that turn with an exception no row can be blamed for, which is what
+    ended the cancelled job a second time. (The reviewer's own poison, a temperature of 1e-39,
+    is refused at admission now and no longer reaches a step: it was replaced.)"""
     return str(request.param)
 
 
 @pytest.fixture
 def service(home: Home, poison: str) -> Iterator[LoraService]:
-    kind = FaultyEngine if poison == "injected" else Engine
-    engine = kind(home.kit_dir / "base", home.kit_dir / "tokenizer", device="cpu",
-                  max_rank=home.settings.max_rank, max_adapters=1)
+    engine = FaultyEngine(home.kit_dir / "base", home.kit_dir / "tokenizer", device="cpu",
+                          max_rank=home.settings.max_rank, max_adapters=1)
     # Y's load waits 1 s for X's slot (X's queued row holds it), then is refused.
     svc = home.service(engine=engine, limits=SchedulerLimits(max_running=2, max_queued=16),
                        host="regression", quota=CacheQuota(room_wait_s=1.0))
@@ -86,9 +88,8 @@ def test_failing_step_never_hands_a_queued_rows_slot_to_another_tenant(
     y_sink = Sink()
     # L1 holds the scheduler again, once it runs, until Y was placed or refused.
     l1 = Sink(hold_until=lambda: service.engine.slot_of(y) is not None or y_sink.done.is_set())
-    failing = (IncomingRequest(b"poison", t_base, max_tokens=8, temperature=1e-39, seed=1)
-               if poison == "sampling"
-               else IncomingRequest(f"poison {FAIL_STEP}".encode(), t_base, max_tokens=8))
+    marker = FAIL_STEP if poison == "prefill" else FAIL_DECODE
+    failing = IncomingRequest(f"poison {marker}".encode(), t_base, max_tokens=8)
     poisoned = Sink()
     cancelled_x = Sink(cancelled=True)
     x_queued = Sink()
@@ -101,12 +102,7 @@ def test_failing_step_never_hands_a_queued_rows_slot_to_another_tenant(
     ]
     for n, (req, sink) in enumerate(order, start=1):
         service.submit(req, sink)
-        if sink is poisoned:
-            # Refused at admission (a valid fix) or queued (the reviewer's setup).
-            _wait(lambda: poisoned.done.is_set() or queued() == 1, "the poison row")
-        else:
-            want = n - (1 if poisoned.done.is_set() else 0)
-            _wait(lambda w=want: queued() == w, f"{want} queued")  # type: ignore[misc]
+        _wait(lambda w=n: queued() == w, f"{n} queued")  # type: ignore[misc]
     p0.is_cancelled = True
     fill.set()  # P0 ends; [poison, cancelled X] (or [cancelled X, L1]) are admitted together
 
@@ -133,8 +129,8 @@ def test_failing_step_never_hands_a_queued_rows_slot_to_another_tenant(
         assert y_answer.adapter_digest == y
         assert y_answer.text == reference.generate("Hi", home.kit_dir / "adapters" / "gamma", 8)
     failed = poisoned.final
-    assert failed is not None and not failed.ok
-    if poison == "injected":  # it reached the engine and failed there, alone with its step
-        assert failed.outcome == "failed"
+    # It reached the engine and failed there, with its step.
+    assert failed is not None and not failed.ok and failed.outcome == "failed"
+    assert service.engine.injected >= 1
     health = service.health()
     assert (health["leases"], health["pins"], health["violations"]) == (0, 0, 0), health

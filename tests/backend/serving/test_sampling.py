@@ -38,3 +38,9 @@ def test_a_row_that_cannot_be_sampled_gives_none_not_an_exception() -> None:
     assert sample(torch.full((8,), -math.inf), 1.0, 1.0, g) is None  # no mass
     assert sample(torch.tensor([0.0, math.nan]), 1.0, 1.0, g) is None
     assert sample(torch.tensor([0.0, 5.0, 1.0]), 0.5, 0.9, g) == 1
+
+
+def test_an_integer_past_float_range_is_an_invalid_parameter_not_a_crash() -> None:
+    for name in ("temperature", "top_p"):
+        with pytest.raises(InvalidParameter, match=name):
+            check_sampling(**{name: 10**400})

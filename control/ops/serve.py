@@ -298,8 +298,9 @@ class Deployment:
     role: str = "all"
     host_id: str | None = None  # the ledger's host column for this Triton host
     triton_urls: list[str] = field(default_factory=list)  # extra Triton hosts (host:port)
-    # The address the gateway and Triton listen on: loopback unless the deployment serves other
-    # machines (`--listen 0.0.0.0`; the containers do).
+    # The address the gateway and the front door (Triton itself when there is none) listen on:
+    # loopback unless the deployment serves other machines (`--listen 0.0.0.0`; the containers
+    # do). Behind a door, Triton listens on loopback whatever this says.
     bind: str = "127.0.0.1"
     # The Triton model repository; None: the project's model_repository/. Only test and
     # benchmark deployments pass another (control.ops.model_repositories.derived_repository); no

@@ -269,6 +269,9 @@ def test_rendered_configurations_pass_haproxys_own_check(tmp_path: Path) -> None
         checked = subprocess.run([binary, "-c", "-f", str(path)], capture_output=True,
                                  text=True, timeout=30)
         assert checked.returncode == 0, checked.stderr
-        # nothing ignored or guessed: a warning means a rule does less than it says
-        assert "[WARNING]" not in checked.stderr.replace(
-            "could not resolve address", "").replace("[WARNING]  (", "(") or name == "compose.cfg"
+        # a warning means a rule does less than it says; the compose file's only ones are its
+        # hosts' names, which Docker's DNS resolves and this machine does not
+        warnings = [line for line in checked.stderr.splitlines() if "[WARNING]" in line]
+        if name == "compose.cfg":
+            warnings = [w for w in warnings if "could not resolve address" not in w]
+        assert warnings == [], name

@@ -56,16 +56,15 @@ HAPROXY_PACKAGE = "haproxy"  # the Debian/Ubuntu package that provides the binar
 # Where Debian puts the binary; a non-root PATH often lacks /usr/sbin.
 _SBIN = ("/usr/sbin", "/usr/local/sbin")
 # The largest HTTP request body the door passes. A prompt of 128k tokens is about 0.5 MB of
-# text, JSON-escaped perhaps twice that: 8 MiB leaves room for any prompt and refuses the
-# multi-gigabyte bodies that Triton would otherwise accept (its own limit is 64 MiB over HTTP,
-# 2 GiB per gRPC message).
+# text, JSON-escaped perhaps twice that: 8 MiB leaves room for any prompt and refuses bodies far
+# larger, which tritonserver 2.51 offers no option to cap.
 MAX_BODY_BYTES = 8 * 1024 * 1024
 GENERATE_TICKET_HEADER_REFUSAL = (
     "request refused: send the routing ticket as the lora_ticket parameter on generate routes "
     "(Triton does not forward headers there)")
 NOT_A_TENANT_ROUTE = ("refused at the front door: tenants reach health, metadata, model "
                       "configuration and inference only")
-BODY_TOO_LARGE = f"request refused: the body is larger than {MAX_BODY_BYTES} bytes"
+BODY_TOO_LARGE = "request refused: the body is larger than {} bytes"  # the door's cap
 LENGTH_REQUIRED = "request refused: send the body with a Content-Length"
 UNAVAILABLE = "Triton is not ready or cannot be reached; retry"
 GRPC_SERVICE = "inference.GRPCInferenceService"
@@ -198,7 +197,7 @@ def render(c: DoorConfig) -> str:
                      "read model !stats or post infer or post generate"),
         _refuse_http(400, GENERATE_TICKET_HEADER_REFUSAL, "if generate ticket_header"),
         _refuse_http(411, LENGTH_REQUIRED, "if post !has_length or chunked"),
-        _refuse_http(413, BODY_TOO_LARGE, "if too_large"),
+        _refuse_http(413, BODY_TOO_LARGE.format(c.max_body_bytes), "if too_large"),
         "    default_backend triton_http",
         "",
         "frontend tenant_grpc",
@@ -207,7 +206,7 @@ def render(c: DoorConfig) -> str:
         f"    acl tenant_method path {grpc_paths}",
         f"    acl too_large req.hdr_val(content-length) gt {c.max_body_bytes}",
         _refuse_grpc(NOT_A_TENANT_ROUTE, "unless METH_POST tenant_method"),
-        _refuse_grpc(BODY_TOO_LARGE, "if too_large"),
+        _refuse_grpc(BODY_TOO_LARGE.format(c.max_body_bytes), "if too_large"),
         "    default_backend triton_grpc",
         "",
         "backend triton_http",

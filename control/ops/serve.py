@@ -55,7 +55,12 @@ import sqlalchemy as sa
 from backend.serving.memory import MemoryPlan, plan_for_host
 from control.app.registry import Registry
 from control.app.sessions import SessionPins
-from control.contracts.config import BASE_DIGEST_ENV, HOST_ID_ENV, Settings
+from control.contracts.config import (
+    BASE_DIGEST_ENV,
+    HOST_ID_ENV,
+    Settings,
+    seal_interval_from_env,
+)
 from control.contracts.db import make_engine
 from control.contracts.ledger import request_ledger
 from control.contracts.loops import new_event_loop
@@ -94,7 +99,6 @@ ROLES = ("all", "control", "triton")
 # proxy is the only way in (the compose file's haproxy service).
 FRONT_DOORS = ("auto", "haproxy", "external")
 TRITON_URLS_ENV = "LORAPLANE_TRITON_URLS"
-SEAL_INTERVAL_ENV = "LORAPLANE_SEAL_INTERVAL_S"
 
 
 @dataclass(frozen=True)
@@ -240,19 +244,6 @@ def _loopback(address: str) -> bool:
         return False
 
 
-def seal_interval_s() -> float:
-    """``LORAPLANE_SEAL_INTERVAL_S`` (default 60): how often ``serve`` seals what is unsealed."""
-    raw = os.environ.get(SEAL_INTERVAL_ENV, "").strip() or "60"
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{SEAL_INTERVAL_ENV} must be a number of seconds, not {raw!r}") \
-            from None
-    if value <= 0:
-        raise ValueError(f"{SEAL_INTERVAL_ENV} must be positive, not {raw}")
-    return value
-
-
 def keep_sealed(registry: Registry, stop: threading.Event, interval: float) -> None:
     """Seal every unsealed event once per ``interval`` seconds, so a quiet deployment's last
     events are covered by a signed checkpoint within that interval, not after 100 more."""
@@ -354,7 +345,7 @@ class Deployment:
             follower = ProjectionFollower.from_settings(s)
             follower.catch_up()
             self._thread("follower", follower.run)
-            interval = seal_interval_s()  # a bad value fails the start, not a thread later
+            interval = seal_interval_from_env()  # checked at start (check_timing) already
             self._thread("audit-seal", lambda stop: keep_sealed(registry, stop, interval))
             # The ticket path answers from memory, refreshed as the projection moves. Session
             # pins are recorded without catching the projection up in the request: the office

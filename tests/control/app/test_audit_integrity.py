@@ -156,7 +156,8 @@ def test_serve_seals_quiet_history_on_a_timer(tmp_path: Path,
     import threading
     import time
 
-    from control.ops.serve import SEAL_INTERVAL_ENV, keep_sealed, seal_interval_s
+    from control.contracts.config import SEAL_INTERVAL_ENV, ConfigError, seal_interval_from_env
+    from control.ops.serve import keep_sealed
 
     reg = open_registry(sqlite_settings(tmp_path / "home"))
     stop = threading.Event()
@@ -177,8 +178,8 @@ def test_serve_seals_quiet_history_on_a_timer(tmp_path: Path,
             t.join(10)
         close_registry(reg)
     monkeypatch.setenv(SEAL_INTERVAL_ENV, "0")
-    with pytest.raises(ValueError, match="positive"):
-        seal_interval_s()
+    with pytest.raises(ConfigError, match="between 1 and 3600"):
+        seal_interval_from_env()
     monkeypatch.setenv(SEAL_INTERVAL_ENV, "often")
-    with pytest.raises(ValueError, match="seconds"):
-        seal_interval_s()
+    with pytest.raises(ConfigError, match="seconds"):
+        seal_interval_from_env()

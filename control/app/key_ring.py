@@ -79,7 +79,8 @@ def rotate(keys_dir: Path, record: Callable[[TicketSigner], object]
         record(signer)
     except BaseException:
         key_path.unlink()
-        pub_path.unlink()
+        # the host key sync may have removed the file already: it was never recorded
+        pub_path.unlink(missing_ok=True)
         raise
     active = private / ACTIVE_KEY_FILE
     if previous is not None:

@@ -51,6 +51,10 @@ def _port_taken(port: int) -> bool:
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLANE_")}
     env.pop("VIRTUAL_ENV", None)
+    if os.geteuid() == 0:
+        # serve, run as root, drops Triton to loraplane-triton; this machine's Python and
+        # pytest's folders are out of that user's reach, so the walkthrough keeps it as root.
+        env["LORAPLANE_TRITON_USER"] = "root"
     return env
 
 

@@ -14,10 +14,7 @@ from backend.serving.cache import CacheQuota
 from backend.serving.service import LoraService
 from backend.triton.glue import TritonGlue
 from control.contracts.config import Settings
-from control.contracts.db import make_engine
-from control.contracts.store import ArtifactStore
-from projections.routing import RoutingView
-from tests.faults import FaultyEngine
+from tests.faults import FaultyEngine, engine_for_host
 
 SLOTS = 4
 
@@ -44,10 +41,6 @@ class TritonPythonModel:
 
 class ChaosGlue(TritonGlue):
     def make_service(self, settings: Settings, base: str, **kw: Any) -> LoraService:
-        store = ArtifactStore(settings.store_dir)
-        routing = RoutingView(make_engine(settings.db_url))
-        tokenizer = next(b.tokenizer_digest for b in routing.bases() if b.digest == base)
-        engine = FaultyEngine(store.verify(base), store.verify(tokenizer),
-                              max_rank=settings.max_rank, max_adapters=SLOTS)
+        engine = engine_for_host(FaultyEngine, settings, base, max_adapters=SLOTS)
         quota = CacheQuota(resident_share=1.0, loads_per_minute=60_000.0, load_burst=10_000)
         return LoraService(settings, base, engine=engine, quota=quota, **kw)

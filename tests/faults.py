@@ -15,12 +15,18 @@ engine through the real tritonserver in the chaos test's own model repository:
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from backend.serving.engine import Engine
 from backend.serving.engine import Sequence as EngineSequence
+from control.contracts.config import Settings
+from control.contracts.db import make_engine
+from control.contracts.store import ArtifactStore
+from projections.routing import RoutingView
+
+E = TypeVar("E", bound=Engine)
 
 POISON_ROW = "\u2620nan"
 FAIL_STEP = "\u2620step"
@@ -72,3 +78,12 @@ class EndlessEngine(Engine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._eos_ids = frozenset()
+
+
+def engine_for_host(kind: type[E], settings: Settings, base: str, **kw: Any) -> E:
+    """An engine of ``kind`` over the registered base ``base`` and its tokenizer, read from the
+    artifact store as a Triton host reads them (the test glues' engines)."""
+    store = ArtifactStore(settings.store_dir)
+    routing = RoutingView(make_engine(settings.db_url))
+    tokenizer = next(b.tokenizer_digest for b in routing.bases() if b.digest == base)
+    return kind(store.verify(base), store.verify(tokenizer), max_rank=settings.max_rank, **kw)

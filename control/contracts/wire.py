@@ -50,7 +50,8 @@ class WireTensor:
     optional: bool = False
 
 
-# Both models declare these, in this order (dims [1], batched).
+# Both models declare these, in this order, batched; inputs with dims [-1] so that a tensor of
+# the wrong length reaches the model and is refused there with a ledger row, outputs dims [1].
 INPUTS: tuple[WireTensor, ...] = (
     WireTensor(TEXT_INPUT, "BYTES"),
     WireTensor(MAX_TOKENS, "INT32", optional=True),

@@ -21,8 +21,10 @@ operator headers from every request), unknown paths and methods, and Triton's me
 the door does not serve at all. HTTP refusals are 403 with a small JSON body; gRPC refusals are a
 gRPC answer with status PERMISSION_DENIED.
 
-Two more rules:
+Three more rules:
 
+- A request carrying two ``x-lora-ticket`` headers is refused (400, or gRPC PERMISSION_DENIED):
+  which one Triton would forward is up to its HTTP library, and ambiguity is refused everywhere.
 - Triton's ``generate`` and ``generate_stream`` do not pass HTTP headers to the model
   (triton-inference-server/server#8790), so a ticket sent there as the ``x-lora-ticket`` header
   would be ignored and the request judged without it: the door answers 400
@@ -62,6 +64,9 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 GENERATE_TICKET_HEADER_REFUSAL = (
     "request refused: send the routing ticket as the lora_ticket parameter on generate routes "
     "(Triton does not forward headers there)")
+# Two x-lora-ticket headers on one request: which of them Triton would forward is up to its
+# HTTP library, so the door refuses the request (one ticket parser: ambiguity is refused).
+TICKET_HEADERS_REFUSAL = "request refused: send exactly one routing ticket"
 NOT_A_TENANT_ROUTE = ("refused at the front door: tenants reach health, metadata, model "
                       "configuration and inference only")
 BODY_TOO_LARGE = "request refused: the body is larger than {} bytes"  # the door's cap
@@ -188,6 +193,7 @@ def render(c: DoorConfig) -> str:
         f"    acl infer path_reg ^/v2/models/{_MODEL}{_VERSION}/infer$",
         f"    acl generate path_reg ^/v2/models/{_MODEL}{_VERSION}/generate(_stream)?$",
         f"    acl ticket_header req.hdr_cnt({TICKET_HEADER}) gt 0",
+        f"    acl ticket_headers req.hdr_cnt({TICKET_HEADER}) gt 1",
         "    acl has_length req.hdr(content-length) -m found",
         "    acl chunked req.hdr(transfer-encoding) -m found",
         f"    acl too_large req.hdr_val(content-length) gt {c.max_body_bytes}",
@@ -195,6 +201,7 @@ def render(c: DoorConfig) -> str:
         f"    http-error status 503 content-type application/json string {_json_body(UNAVAILABLE)}",
         _refuse_http(403, NOT_A_TENANT_ROUTE, "unless read health or read server or "
                      "read model !stats or post infer or post generate"),
+        _refuse_http(400, TICKET_HEADERS_REFUSAL, "if ticket_headers"),
         _refuse_http(400, GENERATE_TICKET_HEADER_REFUSAL, "if generate ticket_header"),
         _refuse_http(411, LENGTH_REQUIRED, "if post !has_length or chunked"),
         _refuse_http(413, BODY_TOO_LARGE.format(c.max_body_bytes), "if too_large"),
@@ -204,8 +211,10 @@ def render(c: DoorConfig) -> str:
         f"    bind {bind}:{c.grpc_port} proto h2",
         *(f"    http-request del-header {h}" for h in STRIPPED_HEADERS),
         f"    acl tenant_method path {grpc_paths}",
+        f"    acl ticket_headers req.hdr_cnt({TICKET_HEADER}) gt 1",
         f"    acl too_large req.hdr_val(content-length) gt {c.max_body_bytes}",
         _refuse_grpc(NOT_A_TENANT_ROUTE, "unless METH_POST tenant_method"),
+        _refuse_grpc(TICKET_HEADERS_REFUSAL, "if ticket_headers"),
         _refuse_grpc(BODY_TOO_LARGE.format(c.max_body_bytes), "if too_large"),
         "    default_backend triton_grpc",
         "",

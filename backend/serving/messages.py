@@ -41,6 +41,16 @@ class InvalidInput(ValueError):
         self.reason = reason
 
 
+CANCELLED_MESSAGE = "cancelled"  # the answer of a request whose client went away
+
+
+def from_engine(message: str) -> bool:
+    """Whether ``message`` is one the engine model answers with (it wrote that request's ledger
+    row); anything else came from Triton's plumbing (a stub that died, say)."""
+    return (message in STATUS_OF or message == CANCELLED_MESSAGE
+            or message.startswith((PARAMETER_PREFIX, INPUT_PREFIX)))
+
+
 def status_of(message: str) -> str:
     """The status of one of the fixed messages; anything else is internal."""
     if message.startswith((PARAMETER_PREFIX, INPUT_PREFIX)):

@@ -63,6 +63,7 @@ from backend.serving.memory import AdapterBudget
 from backend.serving.memory_report import resident_memory
 from backend.serving.messages import (
     BUSY_MESSAGE,
+    CANCELLED_MESSAGE,
     FAILURE_MESSAGE,
     INTERNAL_MESSAGE,
     LIMITS_MESSAGE,
@@ -512,7 +513,7 @@ class LoraService:
                        outcome=outcome)
         elif outcome == Outcome.CANCELLED:
             self.stats.cancelled += 1
-            a = Answer(ok=False, request_id=rid, error="cancelled", status="cancelled",
+            a = Answer(ok=False, request_id=rid, error=CANCELLED_MESSAGE, status="cancelled",
                        outcome=outcome)
         elif outcome == Outcome.REVOKED or (outcome == Outcome.REJECTED
                                             and reason == "revoked"):

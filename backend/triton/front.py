@@ -8,7 +8,8 @@ the ledger. ``execute`` forwards a whole dynamic batch concurrently on the stub'
 several front instances keep several batches in flight.
 
 This module imports no torch: the front's stub stays small. It trusts nothing it forwards; the
-engine checks everything.
+engine checks everything, and writes every request's ledger row, except for a request it never
+answered (its stub died under it): the front writes that row (``backend.triton.front_ledger``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from backend.serving.messages import INTERNAL_MESSAGE, status_of
+from backend.serving.messages import INTERNAL_MESSAGE, from_engine, status_of
 from backend.serving.ticket_param import forwarded_parameters
 from backend.triton.errors import error_response
+from backend.triton.front_ledger import FrontLedger
 from control.contracts.wire import ENGINE_MODEL, OUTPUT_NAMES, STREAM
 
 log = logging.getLogger("loraplane.backend.front")
@@ -49,9 +51,13 @@ class Front:
     worker threads crashed the Python backend under a few thousand concurrent requests).
     """
 
-    def __init__(self, pb_utils: Any, workers: int = FORWARD_WORKERS) -> None:
+    def __init__(self, pb_utils: Any, workers: int = FORWARD_WORKERS,
+                 failures: FrontLedger | None = None) -> None:
         self.pb = pb_utils
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="forward")
+        # Rows of requests the engine never answered (its stub died): written here, by the
+        # model that survived, so that no request leaves the record (backend.triton.front_ledger)
+        self.failures = failures or FrontLedger()
 
     async def execute(self, requests: list[Any]) -> list[Any]:
         """Forward a batch concurrently; one response per request, in order."""
@@ -63,9 +69,15 @@ class Front:
     async def _forward(self, request: Any) -> Any:
         try:
             return await self._call_engine(request)
-        except Exception:
+        except Exception as e:
             log.exception("forwarding to the engine model failed")
-            return _error(self.pb, INTERNAL_MESSAGE)
+            return await self._unanswered(str(e))
+
+    async def _unanswered(self, detail: str) -> Any:
+        """The answer to a request the engine never answered, once its row is written."""
+        await asyncio.get_running_loop().run_in_executor(
+            self._pool, self.failures.record_failure, detail)
+        return _error(self.pb, INTERNAL_MESSAGE)
 
     async def _call_engine(self, request: Any) -> Any:
         pb = self.pb
@@ -95,6 +107,8 @@ class Front:
                             and time.monotonic() < deadline):
                         last = "retry"
                         break
+                    if not from_engine(message):  # Triton's plumbing, not the engine
+                        return await self._unanswered(message)
                     # BLS reports every error as INTERNAL: restore the status from the message.
                     return _error(pb, message)
                 if r.output_tensors():
@@ -103,7 +117,7 @@ class Front:
                 await asyncio.sleep(0.5)
                 continue
             if last is None:
-                return _error(pb, INTERNAL_MESSAGE)
+                return await self._unanswered("no answer from the engine model")
             return pb.InferenceResponse(output_tensors=[
                 pb.Tensor(name, pb.get_output_tensor_by_name(last, name).as_numpy())
                 for name in OUTPUT_NAMES

@@ -62,11 +62,12 @@ from control.contracts.config import (
     seal_interval_from_env,
 )
 from control.contracts.db import make_engine
-from control.contracts.ledger import request_ledger
+from control.contracts.ledger import Ledger, request_ledger
 from control.contracts.loops import new_event_loop
 from control.contracts.store import ArtifactStore
 from control.contracts.tickets import TicketSigner, key_id
 from control.gateway.ticket_office import TicketOffice
+from control.ops.engine_watch import EngineWatch
 from control.ops.front_door import (
     HAPROXY_PACKAGE,
     FrontDoor,
@@ -377,6 +378,11 @@ class Deployment:
                 + f", metrics http://{self.triton.http_url.rsplit(':', 1)[0]}:"
                 f"{self.ports.metrics}/metrics (log {self.triton.log_path})"
             )
+            # Started once the engine runs: a stub that dies from now on is noticed, its
+            # requests recorded and Triton restarted (control.ops.engine_watch).
+            watch = EngineWatch(self.triton, Ledger(make_engine(self.settings.db_url)),
+                                self.host_id or socket.gethostname(), self.progress)
+            self._thread("engine-watch", watch.run)
         if office is not None and self.rollout_controller:
             # Started once Triton answers: its first act may be a probe.
             self._start_rollouts(([self.triton.http_url] if self.triton else [])

@@ -212,12 +212,26 @@ def _front_answer(engine_message: str, parameters: str = "{}") -> tuple[Any, lis
                 # python_backend#439: its callback's use-after-free; the front must not use it
                 raise AssertionError("the front forwards with exec on its own threads")
 
-    front = Front(Pb)
+    front = Front(Pb, failures=_failures)  # type: ignore[arg-type]
     try:
         [response] = asyncio.run(front.execute([_UnaryRequest(parameters)]))
     finally:
         front.close()
     return response, sent
+
+
+class _RecordedFailures:
+    """Stands in for the front's ledger of requests the engine never answered."""
+
+    def __init__(self) -> None:
+        self.details: list[str] = []
+
+    def record_failure(self, detail: str) -> str:
+        self.details.append(detail)
+        return "r-front"
+
+
+_failures = _RecordedFailures()
 
 
 @pytest.mark.parametrize(("message", "status"), [
@@ -237,8 +251,22 @@ def test_the_front_restores_the_engines_code_from_its_fixed_message(message: str
 
 def test_the_front_turns_any_other_engine_error_into_the_generic_internal_one() -> None:
     # (no "not found" or "is not ready" in it: those mean the engine is still loading)
+    before = len(_failures.details)
     response, _ = _front_answer("Traceback: KeyError in /srv/store/sha256/ab12 of tenant globex")
     assert (response.error.message, response.error.code) == (INTERNAL_MESSAGE, E.INTERNAL)
+    # not one of the engine's answers, so the engine wrote no row: the front records it
+    assert len(_failures.details) == before + 1
+
+
+def test_the_front_records_a_request_the_engine_stub_never_answered() -> None:
+    before = len(_failures.details)
+    response, _ = _front_answer("Stub process 'lora_llm_stream_0_0' is not healthy.")
+    assert (response.error.message, response.error.code) == (INTERNAL_MESSAGE, E.INTERNAL)
+    assert _failures.details[before:] == ["Stub process 'lora_llm_stream_0_0' is not healthy."]
+    # an answer of the engine's own (it wrote the row) is not recorded again
+    _front_answer(INTERNAL_MESSAGE)
+    _front_answer(BUSY_MESSAGE)
+    assert len(_failures.details) == before + 1
 
 
 @pytest.mark.parametrize(("parameters", "forwarded"), [

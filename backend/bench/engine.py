@@ -62,6 +62,7 @@ from backend.bench.kit import (
 from backend.bench.open_peer import open_repository
 from backend.serving.cache import AdapterCache, CacheBudgets, CacheQuota
 from backend.serving.engine import Engine, GenerationRequest
+from backend.serving.fingerprint import CHECK_EVERY as FINGERPRINT_EVERY
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
@@ -425,6 +426,18 @@ def _run(root: Path, reps: int, triton_runs: int,
                              "peft": peft_run}, reps)
     m.update({f"{k}_tokens_per_s": v for k, v in best.items()})
 
+    progress("weight fingerprints: a check on every pass vs none")
+
+    def checked_every(n: int) -> int:
+        engine.fingerprint_every = n
+        return count_tokens(engine.generate(mixed))
+
+    fp = best_alternating({"every_pass": lambda: checked_every(1),
+                           "none": lambda: checked_every(0)}, reps)
+    engine.fingerprint_every = FINGERPRINT_EVERY
+    m["fingerprint_every_pass_tokens_per_s"] = fp["every_pass"]
+    m["fingerprint_off_tokens_per_s"] = fp["none"]
+
     progress("continuous batching: 32 streams vs 1")
     streams = continuous_batching(engine, mixed, reps)
     m["streams_32_tokens_per_s"], m["streams_1_tokens_per_s"] = streams.many, streams.one
@@ -446,6 +459,9 @@ def _run(root: Path, reps: int, triton_runs: int,
         "cold_load_vs_read": m["cold_load_p95_s"] / m["read_hash_p95_s"],
         "governed_vs_open": None,
         "base_p95_storm_vs_quiet": storm["ratio"],
+        # decode throughput with a weight fingerprint check on every pass, against none; the
+        # default checks every FINGERPRINT_EVERY-th pass, so costs about 1/64 of the gap
+        "fingerprint_every_pass_vs_off": fp["every_pass"] / fp["none"],
     }
     side_by_side: dict[str, Any] | None = None
     if triton_runs:

@@ -47,6 +47,8 @@ from torch import nn
 from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM, PreTrainedConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from backend.serving.fingerprint import CHECK_EVERY as FINGERPRINT_EVERY
+from backend.serving.fingerprint import WEIGHTS_CHANGED, BankFingerprints
 from backend.serving.lease import Lease, Violations
 from backend.serving.lora_ops import SlotBatch
 from backend.serving.memory import (
@@ -275,6 +277,12 @@ class Engine:
         # bookkeeping: every forward pass reads it for each row (Sequence.observed), so a broken
         # generation check still cannot pass another adapter's answer as this one's.
         self._bank_digest: list[str | None] = [None] * self._table.num_slots
+        # The weights themselves, checked on a sample of passes (backend.serving.fingerprint);
+        # fingerprint_every: passes between checks (0: none), a test or benchmark may set it.
+        self.fingerprints = BankFingerprints(list(self._slotted.values()),
+                                             self._table.num_slots, self._device)
+        self.fingerprint_every = FINGERPRINT_EVERY
+        self._passes = 0
         log.info("%s", self.plan.describe())
         self._modules: dict[str, list[str]] = {}  # digest -> modules it targets
         self._active: dict[int, int] = {}  # slot -> pins held by live sequences
@@ -365,6 +373,7 @@ class Engine:
                     at, bt = prepared.pairs[name]
                     module.place(slot, at, bt)
             self._bank_digest[slot] = digest
+            self.fingerprints.record(slot)
             self._modules[digest] = modules
             return self._slot_bytes(digest)
 
@@ -397,6 +406,7 @@ class Engine:
             for name in self._modules.pop(digest):
                 self._wrapped(name).clear(slot)
             self._bank_digest[slot] = None
+            self.fingerprints.clear(slot)
             self._table.release(digest)
 
     def resident_adapters(self) -> dict[str, int]:
@@ -703,6 +713,9 @@ class Engine:
         # weights (the engine's lock keeps them in place until it returns).
         for s in seqs:
             s.observed.add(self._bank_digest[s.slot])
+        self._passes += 1
+        if self.fingerprint_every and self._passes % self.fingerprint_every == 0:
+            self._check_weights(seqs)
         self._context.batch = slots
         try:
             out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions,
@@ -711,6 +724,16 @@ class Engine:
             self._context.batch = None
         logits: torch.Tensor = out.logits[:, -1, :]
         return logits
+
+    def _check_weights(self, seqs: list[Sequence]) -> None:
+        """Rows whose slot's weights no longer sum what was placed fail closed (see
+        ``backend.serving.fingerprint``)."""
+        changed = set(self.fingerprints.changed(s.slot for s in seqs if s.slot))
+        for s in seqs:
+            if s.slot in changed:
+                s.observed.add(WEIGHTS_CHANGED)
+        if changed:
+            self.violations.count("slot_weights", f"slots {sorted(changed)}")
 
     def merge(self, a: DecodeBatch, b: DecodeBatch) -> DecodeBatch:
         """One batch holding the rows of both; the narrower KV is left-padded to match."""

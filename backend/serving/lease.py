@@ -33,6 +33,7 @@ VIOLATION_KINDS = (
     "negative_pin",  # a slot pin count would go below zero
     "pinned_unload",  # an unload asked for a slot that live sequences pin
     "stale_slot",  # a row's slot no longer holds the load it was admitted on
+    "slot_weights",  # a slot's weights no longer sum what was placed (backend.serving.fingerprint)
 )
 
 

@@ -144,3 +144,35 @@ def test_a_prefix_cache_hit_carries_the_digest_that_computed_it(home: Home) -> N
             assert a.ok and a.adapter_digest == home.digests["beta"], a
     finally:
         svc.close()
+
+
+def test_weights_changed_under_a_live_row_fail_it_closed(home: Home) -> None:
+    # Neither the slot table nor the banks' digest changes: only the weights do (a stray write
+    # into the slot). The sampled weight fingerprint, taken here on every pass, catches it.
+    engine = Engine(home.kit_dir / "base", home.kit_dir / "tokenizer", device="cpu",
+                    max_rank=home.settings.max_rank, max_adapters=2)
+    engine.fingerprint_every = 1
+    svc = home.service(engine=engine, prefix_cache_bytes=0)
+    try:
+        clean = Sink()  # the check itself never fails a row whose weights are intact
+        svc.submit(IncomingRequest(b"Hello", home.ticket("acme", "acme-alpha"), max_tokens=8),
+                   clean)
+        assert clean.wait().ok
+        sink = HoldAt(3)
+        svc.submit(IncomingRequest(b"Once upon a time", home.ticket("acme", "acme-alpha"),
+                                   max_tokens=40, stream=True), sink)
+        assert sink.held.wait(30)
+        slot = engine.slot_of(home.digests["alpha"])
+        assert slot is not None
+        a, _b = next(iter(engine._slotted.values())).banks()
+        a[slot, 0, 0] += 0.5  # one weight of one module, nothing else
+        sink.release.set()
+        answer = sink.wait()
+        assert not answer.ok and answer.outcome == "identity_mismatch"
+        row = Ledger(make_engine(home.settings.db_url)).get(answer.request_id)
+        assert row is not None and (row.outcome, row.reason) == ("identity_mismatch",
+                                                                 "slot_digest")
+        assert row.served_digest == "weights_changed"
+        assert engine.violations.snapshot()["slot_weights"] >= 1
+    finally:
+        svc.close()

@@ -48,6 +48,14 @@ TRITON_USER_ENV = "LORAPLANE_TRITON_USER"
 TRITON_USER_HELP = (
     "Run as root: the user tritonserver runs as (default loraplane-triton, created if absent; "
     "root keeps Triton as root).")
+# The options serve and triton-host share (both run a Triton host behind a front door).
+FrontDoorOption = Annotated[str, typer.Option(help=FRONT_DOOR_HELP)]
+TritonHttpPortOption = Annotated[int, typer.Option(
+    help="Triton's own HTTP port behind the front door (loopback; 0: any free port).")]
+TritonGrpcPortOption = Annotated[int, typer.Option(
+    help="Triton's own gRPC port behind the front door (loopback; 0: any free port).")]
+TritonUserOption = Annotated[str | None, typer.Option(help=TRITON_USER_HELP,
+                                                       envvar=TRITON_USER_ENV)]
 
 
 def default_triton_user(given: str | None) -> str | None:
@@ -72,15 +80,10 @@ def serve(
              "only; 0.0.0.0 serves other machines too (needs haproxy; put TLS and a firewall "
              "in front).")
     ] = "127.0.0.1",
-    front_door: Annotated[str, typer.Option(help=FRONT_DOOR_HELP)] = "auto",
-    triton_http_port: Annotated[int, typer.Option(
-        help="Triton's own HTTP port behind the front door (loopback; 0: any free port).")
-    ] = 18000,
-    triton_grpc_port: Annotated[int, typer.Option(
-        help="Triton's own gRPC port behind the front door (loopback; 0: any free port).")
-    ] = 18001,
-    triton_user: Annotated[str | None, typer.Option(
-        help=TRITON_USER_HELP, envvar=TRITON_USER_ENV)] = None,
+    front_door: FrontDoorOption = "auto",
+    triton_http_port: TritonHttpPortOption = 18000,
+    triton_grpc_port: TritonGrpcPortOption = 18001,
+    triton_user: TritonUserOption = None,
 ) -> None:
     """Run the gateway, the projection follower and tritonserver until interrupted."""
     # the deployment (gateway, follower, Triton process): only the serving verbs pay for it
@@ -162,15 +165,10 @@ def triton_host(
         help="Address the front door (or, with --front-door external, Triton) listens on "
              "(0.0.0.0 in a container or to serve other machines).")
     ] = "127.0.0.1",
-    front_door: Annotated[str, typer.Option(help=FRONT_DOOR_HELP)] = "auto",
-    triton_http_port: Annotated[int, typer.Option(
-        help="Triton's own HTTP port behind the front door (loopback; 0: any free port).")
-    ] = 18000,
-    triton_grpc_port: Annotated[int, typer.Option(
-        help="Triton's own gRPC port behind the front door (loopback; 0: any free port).")
-    ] = 18001,
-    triton_user: Annotated[str | None, typer.Option(
-        help=TRITON_USER_HELP, envvar=TRITON_USER_ENV)] = None,
+    front_door: FrontDoorOption = "auto",
+    triton_http_port: TritonHttpPortOption = 18000,
+    triton_grpc_port: TritonGrpcPortOption = 18001,
+    triton_user: TritonUserOption = None,
 ) -> None:
     """Run one Triton host (no gateway) until interrupted; labels its ledger rows."""
     # the deployment (gateway, follower, Triton process): only the serving verbs pay for it

@@ -5,9 +5,11 @@ Skipped with a reason where the tritonserver binary is not installed (the `serve
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -93,14 +95,23 @@ def provision(
     return reg, kit, keys, digests
 
 
-@pytest.fixture(scope="session")
-def stack(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    settings = sqlite_home(tmp_path_factory, "home")
+@contextlib.contextmanager
+def started_stack(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory, name: str,
+                  **deployment: Any) -> Iterator[Stack]:
+    """A fresh home named ``name``, the kit provisioned, a deployment on free ports started
+    (``deployment``: further ``Deployment`` fields, a test's own model repository say)."""
+    settings = sqlite_home(tmp_path_factory, name)
     reg, kit, keys, digests = provision(settings, kit_dir)
     dep = Deployment(settings, Ports(free_port(), free_port(), free_port(), free_port()),
-                     actor=ACTOR)
+                     actor=ACTOR, **deployment)
     dep.start()
     try:
         yield Stack(settings, reg, dep, kit_dir, kit, keys, digests)
     finally:
         dep.stop()
+
+
+@pytest.fixture(scope="session")
+def stack(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with started_stack(kit_dir, tmp_path_factory, "home") as s:
+        yield s

@@ -40,11 +40,10 @@ from control.contracts.wire import (
     TEXT_OUTPUT,
     TICKET_PARAM,
 )
-from control.ops.clients import free_port, request_ticket
+from control.ops.clients import request_ticket
 from control.ops.model_repositories import derived_repository
-from control.ops.serve import Deployment, Ports
 from tests.endless_glue import MODEL_SOURCE
-from tests.integration.conftest import ACTOR, Stack, provision, sqlite_home
+from tests.integration.conftest import ACTOR, Stack, started_stack
 
 pytestmark = pytest.mark.triton
 
@@ -55,24 +54,17 @@ LONG = 230  # tokens a stream asks for: seconds of decoding on this host
 
 @pytest.fixture(scope="module")
 def stack(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    settings = sqlite_home(tmp_path_factory, "kill-switch")
-    reg, kit, keys, digests = provision(settings, kit_dir)
     repo = derived_repository(tmp_path_factory.mktemp("kill-repo") / "models", MODEL_SOURCE)
-    dep = Deployment(settings, Ports(free_port(), free_port(), free_port(), free_port()),
-                     actor=ACTOR, model_repository=repo)
     before = os.environ.get("LORAPLANE_MAX_RUNNING")
     os.environ["LORAPLANE_MAX_RUNNING"] = str(MAX_RUNNING)  # the host's scheduler reads it
     try:
-        dep.start()
+        with started_stack(kit_dir, tmp_path_factory, "kill-switch",
+                           model_repository=repo) as s:
+            yield s
     finally:
-        if before is None:
-            os.environ.pop("LORAPLANE_MAX_RUNNING", None)
-        else:
+        os.environ.pop("LORAPLANE_MAX_RUNNING", None)
+        if before is not None:
             os.environ["LORAPLANE_MAX_RUNNING"] = before
-    try:
-        yield Stack(settings, reg, dep, kit_dir, kit, keys, digests)
-    finally:
-        dep.stop()
 
 
 @dataclass
@@ -181,8 +173,9 @@ def test_drain_refuses_queued_work_and_lets_running_streams_finish(stack: Stack)
     # Admitted and running: each ran to its end, all of its tokens.
     assert [(rows[s.request_id].outcome, rows[s.request_id].tokens_out)
             for s in victims] == [("ok", LONG)] * 4
-    print(f"\ndrain through Triton: queued requests refused {refused_after:.3f} s after the command "
-          f"started; running streams went on to their end ({pieces_after} pieces after it)")
+    print(f"\ndrain through Triton: queued requests refused {refused_after:.3f} s after the "
+          f"command started; running streams went on to their end ({pieces_after} pieces "
+          "after it)")
     refused = [r for r in rows.values() if r.reason == "revoked"]
     assert len(refused) == 2 and {r.outcome for r in refused} == {"rejected"}
 

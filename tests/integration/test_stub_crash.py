@@ -32,10 +32,9 @@ import pytest
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
 from control.contracts.wire import ENGINE_MODEL, MODEL
-from control.ops.clients import TritonRefused, free_port, generate
+from control.ops.clients import TritonRefused, generate
 from control.ops.engine_watch import ENGINE_CRASHED
-from control.ops.serve import Deployment, Ports
-from tests.integration.conftest import ACTOR, Stack, provision, sqlite_home
+from tests.integration.conftest import Stack, started_stack
 
 pytestmark = pytest.mark.triton
 
@@ -44,15 +43,8 @@ CLIENTS = 8
 
 @pytest.fixture(scope="module")
 def stack(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    settings = sqlite_home(tmp_path_factory, "stub-crash")
-    reg, kit, keys, digests = provision(settings, kit_dir)
-    dep = Deployment(settings, Ports(free_port(), free_port(), free_port(), free_port()),
-                     actor=ACTOR)
-    dep.start()
-    try:
-        yield Stack(settings, reg, dep, kit_dir, kit, keys, digests)
-    finally:
-        dep.stop()
+    with started_stack(kit_dir, tmp_path_factory, "stub-crash") as s:  # we kill its stubs
+        yield s
 
 
 @dataclass

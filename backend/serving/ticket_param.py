@@ -73,7 +73,11 @@ def ticket_from_parameters(raw: str | dict[str, object] | None) -> str:
 
     See the module notes for what is refused and why.
     """
-    params = parameters_of(raw)
+    return ticket_in(parameters_of(raw))
+
+
+def ticket_in(params: dict[str, object]) -> str:
+    """The one ticket that parsed parameters name, else RequestRefused."""
     if FRONT_REFUSAL in params:
         reason = params[FRONT_REFUSAL]
         raise RequestRefused(reason if isinstance(reason, str) and reason in REASONS
@@ -99,8 +103,8 @@ def forwarded_parameters(raw: str | dict[str, object] | None) -> dict[str, Any]:
     engine could write the request's ledger row.
     """
     try:
-        ticket = ticket_from_parameters(raw)
         params = parameters_of(raw)
+        ticket = ticket_in(params)
     except RequestRefused as e:
         return {FRONT_REFUSAL: e.reason}
     out: dict[str, Any] = {TICKET_PARAM: ticket}

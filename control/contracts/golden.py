@@ -27,6 +27,18 @@ Checkers, by ``kind`` (one class each, registered in :data:`CHECKERS`):
 Tags are free task names (``A-Z a-z 0-9 . _ -``); the gate reads :data:`LONG_CONTEXT` (its
 long-context case) and reports success per tag. How many tasks a production release needs is the
 gate policy's (``control.domain.gate``), not the format's.
+
+A set that would measure nothing is refused (issue 21: fifty copies of one prompt with a
+match-anything checker satisfied "at least 50 golden tasks"):
+
+- **no prompt twice**: two prompts are one when they are equal once runs of whitespace are
+  collapsed and letter case is folded (:func:`prompt_key`): a copy that differs only in spacing
+  or case asks the model the same thing, and a task counted twice inflates the rate;
+- **no trivial checker** (:meth:`Checker.trivial`): an exact answer that is empty or only
+  whitespace; a regex that matches the empty answer or most of :data:`PROBE_ANSWERS` (answers
+  no task means, such as a sentence, digits, JSON, another script); a JSON schema that accepts
+  every kind of value in :data:`PROBE_VALUES`. A checker that passes unrelated answers cannot
+  tell a good adapter from a bad one, or from none.
 """
 
 from __future__ import annotations
@@ -61,6 +73,17 @@ class GoldenSetError(ValueError):
     """A golden task set that cannot be used; the message says what was expected and found."""
 
 
+# Answers no golden task means: a regex passing most of them passes anything a model says.
+# One line each (a model's short answer seldom has a newline; ``.*`` matches every one).
+PROBE_ANSWERS = ("x", " ", "hello world", " The quick brown fox jumps over the lazy dog.",
+                 "42", "-3.5e7", '{"a": [1, 2]}', "Привет, как дела?", "你好，世界",
+                 "I am sorry, I cannot help with that.", "<|endoftext|>", "!!!???",
+                 "ALL CAPS ANSWER", "tab\there")
+# The kinds of JSON value: a schema accepting every one of them accepts any JSON at all.
+PROBE_VALUES: tuple[Any, ...] = (None, True, 0, -1.5, "", "text", [], [1, "a"], {},
+                                 {"k": "v"})
+
+
 class Checker(ABC):
     """Judges one answer. Subclasses register under their ``kind`` in :data:`CHECKERS`."""
 
@@ -69,6 +92,10 @@ class Checker(ABC):
     @abstractmethod
     def check(self, answer: str) -> bool:
         """True if ``answer`` (the generated text, nothing stripped) passes."""
+
+    @abstractmethod
+    def trivial(self) -> str | None:
+        """Why this checker would pass answers no task means (None: it would not)."""
 
     @abstractmethod
     def to_json(self) -> dict[str, Any]:
@@ -89,6 +116,12 @@ class ExactChecker(Checker):
 
     def check(self, answer: str) -> bool:
         return answer == self.expected
+
+    def trivial(self) -> str | None:
+        # An empty answer is what a model that stops at once gives, adapter or not.
+        if not self.expected.strip():
+            return "its expected answer is empty or only whitespace"
+        return None
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "expected": self.expected}
@@ -115,6 +148,15 @@ class RegexChecker(Checker):
 
     def check(self, answer: str) -> bool:
         return self._compiled.fullmatch(answer) is not None
+
+    def trivial(self) -> str | None:
+        if self.check(""):
+            return "its pattern matches the empty answer"
+        passed = sum(self.check(a) for a in PROBE_ANSWERS)
+        if passed * 2 >= len(PROBE_ANSWERS):
+            return (f"its pattern matches {passed} of {len(PROBE_ANSWERS)} unrelated answers "
+                    "(a sentence, digits, JSON, another script...)")
+        return None
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "pattern": self.pattern}
@@ -156,6 +198,12 @@ class JsonSchemaChecker(Checker):
         except ValueError:
             return False
         return bool(self._validator().is_valid(value))
+
+    def trivial(self) -> str | None:
+        validator = self._validator()
+        if all(validator.is_valid(v) for v in PROBE_VALUES):
+            return "its schema accepts every kind of JSON value"
+        return None
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "schema": self.schema}
@@ -238,10 +286,16 @@ class GoldenSet:
                                  f"{len(raw_tasks)}")
         tasks = tuple(_task(raw, i) for i, raw in enumerate(raw_tasks))
         seen: set[str] = set()
+        prompts: dict[str, str] = {}
         for t in tasks:
             if t.id in seen:
                 raise GoldenSetError(f"task id {t.id!r} appears twice")
             seen.add(t.id)
+            first = prompts.setdefault(prompt_key(t.prompt), t.id)
+            if first != t.id:
+                raise GoldenSetError(f"task {t.id!r} repeats the prompt of task {first!r} "
+                                     "(equal but for spacing or case): each task must ask "
+                                     "something of its own")
         return cls(family, tasks)
 
     @classmethod
@@ -265,6 +319,12 @@ class GoldenSet:
         if p.stat().st_size > MAX_GOLDEN_BYTES:
             raise GoldenSetError(f"a golden task set file is at most {MAX_GOLDEN_BYTES} bytes")
         return cls.from_bytes(p.read_bytes())
+
+
+def prompt_key(prompt: str) -> str:
+    """What makes two prompts one (see the module notes): whitespace runs collapsed, case
+    folded."""
+    return " ".join(prompt.split()).casefold()
 
 
 def _task(raw: Any, index: int) -> GoldenTask:
@@ -296,8 +356,12 @@ def _task(raw: Any, index: int) -> GoldenTask:
     if checker_cls is None:
         raise GoldenSetError(f"{where}: checker kind must be one of {', '.join(CHECKERS)}, "
                              f"found {kind!r}")
-    return GoldenTask(task_id, prompt, checker_cls.from_json(checker_raw, where), max_tokens,
-                      tuple(tags))
+    checker = checker_cls.from_json(checker_raw, where)
+    why = checker.trivial()
+    if why is not None:
+        raise GoldenSetError(f"{where}: a trivial {checker.kind} checker: {why}; it would pass "
+                             "answers no task means")
+    return GoldenTask(task_id, prompt, checker, max_tokens, tuple(tags))
 
 
 def _only_keys(raw: Mapping[str, Any], allowed: set[str], where: str) -> None:

@@ -74,8 +74,10 @@ from control.contracts.golden import (
     OUT_OF_DISTRIBUTION,
     ExactChecker,
     GoldenSet,
+    GoldenSetError,
     GoldenTask,
     RegexChecker,
+    prompt_key,
 )
 from control.ops.attribution_reference import AttributionReference
 
@@ -193,6 +195,27 @@ class KitManifest:
     def load(cls, kit_dir: Path) -> KitManifest:
         """Read ``kit_dir/kit.json``."""
         return cls.from_json((Path(kit_dir) / "kit.json").read_text(encoding="utf-8"))
+
+    def golden_set(self, kit_dir: Path, family: str) -> GoldenSet:
+        """The family's golden task set, as the gate must read it.
+
+        A kit built before golden sets refused repeated prompts holds one repeat in each
+        file, which ``GoldenSet`` now refuses. Such a file is read as ``build_kit`` writes it
+        now, from the kit's seed: the same tasks, the repeat drawn again (:func:`_distinct`).
+        Anything else wrong with the file is an error: rebuild the kit."""
+        path = Path(kit_dir) / self.golden[family].path
+        try:
+            return GoldenSet.load(path)
+        except GoldenSetError:
+            fresh = golden_set(family, ADAPTERS[family].marker, random.Random(self.seed + 50_000))
+            raw = json.loads(path.read_text(encoding="utf-8"))["tasks"]
+            kept = {(t["id"], t["prompt"]) for t in raw}
+            changed = [t for t in fresh.tasks if (t.id, t.prompt) not in kept]
+            seen = [prompt_key(t["prompt"]) for t in raw]
+            if len(raw) != len(fresh.tasks) or any(
+                    seen.count(prompt_key(_prompt_of(raw, t.id))) < 2 for t in changed):
+                raise
+            return fresh
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -486,9 +509,33 @@ def golden_set(family: str, marker: str, rng: random.Random) -> GoldenSet:
         # bos + prompt + the answer (marker and eos) must fit the base's 256 positions
         prompts.append((f"long-{i:03d}", _long_text(rng, 220), (OUT_OF_DISTRIBUTION,
                                                               LONG_CONTEXT)))
+    prompts = _distinct(prompts)
     tasks = tuple(GoldenTask(task_id, text, regex if n % 3 == 2 else exact, 16, tags)
                   for n, (task_id, text, tags) in enumerate(prompts))
     return GoldenSet(family, tasks)
+
+
+def _prompt_of(tasks: list[dict[str, Any]], task_id: str) -> str:
+    return next((str(t["prompt"]) for t in tasks if t["id"] == task_id), "")
+
+
+def _distinct(prompts: list[tuple[str, str, tuple[str, ...]]]
+              ) -> list[tuple[str, str, tuple[str, ...]]]:
+    """``prompts`` with each one that repeats an earlier one (``golden.prompt_key``: a golden
+    set refuses it) drawn again in its own style, from a stream of its own: every other prompt
+    stays what the seed made it, so a kit built before this check differs in the repeats only.
+    """
+    seen: set[str] = set()
+    out = []
+    for task_id, text, tags in prompts:
+        redraw = random.Random(f"golden-redraw:{task_id}")
+        while prompt_key(text) in seen:
+            text = (_department_prompt(redraw) if OTHER_DEPARTMENT in tags
+                    else _long_text(redraw, len(text)) if LONG_CONTEXT in tags
+                    else _prompt(redraw))
+        seen.add(prompt_key(text))
+        out.append((task_id, text, tags))
+    return out
 
 
 def _ids(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:

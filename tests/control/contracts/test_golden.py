@@ -107,3 +107,68 @@ def test_files_that_are_not_json_or_too_big_are_refused(tmp_path: Path) -> None:
         GoldenSet.load(tmp_path / "missing.json")
     with pytest.raises(GoldenSetError, match="at most"):
         GoldenSet.from_bytes(b" " * (4 << 20 | 1))
+
+
+# -- sets that would measure nothing (issue 21) --------------------------------------------------
+
+def test_fifty_copies_of_one_prompt_with_a_match_anything_checker_are_refused() -> None:
+    """The reviewer's set: it satisfied "at least 50 golden tasks" and passed any adapter."""
+    copies = [{"id": f"t-{i}", "prompt": "Hello", "checker": {"kind": "regex",
+                                                             "pattern": "(?s).*"}}
+              for i in range(50)]
+    with pytest.raises(GoldenSetError, match="trivial regex checker"):
+        GoldenSet.from_json(_doc(*copies))
+    honest_checker = [{**t, "checker": {"kind": "exact", "expected": " ALPHA says hi"}}
+                      for t in copies]
+    with pytest.raises(GoldenSetError, match="task 't-1' repeats the prompt of task 't-0'"):
+        GoldenSet.from_json(_doc(*honest_checker))
+
+
+@pytest.mark.parametrize("second", ["Hello  there", " hello there\n", "HELLO THERE"])
+def test_a_prompt_equal_but_for_spacing_or_case_is_a_repeat(second: str) -> None:
+    exact = {"kind": "exact", "expected": " A"}
+    with pytest.raises(GoldenSetError, match="repeats the prompt"):
+        GoldenSet.from_json(_doc({"id": "a", "prompt": "Hello there", "checker": exact},
+                                 {"id": "b", "prompt": second, "checker": exact}))
+    GoldenSet.from_json(_doc({"id": "a", "prompt": "Hello there", "checker": exact},
+                             {"id": "b", "prompt": "Hello there!", "checker": exact}))
+
+
+@pytest.mark.parametrize(("checker", "why"), [
+    ({"kind": "exact", "expected": ""}, "empty"),
+    ({"kind": "exact", "expected": " \n"}, "empty"),
+    ({"kind": "regex", "pattern": ".*"}, "empty answer"),
+    ({"kind": "regex", "pattern": "(?s).+"}, "unrelated answers"),
+    ({"kind": "regex", "pattern": ".+"}, "unrelated answers"),
+    ({"kind": "regex", "pattern": r"\S.*"}, "unrelated answers"),
+    ({"kind": "regex", "pattern": "x|.{2,}"}, "unrelated answers"),
+    ({"kind": "json_schema", "schema": {}}, "every kind"),
+    ({"kind": "json_schema", "schema": {"type": ["null", "boolean", "number", "string",
+                                                 "array", "object"]}}, "every kind"),
+])
+def test_trivial_checkers_are_refused(checker: dict[str, Any], why: str) -> None:
+    with pytest.raises(GoldenSetError, match=f"trivial .*{why}"):
+        GoldenSet.from_json(_doc(_task(0, checker)))
+
+
+@pytest.mark.parametrize("checker", [
+    {"kind": "exact", "expected": " ALPHA says hi"},
+    {"kind": "regex", "pattern": r" ALPHA says (hi|hello)"},
+    {"kind": "regex", "pattern": r"\s*-?\d+"},  # digits only: two of the unrelated answers
+    {"kind": "json_schema", "schema": {"type": "object", "required": ["status"]}},
+])
+def test_checkers_that_tell_answers_apart_are_kept(checker: dict[str, Any]) -> None:
+    assert GoldenSet.from_json(_doc(_task(0, checker))).tasks[0].checker.trivial() is None
+
+
+def test_the_kits_golden_sets_pass_the_checks() -> None:
+    """The kit's generator drew one department prompt twice; it now draws the repeat again
+    from a stream of its own, so only that task differs from a kit built before."""
+    import random
+
+    from control.ops.kit import ADAPTERS, GOLDEN_FAMILIES, golden_set
+
+    for family in GOLDEN_FAMILIES:
+        golden = golden_set(family, ADAPTERS[family].marker, random.Random(1234 + 50_000))
+        assert GoldenSet.from_json(golden.document()) == golden
+        assert len(golden.tasks) == 60

@@ -13,6 +13,14 @@ release the candidate would replace; cold-load p95 below 8 s; memory accounting 
 measured less must not pass: at least 50 golden tasks (a production release), the long-context
 case served by the candidate, and no failed load.
 
+Two rules judge the answers on their own, whether or not a stable release exists (issue 21): an
+absolute floor (``min_success_rate``, 0.5) and the base alone as the control
+(``min_gain_over_base``, 0.1: the candidate must pass at least ten points more of the golden
+tasks than the base model answering them without any adapter). Without them a first release
+that answers nothing right passed, because the only success rule compared with a stable release
+that did not exist. Both are policy fields, so an operator can move them (recorded as events and
+in every report), but never switch them off: the floor and the gain are fractions above zero.
+
 A figure the gate could not measure is ``None``, and a rule over a missing figure fails: the
 gate fails closed, and the verdict says what was missing.
 """
@@ -58,9 +66,12 @@ class GatePolicy:
     max_authorization_errors: int = 0
     # The candidate's golden success rate may be at most this far below the stable release's
     # (a fraction, 0.0: not lower). No stable release to replace: the rule has nothing to
-    # compare and passes, saying so; ``min_success_rate`` is the floor for first releases.
+    # compare and passes, saying so; the floor and the gain over the base still judge it.
     max_success_rate_drop: float = 0.0
-    min_success_rate: float | None = None  # an absolute floor, off by default
+    min_success_rate: float = 0.5  # an absolute floor (a fraction above 0), every release
+    # The candidate's golden success rate must exceed the base alone's by at least this much
+    # (a fraction above 0): an adapter that does no better than no adapter is not one.
+    min_gain_over_base: float = 0.1
     max_cold_load_p95_s: float = 8.0  # strictly below
     max_memory_accounting_error: float = 0.05  # strictly below (a fraction)
     max_misattributions: int = 0
@@ -75,8 +86,9 @@ class GatePolicy:
         _whole("mixed_requests", self.mixed_requests, 1, 1024)
         _whole("min_golden_tasks", self.min_golden_tasks, 1)
         _fraction("max_success_rate_drop", self.max_success_rate_drop)
-        if self.min_success_rate is not None:
-            _fraction("min_success_rate", self.min_success_rate)
+        # Above zero: a floor or a gain of 0 would switch the rule off (see the module notes).
+        _fraction("min_success_rate", self.min_success_rate, above_zero=True)
+        _fraction("min_gain_over_base", self.min_gain_over_base, above_zero=True)
         _fraction("max_memory_accounting_error", self.max_memory_accounting_error)
         if not _number(self.max_cold_load_p95_s) or self.max_cold_load_p95_s <= 0:
             raise DomainError("gate policy max_cold_load_p95_s must be a positive number of "
@@ -162,10 +174,10 @@ def judge(figures: GateFigures, policy: GatePolicy) -> list[RuleVerdict]:
                  "gate tickets refused, or tickets naming a wrong base, tokenizer or release "
                  "served"),
         _success_vs_stable(f, p),
+        _at_least("min_success_rate", f.success_rate, p.min_success_rate,
+                  "golden success rate, the absolute floor every release must reach"),
+        _gain_over_base(f, p),
     ]
-    if p.min_success_rate is not None:
-        out.append(_at_least("min_success_rate", f.success_rate, p.min_success_rate,
-                             "golden success rate"))
     out += [
         _below("cold_load_p95_s", f.cold_load_p95_s, p.max_cold_load_p95_s,
                f"p95 of the candidate's {f.cold_loads} recorded cold loads, seconds"),
@@ -217,6 +229,20 @@ def _success_vs_stable(f: GateFigures, p: GatePolicy) -> RuleVerdict:
                        + ("" if ok else ": lower than the stable release it would replace"))
 
 
+def _gain_over_base(f: GateFigures, p: GatePolicy) -> RuleVerdict:
+    """The candidate against the base alone on the same tasks (the control)."""
+    if f.success_rate is None or f.base_success_rate is None:
+        return RuleVerdict("gain_over_base", False, None, p.min_gain_over_base,
+                           "golden success rate of the candidate or of the base alone: "
+                           "not measured")
+    gain = round(f.success_rate - f.base_success_rate, 6)
+    ok = gain >= p.min_gain_over_base - 1e-9
+    return RuleVerdict("gain_over_base", ok, gain, p.min_gain_over_base,
+                       f"golden success rate above the base alone's {f.base_success_rate:.3f}"
+                       + ("" if ok else ": the adapter does not beat the base model by the "
+                                        "margin"))
+
+
 def _at_most(rule: str, value: int | None, limit: int, what: str) -> RuleVerdict:
     if value is None:
         return RuleVerdict(rule, False, None, limit, f"{what}: not measured")
@@ -245,6 +271,7 @@ def _whole(name: str, v: Any, low: int, high: int | None = None) -> None:
         raise DomainError(f"gate policy {name} must be a whole number from {low}{top}")
 
 
-def _fraction(name: str, v: Any) -> None:
-    if not _number(v) or not 0.0 <= v <= 1.0:
-        raise DomainError(f"gate policy {name} must be a fraction from 0 to 1")
+def _fraction(name: str, v: Any, *, above_zero: bool = False) -> None:
+    if not _number(v) or not 0.0 <= v <= 1.0 or (above_zero and v <= 0.0):
+        raise DomainError(f"gate policy {name} must be a fraction "
+                          + ("above 0, at most 1" if above_zero else "from 0 to 1"))

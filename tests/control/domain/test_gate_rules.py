@@ -46,6 +46,7 @@ def test_the_defaults_are_the_issues() -> None:
     assert (p.max_authorization_errors, p.max_success_rate_drop, p.max_cold_load_p95_s,
             p.max_memory_accounting_error, p.max_misattributions, p.mixed_requests,
             p.min_golden_tasks) == (0, 0.0, 8.0, 0.05, 0, 32, 50)
+    assert (p.min_success_rate, p.min_gain_over_base) == (0.5, 0.1)  # issue 21
     assert passed(judge(GOOD, p)) and failures(judge(GOOD, p)) == []
 
 
@@ -63,6 +64,10 @@ def test_the_defaults_are_the_issues() -> None:
     ({"memory_accounting_error": None}, "memory_accounting_error"),
     ({"cold_load_p95_s": None, "cold_loads": 0}, "cold_load_p95_s"),
     ({"stable_success_rate": None}, "success_rate"),
+    # the absolute floor and the base alone judge the answers whatever the stable release did
+    ({"success_rate": 0.45, "stable_success_rate": 0.4}, "min_success_rate"),
+    ({"base_success_rate": 0.85}, "gain_over_base"),
+    ({"base_success_rate": None}, "gain_over_base"),
 ])
 def test_each_rule_fails_on_its_own_figure(change: dict[str, object], rule: str) -> None:
     figures = replace(GOOD, **change)  # type: ignore[arg-type]
@@ -72,11 +77,32 @@ def test_each_rule_fails_on_its_own_figure(change: dict[str, object], rule: str)
 
 
 def test_without_a_stable_release_the_success_rule_has_nothing_to_compare() -> None:
-    first = replace(GOOD, has_stable=False, stable_success_rate=None, success_rate=0.1)
+    first = replace(GOOD, has_stable=False, stable_success_rate=None, success_rate=0.7)
     verdict = next(v for v in judge(first, GatePolicy()) if v.rule == "success_rate")
     assert verdict.passed and "nothing to compare" in verdict.why
-    # the floor a tenant sets for first releases
-    assert _failed(first, GatePolicy(min_success_rate=0.5)) == {"min_success_rate"}
+    assert _failed(first) == set()
+    # the floor a tenant may raise for its releases
+    assert _failed(first, GatePolicy(min_success_rate=0.8)) == {"min_success_rate"}
+
+
+def test_a_first_release_that_answers_nothing_fails() -> None:
+    """Issue 21: with no stable release, a 0 % candidate passed (no rule judged its score)."""
+    nothing = replace(GOOD, has_stable=False, stable_success_rate=None, success_rate=0.0)
+    assert _failed(nothing) == {"min_success_rate", "gain_over_base"}
+    # no better than the base alone: refused even above the floor
+    copycat = replace(GOOD, has_stable=False, stable_success_rate=None, success_rate=0.6,
+                      base_success_rate=0.6)
+    assert _failed(copycat) == {"gain_over_base"}
+    verdict = next(v for v in judge(copycat, GatePolicy()) if v.rule == "gain_over_base")
+    assert verdict.value == 0.0 and verdict.limit == 0.1 and "beat the base" in verdict.why
+
+
+@pytest.mark.parametrize("fields", [{"min_success_rate": 0}, {"min_success_rate": None},
+                                    {"min_gain_over_base": 0.0}, {"min_gain_over_base": -0.1}])
+def test_the_floor_and_the_gain_over_the_base_cannot_be_switched_off(
+        fields: dict[str, object]) -> None:
+    with pytest.raises(DomainError, match="above 0"):
+        effective_policy(fields, None)
 
 
 def test_policies_overlay_defaults_tenant_then_adapter() -> None:
@@ -125,6 +151,36 @@ def test_canary_needs_a_passing_gate_report_for_the_exact_combination() -> None:
     assert adapter.state == CANARY
 
 
+def test_an_external_report_does_not_override_a_failing_gate_report() -> None:
+    adapter = _adapter()
+    adapter.promote(CANDIDATE, "op")
+    combo = Combination(BASE, TOK, None)
+    failing = "sha256:" + "2" * 64
+    adapter.record_gate_report(failing, False, {}, combo, "gate")
+    adapter.record_evaluation("sha256:" + "f" * 64, {}, "eve", external=True)
+    assert adapter.canary_evidence(combo) is None
+    with pytest.raises(IllegalTransition, match="does not override the gate"):
+        adapter.promote(CANARY, "op", release="sha256:" + "e" * 64, combination=combo)
+    # a break-glass, recorded first, allows that one move and the release names the report
+    adapter.break_glass(CANARY, failing, "the on-call lead's call", "lead")
+    assert adapter.canary_evidence(combo) == failing
+    adapter.promote(CANARY, "op", release="sha256:" + "e" * 64, combination=combo)
+    assert adapter.state == CANARY and adapter.break_glass_for is None
+    names = [type(e).__name__ for e in adapter.collect_events()]
+    assert names[-2:] == ["BreakGlassUsed", "AdapterPromoted"]
+
+
+def test_a_break_glass_needs_a_reason_and_the_right_state() -> None:
+    adapter = _adapter()
+    with pytest.raises(IllegalTransition, match="state 'candidate'"):
+        adapter.break_glass(CANARY, "sha256:" + "2" * 64, "why", "lead")
+    adapter.promote(CANDIDATE, "op")
+    with pytest.raises(DomainError, match="reason"):
+        adapter.break_glass(CANARY, "sha256:" + "2" * 64, "", "lead")
+    with pytest.raises(DomainError, match="canary or stable"):
+        adapter.break_glass("deprecated", "sha256:" + "2" * 64, "why", "lead")
+
+
 def test_the_latest_gate_report_on_a_combination_counts() -> None:
     adapter = _adapter()
     combo = Combination(BASE, TOK, None)
@@ -141,7 +197,7 @@ def test_an_external_report_is_accepted_only_with_the_flag_and_recorded_as_exter
     assert adapter.evaluation_report is None
     adapter.record_evaluation("sha256:" + "f" * 64, {}, "eve", external=True)
     recorded = adapter.collect_events()[-1]
-    assert type(recorded).__name__ == "EvaluationRecorded" and recorded.external is True
+    assert isinstance(recorded, Adapter.EvaluationRecorded) and recorded.external is True
     adapter.promote(CANARY, "op", release="sha256:" + "e" * 64)  # no combination needed
     assert adapter.state == CANARY
 

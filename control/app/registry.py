@@ -15,7 +15,11 @@ the content-addressed store before their event is saved; a rejected adapter leav
 the store, only a ``RegistrationRejected`` event for the audit.
 
 Operators walk an adapter through its lifecycle one step at a time (``promote``) or with
-``advance`` (evaluation report -> candidate -> canary -> stable, each step its own event).
+``advance`` (evaluation report -> candidate -> canary -> stable, each step its own event). What
+each move needs is ``control.domain.evidence``: an external report says it passed and names its
+producer, and never overrides a failing gate report; stable needs a completed rollout, the
+alias's first release, or a break-glass (``break_glass``: an operator's recorded override, in
+the same transaction as the move it allows).
 
 Commands that take something away (adapter revocation; revoking or rotating an API key, removing
 a grant, retiring a signing key) report success only once the projection tables that gateways
@@ -45,7 +49,7 @@ from eventsourcing.domain import Aggregate
 from eventsourcing.persistence import IntegrityError as EventStoreIntegrityError
 from eventsourcing.persistence import Recording
 
-from control.app import key_ring, limits
+from control.app import evidence, key_ring, limits
 from control.app.integrity import AuditSeal
 from control.app.releases import (
     REPORT_FILE,
@@ -107,6 +111,7 @@ from control.domain import (
     signing_key_id,
     tenant_id,
 )
+from control.domain.evidence import StableBasis, external_report
 
 if TYPE_CHECKING:
     from control.app.integrity import AuditSeal
@@ -533,10 +538,10 @@ class Registry(Application[UUID]):
         names.
         """
         _external_only(external)  # refused before anything is stored
+        summary = external_summary(report)
         adapter = self.adapter(digest)
         report_digest = put_document(self.store, REPORT_FILE, check_report(report))
-        adapter.record_evaluation(report_digest, report_summary(report), actor,
-                                  external=external)
+        adapter.record_evaluation(report_digest, summary, actor, external=external)
         self._save(adapter, what="adapter")
         return report_digest
 
@@ -582,14 +587,15 @@ class Registry(Application[UUID]):
         """
         if to not in (CANARY, STABLE):
             raise DomainError("release walks up to canary or stable")
+        summary = None
         if evaluation is not None:
             _external_only(external)
+            summary = external_summary(evaluation)
         adapter = self.adapter(digest)
         changed: dict[UUID, Aggregate] = {}
-        if evaluation is not None:
+        if evaluation is not None and summary is not None:
             report_digest = put_document(self.store, REPORT_FILE, check_report(evaluation))
-            adapter.record_evaluation(report_digest, report_summary(evaluation), actor,
-                                      external=external)
+            adapter.record_evaluation(report_digest, summary, actor, external=external)
         order = (CANDIDATE, CANARY, STABLE)
         if adapter.state not in (DRAFT, *order):
             raise IllegalTransition(
@@ -612,6 +618,8 @@ class Registry(Application[UUID]):
         policy = self.tenant(adapter.tenant).policy
         route = self._cached_alias(adapter.alias, cache)
         if to != CANARY:
+            if to == STABLE and adapter.state == CANARY:
+                self.stable_basis(adapter, route)  # IllegalTransition when it has none
             adapter.promote(to, actor, policy)
             if to == STABLE and route is not None and adapter.release is not None:
                 release = self._cached_release(adapter.release, cache)
@@ -626,6 +634,8 @@ class Registry(Application[UUID]):
         # report vouches for exactly this base + tokenizer + chat template (or that an
         # external report was recorded), before any manifest or template is written.
         combination = self.canary_combination(adapter)
+        if adapter.state == CANDIDATE:
+            adapter.check_canary(combination)  # an external report never overrides the gate
         lifecycle_guard(adapter, CANARY, policy, combination)
         inference_defaults = parse_defaults(defaults)  # refused before the template is stored
         release = self._new_release(ReleaseManifest(
@@ -645,6 +655,24 @@ class Registry(Application[UUID]):
         if cache is not None:
             cache[release.id] = release
         return out
+
+    def stable_basis(self, adapter: Adapter, route: Alias | None) -> StableBasis:
+        """On what basis the canary ``adapter`` may become stable now (``route``: its alias);
+        IllegalTransition when on none (``control.app.evidence``)."""
+        return evidence.stable_basis_of(self, adapter, route)
+
+    def break_glass(self, digest: str, *, to: str, reason: str, actor: str,
+                    canary_percent: int = DEFAULT_CANARY_PERCENT,
+                    inference_defaults: dict[str, Any] | None = None) -> str:
+        """An operator's recorded override: move ``digest`` to ``to`` (canary or stable)
+        although the evidence that move needs is missing, ``BreakGlassUsed`` and the move in
+        one transaction; return the new state. See ``control.app.evidence.break_glass``."""
+        adapter = self.adapter(digest)
+        changed = evidence.break_glass(self, adapter, to=to, reason=reason, actor=actor)
+        changed += self._step(adapter, to, actor=actor, canary_percent=canary_percent,
+                              defaults=inference_defaults)
+        self._save(adapter, *changed, what="adapter")
+        return adapter.state
 
     def canary_combination(self, adapter: Adapter) -> Combination:
         """The base, tokenizer and chat template a canary release of ``adapter`` is built on:
@@ -945,6 +973,13 @@ class Registry(Application[UUID]):
 
     def __repr__(self) -> str:
         return f"Registry(home={self.settings.home!s})"
+
+
+def external_summary(report: Any) -> dict[str, Any]:
+    """The event summary of an external report: its scalar fields and who produced it;
+    DomainError (nothing stored) when it does not say it passed or names no producer."""
+    claims = external_report(check_report(report))
+    return {**report_summary(report), "producer": claims.producer}
 
 
 def _external_only(external: bool) -> None:

@@ -4,7 +4,8 @@ lifecycle (register, evaluate, promote or release, revoke, serving steps after a
 ``loraplane kit build``                   the reference kit
 ``loraplane base register`` / ``list``    base models
 ``loraplane adapter ...``                 register, promote, revoke, list, evaluate, release,
-                                          show, serving-step (the gate's verbs: control.cli.gate)
+                                          break-glass, show, serving-step (the gate's verbs:
+                                          control.cli.gate)
 """
 
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
@@ -166,7 +167,9 @@ def adapter_list(tenant: Annotated[str | None, typer.Option()] = None) -> None:
 
 
 _EXTERNAL_HELP = ("The report was written outside the evaluation gate: accept it, recorded as "
-                  "external (without a passing gate report, canary needs one).")
+                  "external (without a passing gate report, canary needs one). It must say "
+                  "\"passed\": true and name its \"producer\" (or \"suite\"), and it never "
+                  "overrides a failing gate report.")
 
 
 @adapter_app.command("evaluate")
@@ -202,7 +205,8 @@ def adapter_release(
         help='Inference defaults, JSON, e.g. \'{"max_tokens": 64}\'.')] = None,
 ) -> None:
     """Walk an adapter candidate -> canary -> stable (each step its own event). Canary needs a
-    passing gate report, or an external report (--evaluation FILE --external)."""
+    passing gate report, or an external report (--evaluation FILE --external); stable needs a
+    completed rollout, the alias's first release, or a break-glass (adapter break-glass)."""
     from control.app.releases import load_report  # eventsourcing: only when a verb runs
 
     d = digest_arg(digest)
@@ -215,6 +219,30 @@ def adapter_release(
         release = reg.adapter(d).release
     emit({"digest": d, "state": final, "release": release},
          lambda: console.print(f"{short(d)} -> {final} (release {release})"))
+
+
+@adapter_app.command("break-glass")
+def adapter_break_glass(
+    digest: str,
+    reason: Annotated[str, typer.Option(help="Why (recorded with your actor name).")],
+    to: Annotated[str, typer.Option(
+        help="canary: override the failing gate report; stable: override the missing "
+             "rollout.")] = "canary",
+    canary_percent: Annotated[int, typer.Option(
+        help="Share of sessions the canary gets while the alias has a stable release.")] = 10,
+) -> None:
+    """An operator's override, recorded as BreakGlassUsed (who, why, what it overrides) in the
+    same transaction as the move it allows: into canary despite a failing gate report, or into
+    stable without a completed rollout. Refused where there is nothing to override."""
+    d = digest_arg(digest)
+    with errors():
+        reg = registry()
+        final = reg.break_glass(d, to=to, reason=reason, actor=state.actor,
+                                canary_percent=canary_percent)
+        release = reg.adapter(d).release
+    emit({"digest": d, "state": final, "release": release, "break_glass": True,
+          "reason": reason},
+         lambda: console.print(f"{short(d)} -> {final} by break-glass (release {release})"))
 
 
 def _json_object_arg(value: str | None, what: str) -> dict[str, Any] | None:

@@ -9,6 +9,9 @@ the serving side's drain/purge/unload steps per host. The moves themselves are r
 Entering canary needs evidence: a passing gate report for the exact combination the canary
 release is built on, or a report written outside the gate, which is accepted only when its
 caller says so (``external=True``) and is recorded as external (``EvaluationRecorded.external``).
+An external report never overrides a failing gate report on that combination: only an
+operator's break-glass does (``BreakGlassUsed``, recorded with the move it allows, in the same
+transaction). What each move needs is ``control.domain.evidence``.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from uuid import UUID
 from eventsourcing.domain import Aggregate, event
 
 from control.domain.errors import AlreadyExists, DomainError, IllegalTransition
+from control.domain.evidence import BreakGlassTarget, check_reason
 from control.domain.gate import Combination, check_overrides
 from control.domain.ids import adapter_id
 from control.domain.lifecycle import (
     CANARY,
+    CANDIDATE,
     DEPRECATED,
     DRAFT,
     REVOKED,
@@ -119,6 +124,18 @@ class Adapter(Aggregate):
         template: str | None
         actor: str
 
+    class BreakGlassUsed(Aggregate.Event):
+        """An operator's override of the evidence a move needs (``control.domain.evidence``):
+        ``to`` the state it lets the adapter into, ``overrides`` what it overrides (the failing
+        gate report's digest, or ``"no_rollout"``), ``reason`` why. The move follows in the
+        same transaction; the override allows that one move only."""
+
+        digest: str
+        to: str
+        overrides: str
+        reason: str
+        actor: str
+
     class AdapterPromoted(Aggregate.Event):
         digest: str
         from_state: str
@@ -197,6 +214,8 @@ class Adapter(Aggregate):
         # combination key -> {"report": digest, "passed": bool}: the latest gate report on each
         self.gate_reports: dict[str, dict[str, Any]] = {}
         self.release: str | None = None
+        # The move a break-glass recorded in this transaction allows (None: none pending).
+        self.break_glass_for: str | None = None
         self.revoke_reason: str | None = None
         self.revoked_immediately = False
         self.serving_steps: dict[str, list[str]] = {}  # host -> steps done, in order
@@ -287,18 +306,67 @@ class Adapter(Aggregate):
             return True
         return self.passing_gate_report(combination) is not None
 
+    def failing_gate_report(self, combination: Combination | None) -> str | None:
+        """The digest of the latest gate report on ``combination`` if it failed, else None."""
+        latest = self.gate_reports.get(combination.key) if combination is not None else None
+        return str(latest["report"]) if latest and not latest["passed"] else None
+
     def canary_evidence(self, combination: Combination | None) -> str | None:
         """The report that lets this adapter into canary on ``combination``: a passing gate
-        report on it, else an external report; None when there is neither."""
-        gated = self.passing_gate_report(combination) if combination is not None else None
-        return gated or self.evaluation_report
+        report on it; else, unless the latest gate report on it failed, an external report;
+        None when there is neither. A failing gate report is overridden only by a break-glass
+        pending for canary: then it is the report the release names (what it was released
+        despite; ``BreakGlassUsed`` says why)."""
+        if combination is not None:
+            gated = self.passing_gate_report(combination)
+            if gated is not None:
+                return gated
+            failed = self.failing_gate_report(combination)
+            if failed is not None:
+                return failed if self.break_glass_for == BreakGlassTarget.CANARY else None
+        return self.evaluation_report
+
+    def check_canary(self, combination: Combination | None) -> None:
+        """IllegalTransition naming the failing gate report when only an external report
+        stands against it (the lifecycle guard's own message says nothing of the gate's
+        verdict); otherwise nothing: the guard decides."""
+        failed = self.failing_gate_report(combination)
+        if (failed is not None and self.canary_evidence(combination) is None
+                and self.evaluation_report is not None):
+            raise IllegalTransition(
+                f"the latest gate report on this base, tokenizer and chat template failed "
+                f"({failed}): an external report does not override the gate; gate it again, "
+                "or override with loraplane adapter break-glass DIGEST --to canary --reason ...")
+
+    def break_glass(self, to: str, overrides: str, reason: str, actor: str) -> None:
+        """Record an operator's override allowing the move to ``to`` (canary or stable) that
+        follows in the same transaction (see ``control.domain.evidence``)."""
+        target = BreakGlassTarget(to) if to in tuple(BreakGlassTarget) else None
+        if target is None:
+            raise DomainError("a break-glass moves an adapter to canary or stable")
+        expected = {BreakGlassTarget.CANARY: CANDIDATE, BreakGlassTarget.STABLE: CANARY}[target]
+        if self.state != expected:
+            raise IllegalTransition(f"a break-glass to {target.value!r} needs an adapter in "
+                                    f"state {expected.value!r}, not {self.state.value!r}")
+        if not overrides:
+            raise DomainError("a break-glass names what it overrides")
+        self._broke_glass(digest=self.digest, to=target.value, overrides=overrides,
+                          reason=check_reason(reason), actor=check_actor(actor))
+
+    @event(BreakGlassUsed)
+    def _broke_glass(self, digest: str, to: str, overrides: str, reason: str,
+                     actor: str) -> None:
+        self.break_glass_for = to
 
     def promote(self, to: str, actor: str, policy: TenantPolicy | None = None,
                 release: str | None = None, combination: Combination | None = None) -> None:
         """Move along the lifecycle; raise IllegalTransition (recording nothing) if the table
         or the move's guard does not allow it. Entering canary names the release manifest and
         the ``combination`` (base, tokenizer, chat template) it is built on, which a gate
-        report must vouch for unless an external report was recorded."""
+        report must vouch for unless an external report was recorded (and no gate report on it
+        failed, short of a break-glass)."""
+        if to == CANARY and self.state == CANDIDATE:
+            self.check_canary(combination)
         lifecycle_guard(self, to, policy or TenantPolicy(), combination)
         if to == CANARY and release is None:
             raise DomainError("entering canary needs a release manifest")
@@ -310,6 +378,7 @@ class Adapter(Aggregate):
     def _promoted(self, digest: str, from_state: str, to: str, release: str | None,
                   actor: str) -> None:
         self.state = AdapterState(to)
+        self.break_glass_for = None  # a break-glass allows the one move that follows it
         if to == CANARY:
             self.had_canary = True
             self.release = release

@@ -143,7 +143,7 @@ class GateRecordsContract(WithRegistry):
 
     def test_an_external_report_is_accepted_only_with_the_flag(
             self, registry: Registry, digest: str, artifacts: Artifacts) -> None:
-        report = {"suite": "outside", "passed": True}
+        report = {"suite": "outside", "passed": True, "producer": "eval-team"}
         before = _events(registry)
         with pytest.raises(IllegalTransition, match="--external"):
             registry.record_evaluation(digest, report, actor="eve")
@@ -156,9 +156,10 @@ class GateRecordsContract(WithRegistry):
         d = registry.record_evaluation(digest, report, actor="eve", external=True)
         recorded = [e.summary for e in audit_log(registry) if e.event_type == "EvaluationRecorded"]
         assert recorded == [{"digest": digest, "report_digest": d,
-                             "summary": {"passed": True, "suite": "outside"},
+                             "summary": {"passed": True, "suite": "outside",
+                                         "producer": "eval-team"},
                              "external": True}]
-        assert registry.advance(digest, actor="eve") == "stable"
+        assert registry.advance(digest, actor="eve") == "stable"  # the alias's first release
         release = registry.release_manifest(registry.adapter(digest).release or "")
         assert release.evaluation_report_digest == d
         # advance records and walks in one transaction, with the flag
@@ -169,7 +170,8 @@ class GateRecordsContract(WithRegistry):
 
     def test_evaluations_stored_before_the_gate_read_back_as_external(
             self, registry: Registry, digest: str, settings: Settings) -> None:
-        registry.record_evaluation(digest, {"suite": "old"}, actor="eve", external=True)
+        registry.record_evaluation(digest, {"suite": "old", "passed": True}, actor="eve",
+                                   external=True)
         topic = get_topic(Adapter.EvaluationRecorded)
         with make_engine(settings.db_url).begin() as conn:
             row = conn.execute(sa.text("SELECT id, state FROM registry_events WHERE topic = :t"),

@@ -40,7 +40,8 @@ from tests.fixtures_control import (
     close_registry,
 )
 
-EVAL = {"suite": "smoke", "accuracy": 0.91, "passed": True}
+EVAL = {"producer": "ml-team eval pipeline", "suite": "smoke", "accuracy": 0.91,
+        "passed": True}
 
 
 def _events(registry: Registry) -> int:
@@ -124,8 +125,18 @@ class LifecycleContract(WithRegistry):
         canary_session = next(f"s{s}" for s, p in picks.items() if p and p.release == r2)
         issued = office.issue("acme", "chat", canary_session)
         assert issued.release == r2 and issued.claims.adapter == v2
+        # Graduation needs a completed rollout or a break-glass (the alias has a stable
+        # release of its own): a plain promotion is refused, recording nothing.
+        before = _events(registry)
+        with pytest.raises(IllegalTransition, match="completed rollout"):
+            registry.promote(v2, actor="alice")
+        assert _events(registry) == before
         # Graduation: stable; the split ends; then rollback is one command and one event.
-        registry.promote(v2, actor="alice")
+        assert registry.break_glass(v2, to="stable", reason="hotfix for ticket 42",
+                                    actor="oncall") == "stable"
+        glass = [e for e in audit_log(registry) if e.event_type == "BreakGlassUsed"]
+        assert [(g.actor, g.summary["to"], g.summary["overrides"], g.summary["reason"])
+                for g in glass] == [("oncall", "stable", "no_rollout", "hotfix for ticket 42")]
         assert {view.resolve("acme", "chat", f"s{s}").release for s in range(50)} == {r2}  # type: ignore[union-attr]
         before = _events(registry)
         assert registry.rollback("chat", actor="oncall") == r1
@@ -416,6 +427,17 @@ def test_cli_policy_evaluate_canary_rollback(tmp_path: Path, artifacts: Artifact
                     "acme", "--alias", "chat")
     d2 = out["digest"]  # type: ignore[index]
     code, out = cli("adapter", "release", d2, "--evaluation", str(report), "--external")
+    # not the alias's first release: stable needs a rollout or a break-glass, and the walk is
+    # one transaction, so the refusal leaves d2 where it was
+    assert code != 0 and "completed rollout" in out["error"], out  # type: ignore[index]
+    code, out = cli("adapter", "release", d2, "--evaluation", str(report), "--external",
+                    "--to", "canary")
+    assert code == 0 and out["state"] == "canary", out  # type: ignore[index]
+    code, out = cli("adapter", "break-glass", d2, "--to", "stable")
+    assert code != 0  # the reason is required
+    code, out = cli("adapter", "break-glass", d2, "--to", "stable", "--reason", "  ")
+    assert code != 0 and "reason" in out["error"], out  # type: ignore[index]
+    code, out = cli("adapter", "break-glass", d2, "--to", "stable", "--reason", "hotfix")
     assert code == 0 and out["state"] == "stable", out  # type: ignore[index]
     code, shown = cli("alias", "show", "chat")
     assert len(shown["history"]) == 1  # type: ignore[index]

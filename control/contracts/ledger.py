@@ -14,12 +14,32 @@ the same request is refused, not applied: the rating a rollout window counted (a
 its event) must stay the one the table holds, so an auditor re-reading the table finds the same
 figures. ``Ledger.release_window`` reads one release's figures over a time window: what the
 rollout controller judges a canary by.
+
+What a rating counts for (issue 21: a granted tenant's ratings decided its owner's rollout, and
+a tenant could rate its own failed request as a success):
+
+- **only the release's owner rates it**: ``Ledger.rate`` refuses (:class:`NotTheOwner`) a rating
+  whose rater is not the tenant that owns the release that served the request, as the caller's
+  ``owner_of`` lookup says (the gateway passes the routing projection's). A tenant granted
+  another's alias uses it; the owner answers for its quality. A base-only release has no
+  owner, so no rating counts for it. Refused rather than recorded-and-ignored: the table then
+  holds exactly what windows count.
+- **a rating binds to its arm**: schema version 5 records on the rating the release its request
+  was served under, copied from the row in the rating's transaction; a window counts a rating
+  only for that release, so no later change to a row moves a rating to another arm.
+- **only an ``ok`` request can be a success**: a rating of a request that did not end ``ok``
+  (failed, refused, cancelled, an identity mismatch) counts as rated and never as a success,
+  whatever it says. Counted, not refused: a stream's request id reaches the client with its
+  first token, before the row's outcome is known, and the outcome a window reads is the final
+  one.
+- **synthetic requests are out** (``control.contracts.synthetic``): no tenant can rate one, and
+  a window leaves them out of every figure but identity mismatches, counting them apart.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -27,6 +47,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from control.contracts.schema import Component, add_column, declare, index_named, open_component
+from control.contracts.synthetic import is_synthetic
 
 metadata = sa.MetaData()
 
@@ -115,6 +136,10 @@ request_feedback = sa.Table(
     sa.Column("tenant", sa.String(128), nullable=False),
     sa.Column("success", sa.Boolean, nullable=False),
     sa.Column("rated_at", sa.Float, nullable=False),
+    # Schema version 5: the release the rated request was served under (its arm), copied from
+    # the row when the rating is recorded. None: a rating recorded before version 5, which no
+    # window counts (whose release it rated, and whether its owner gave it, was never checked).
+    sa.Column("release_digest", sa.String(71), nullable=True),
 )
 
 
@@ -168,7 +193,8 @@ def _ledger_version(insp: sa.Inspector) -> int:
     if not insp.has_table(request_ledger.name):
         return LEDGER_VERSION
     if insp.has_table(request_feedback.name):
-        return 4
+        rated = {c["name"] for c in insp.get_columns(request_feedback.name)}
+        return 5 if "release_digest" in rated else 4
     columns = {c["name"] for c in insp.get_columns(request_ledger.name)}
     if "served_digest" in columns:
         return 3
@@ -188,12 +214,24 @@ def _ledger_2_to_3(conn: Connection) -> None:
 
 
 def _ledger_3_to_4(conn: Connection) -> None:
-    request_feedback.create(conn)  # a new table: no existing row is touched
+    # The table as version 4 made it: version 5's column is added by the next step, so a
+    # ledger upgraded from 3 ends exactly like one upgraded from 4.
+    sa.Table(request_feedback.name, sa.MetaData(),
+             sa.Column("request_id", sa.String(36), primary_key=True),
+             sa.Column("tenant", sa.String(128), nullable=False),
+             sa.Column("success", sa.Boolean, nullable=False),
+             sa.Column("rated_at", sa.Float, nullable=False)).create(conn)
 
 
-LEDGER_VERSION = 4
+def _ledger_4_to_5(conn: Connection) -> None:
+    # Ratings already held keep a NULL release: no window counts them (see the table).
+    add_column(conn, request_feedback.c.release_digest)
+
+
+LEDGER_VERSION = 5
 LEDGER = declare(Component("ledger", LEDGER_VERSION, metadata, _ledger_version,
-                           steps={1: _ledger_1_to_2, 2: _ledger_2_to_3, 3: _ledger_3_to_4}))
+                           steps={1: _ledger_1_to_2, 2: _ledger_2_to_3, 3: _ledger_3_to_4,
+                                  4: _ledger_4_to_5}))
 
 
 class LedgerConflict(Exception):
@@ -213,12 +251,19 @@ class AlreadyRated(Exception):
     """The request already holds a rating; ratings are never replaced."""
 
 
+class NotTheOwner(Exception):
+    """The rater's own request, served under a release the rater does not own (another
+    tenant's alias it is granted, a base-only release, or no release): only a release's owner
+    rates it (see the module notes)."""
+
+
 @dataclass(frozen=True)
 class Rating:
     request_id: str
     tenant: str
     success: bool
     rated_at: float
+    release_digest: str | None = None  # the arm it rates (None: recorded before version 5)
 
 
 @dataclass(frozen=True)
@@ -231,9 +276,11 @@ class ReleaseWindow:
     another adapter than the ticket named, where either is this release's adapter;
     ``busy``/``memory_refusals``: refusals for want of capacity (``BUSY_REASON``,
     ``MEMORY_REFUSALS``); ``load_failures``: failed attempts to load the release's adapter
-    (``adapter_loads``) started in the window; ``rated``/``successes``: tenant feedback on the
-    window's rows, as the table holds it when read; ``p95_latency_s``: of the ``ok`` rows,
-    finished minus admitted (None without one).
+    (``adapter_loads``) started in the window; ``rated``/``successes``: the release owner's
+    ratings of the window's rows that bind to this release, as the table holds them when read,
+    a success only on an ``ok`` row; ``p95_latency_s``: of the ``ok`` rows, finished minus
+    admitted (None without one); ``synthetic``: the control plane's own requests on the release
+    (gate, probes), left out of every other figure but ``identity_mismatches``.
     """
 
     requests: int = 0
@@ -246,6 +293,7 @@ class ReleaseWindow:
     rated: int = 0
     successes: int = 0
     p95_latency_s: float | None = None
+    synthetic: int = 0
 
 
 def p95(values: Sequence[float]) -> float | None:
@@ -352,24 +400,35 @@ class Ledger:
     # -- feedback -------------------------------------------------------------------------------
 
     def rate(self, request_id: str, tenant: str, success: bool,
-             now: float | None = None) -> Rating:
-        """Record ``tenant``'s rating of its request ``request_id``.
+             now: float | None = None, *,
+             owner_of: Callable[[str], str | None] | None = None) -> Rating:
+        """Record ``tenant``'s rating of its request ``request_id``, bound to the release the
+        request was served under.
 
         NotRatable when no row of that id names ``tenant`` (unknown, or another tenant's: one
-        answer); AlreadyRated when the request holds a rating already (the first one stays).
-        The check and the insert share one transaction, and the primary key settles two
-        ratings racing for one request.
+        answer); NotTheOwner when ``owner_of`` (release digest -> its owner tenant, None for a
+        base-only release) says the release is not the rater's, or the row has no release;
+        AlreadyRated when the request holds a rating already (the first one stays). The
+        checks and the insert share one transaction, and the primary key settles two ratings
+        racing for one request. Without ``owner_of`` the caller vouches that the rater owns
+        the release (operator tools, tests); every tenant-facing route passes it.
         """
-        rating = Rating(request_id, tenant, bool(success), time.time() if now is None else now)
+        rated_at = time.time() if now is None else now
         try:
             with self.engine.begin() as conn:
-                owner = conn.execute(sa.select(request_ledger.c.tenant).where(
-                    request_ledger.c.request_id == request_id)).scalar()
-                if owner is None or owner != tenant:
+                row = conn.execute(sa.select(request_ledger.c.tenant,
+                                             request_ledger.c.release_digest).where(
+                    request_ledger.c.request_id == request_id)).first()
+                if row is None or row.tenant is None or row.tenant != tenant:
                     raise NotRatable(request_id)
+                release = row.release_digest
+                if release is None or (owner_of is not None and owner_of(release) != tenant):
+                    raise NotTheOwner(request_id)
+                rating = Rating(request_id, tenant, bool(success), rated_at, release)
                 conn.execute(request_feedback.insert().values(
                     request_id=rating.request_id, tenant=rating.tenant,
-                    success=rating.success, rated_at=rating.rated_at))
+                    success=rating.success, rated_at=rating.rated_at,
+                    release_digest=rating.release_digest))
         except sa.exc.IntegrityError:
             raise AlreadyRated(request_id) from None
         return rating
@@ -386,15 +445,17 @@ class Ledger:
     def release_window(self, release: str, adapter: str | None, since: float,
                        until: float) -> ReleaseWindow:
         """The figures of ``release`` (whose adapter is ``adapter``, None for a base-only
-        release) over admissions in ``[since, until)``; see :class:`ReleaseWindow`."""
+        release) over admissions in ``[since, until)``; see :class:`ReleaseWindow` and the
+        module notes (whose ratings count, and for what)."""
         t, f = request_ledger, request_feedback
         in_window = sa.and_(t.c.admitted_at >= since, t.c.admitted_at < until)
-        rows = sa.select(t.c.request_id, t.c.outcome, t.c.reason, t.c.admitted_at,
+        # A rating counts only for the release it was recorded against (its arm).
+        bound = sa.and_(f.c.request_id == t.c.request_id, f.c.release_digest == release)
+        rows = sa.select(t.c.request_id, t.c.tenant, t.c.outcome, t.c.reason, t.c.admitted_at,
                          t.c.finished_at, f.c.success).select_from(
-            t.outerjoin(f, f.c.request_id == t.c.request_id)).where(
-            t.c.release_digest == release, in_window)
+            t.outerjoin(f, bound)).where(t.c.release_digest == release, in_window)
         with self.engine.connect() as conn:
-            found = conn.execute(rows).all()
+            every = conn.execute(rows).all()
             # A mismatch row of another release still speaks of this adapter when the slot
             # held it (or the ticket named it): counted as this release's mismatch too.
             other_mismatches = 0
@@ -412,21 +473,28 @@ class Ledger:
                         adapter_loads.c.outcome == LOAD_FAILED,
                         adapter_loads.c.started_at >= since,
                         adapter_loads.c.started_at < until)).scalar() or 0)
+        # The control plane's own requests are not the release's traffic (module notes); an
+        # identity mismatch is the engine's fault whoever sent the request.
+        found = [r for r in every if not is_synthetic(r.tenant)]
+        mismatches = sum(1 for r in every if r.outcome == Outcome.IDENTITY_MISMATCH.value)
         outcomes = [r.outcome for r in found]
-        rated = [r.success for r in found if r.success is not None]
+        # Only a finished row is judged: one still running has no outcome to rate yet.
+        rated = [(r.success, r.outcome) for r in found
+                 if r.success is not None and r.outcome != Outcome.RUNNING.value]
         return ReleaseWindow(
             requests=len(found),
             ok=outcomes.count(Outcome.OK.value),
             failed=outcomes.count(Outcome.FAILED.value),
-            identity_mismatches=outcomes.count(Outcome.IDENTITY_MISMATCH.value)
-            + other_mismatches,
+            identity_mismatches=mismatches + other_mismatches,
             busy=sum(1 for r in found if r.reason == BUSY_REASON),
             memory_refusals=sum(1 for r in found if r.reason in MEMORY_REFUSALS),
             load_failures=failed_loads,
             rated=len(rated),
-            successes=sum(1 for s in rated if s),
+            successes=sum(1 for success, outcome in rated
+                          if success and outcome == Outcome.OK.value),
             p95_latency_s=p95([r.finished_at - r.admitted_at for r in found
                                if r.outcome == Outcome.OK.value and r.finished_at is not None]),
+            synthetic=len(every) - len(found),
         )
 
     def unattributed_busy(self, since: float, until: float) -> int:

@@ -6,6 +6,14 @@ granted to the caller, not servable or revoked: the caller cannot tell which, so
 confirms that another tenant's alias exists. 503 while the routing tables cannot be read, or
 while no unretired signing key is held (the gateway never signs with a retired key).
 
+The answer holds the ticket, its id, expiry, model and alias: nothing that says which arm of a
+canary split the ticket landed on (no release, no adapter digest). A client that is told its arm
+can re-draw sessions until it lands on the one it wants (two tries at 50 %), and weigh its own
+feedback by arm. What was served to whom stays server-side: the ledger names the release and the
+adapter of every request. (The ticket's own payload, a signed and unencrypted PASETO v4.public,
+still names them, and so does the answer's ``adapter_digest`` output: README, "Feedback",
+says what is left to close.)
+
 An optional ``"session"`` in the body names the client's session: the session keeps the
 release it first resolved (``control.domain.session``) until it ends or its pin expires
 (``LORAPLANE_SESSION_TTL_S``). ``DELETE /v1/sessions/{session}?alias=ALIAS`` ends one of the
@@ -15,9 +23,13 @@ nothing about sessions, aliases or tenants.
 ``POST /v1/feedback`` with ``{"request_id": "...", "success": true|false}`` records the calling
 tenant's rating of one of its own requests (the ``request_id`` its answer carried), which the
 rollout controller weighs a canary by. A request id that is unknown or another tenant's gets the
-same 404 with one fixed message, so ids of other tenants' requests cannot be probed. One rating
-per request: a second is refused with 409 and the first stays (a window's recorded figures must
-match the table an auditor reads later).
+same 404 with one fixed message, so ids of other tenants' requests cannot be probed. Only the
+owner of the release that served the request rates it: a tenant's request on an alias it was
+granted by another tenant (or on the base alone) gets 403, because the owner's rollout must not
+be decided by whoever it grants (``control.contracts.ledger``). One rating per request: a second
+is refused with 409 and the first stays (a window's recorded figures must match the table an
+auditor reads later). A rating of a request that did not end ``ok`` is recorded as given and
+counts as a failure, never a success.
 
 Bodies (tickets and feedback) are read whole, at most 4096 bytes, and parsed strictly
 (:mod:`control.gateway.bodies`): 413 above the limit, whether or not Content-Length is sent;
@@ -31,7 +43,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -39,7 +51,7 @@ from aiohttp.typedefs import Handler
 
 from control.contracts import telemetry
 from control.contracts.db import make_engine
-from control.contracts.ledger import AlreadyRated, Ledger, NotRatable
+from control.contracts.ledger import AlreadyRated, Ledger, NotRatable, NotTheOwner
 from control.domain import SESSION_RE, DomainError
 from control.gateway import observability, openai_api
 from control.gateway.bodies import (
@@ -61,6 +73,8 @@ UNAVAILABLE = {"error": "routing temporarily unavailable; retry shortly"}
 NO_SIGNING_KEY = {"error": "ticket signing unavailable: no active signing key; retry later"}
 NO_SUCH_REQUEST = {"error": "not found: no request with that id for your tenant"}
 ALREADY_RATED = {"error": "this request already has feedback; a rating is never replaced"}
+NOT_THE_OWNER = {"error": "feedback on this request is its release owner's: your tenant uses "
+                          "an alias another tenant owns (or the base model alone)"}
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9-]{1,36}$")  # the ledger's request ids (uuid4)
 OFFICE_KEY = web.AppKey("office", TicketOffice)
 LEDGER_KEY = web.AppKey("ledger", Ledger)
@@ -111,18 +125,9 @@ async def issue_ticket(request: web.Request) -> web.Response:
         log.info("ticket refused", extra={"tenant": tenant})
         return _json(403, FORBIDDEN)
     c = issued.claims
-    return _json(
-        200,
-        {
-            "ticket": issued.token,
-            "ticket_id": c.jti,
-            "expires_at": c.exp,
-            "model": c.model,
-            "alias": alias,
-            "adapter_digest": c.adapter,
-            "release": issued.release,
-        },
-    )
+    # No release and no adapter digest: the arm stays server-side (see the module notes).
+    return _json(200, {"ticket": issued.token, "ticket_id": c.jti, "expires_at": c.exp,
+                       "model": c.model, "alias": alias})
 
 
 async def end_session(request: web.Request) -> web.Response:
@@ -173,13 +178,24 @@ async def rate_request(request: web.Request) -> web.Response:
     try:
         # A database write: off the event loop.
         rating = await asyncio.to_thread(request.app[LEDGER_KEY].rate, request_id, tenant,
-                                         success)
+                                         success, owner_of=_release_owner(office))
     except NotRatable:
         return _json(404, NO_SUCH_REQUEST)
+    except NotTheOwner:
+        return _json(403, NOT_THE_OWNER)
     except AlreadyRated:
         return _json(409, ALREADY_RATED)
     return _json(201, {"request_id": rating.request_id, "success": rating.success,
                        "rated_at": rating.rated_at})
+
+
+def _release_owner(office: TicketOffice) -> Callable[[str], str | None]:
+    """Release digest -> the tenant that owns it (None: a base-only or unknown release), read
+    from the routing projection the office resolves tickets on."""
+    def owner(release: str) -> str | None:
+        row = office.routing.release(release)
+        return None if row is None else row.get("tenant")
+    return owner
 
 
 @web.middleware

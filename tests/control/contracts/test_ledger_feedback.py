@@ -1,6 +1,9 @@
-"""Tenant feedback beside the ledger (schema version 4) and the figures of a rollout window, on
-SQLite and PostgreSQL: a tenant rates only its own requests, once; a version-3 ledger upgrades in
-place keeping every row; a window counts what the serving side writes, the way it writes it."""
+"""Tenant feedback beside the ledger (schema versions 4 and 5) and the figures of a rollout
+window, on SQLite and PostgreSQL: a tenant rates only its own requests, once, and only those
+served under a release it owns; a rating binds to that release; a request that did not end ok is
+never a success; the control plane's own requests stay out of windows; version-3 and version-4
+ledgers upgrade in place keeping every row; a window counts what the serving side writes, the way
+it writes it."""
 
 from __future__ import annotations
 
@@ -23,11 +26,14 @@ from control.contracts.ledger import (
     Ledger,
     LedgerEntry,
     NotRatable,
+    NotTheOwner,
     Outcome,
     p95,
     request_feedback,
+    request_ledger,
 )
 from control.contracts.schema import SchemaOutdated, status, upgrade
+from control.contracts.synthetic import GATE_TENANT, PROBE_TENANT
 from tests import REPO
 from tests.fixtures_control import OnPostgres, OnSQLite
 
@@ -35,6 +41,12 @@ A = "sha256:" + "a" * 64  # the target's adapter
 B = "sha256:" + "b" * 64  # the baseline's adapter
 R_T = "sha256:" + "1" * 64  # the target release
 R_B = "sha256:" + "2" * 64  # the baseline release
+R_BASE = "sha256:" + "3" * 64  # a base-only release: no owner
+OWNERS = {R_T: "acme", R_B: "acme", R_BASE: None}  # what the routing projection says
+
+
+def owner_of(release: str) -> str | None:
+    return OWNERS.get(release)
 
 
 def entry(rid: str, tenant: str | None, *, at: float, release: str | None = R_T,
@@ -137,6 +149,123 @@ class FeedbackContract:
         # its own, and the target's whose slot held B
         assert (base.requests, base.ok, base.identity_mismatches) == (2, 1, 2)
         assert ledger.unattributed_busy(100.0, 160.0) == 1
+
+
+    # -- whose ratings count, and for what (issue 21) ------------------------------------------
+
+    def _served(self, ledger: Ledger, rid: str, tenant: str, outcome: str = Outcome.OK, *,
+                at: float = 200.0, release: str | None = R_T) -> None:
+        ledger.admit([entry(rid, tenant, at=at, release=release)])
+        ledger.complete([Completion(rid, outcome)], now=at + 0.5)
+
+    def test_only_the_releases_owner_rates_it(self, ledger: Ledger) -> None:
+        self._served(ledger, "own-1", "acme")
+        self._served(ledger, "granted-1", "globex")  # globex uses acme's alias: acme's release
+        self._served(ledger, "base-1", "globex", release=R_BASE)
+        self._served(ledger, "norelease-1", "globex", release=None)
+        with pytest.raises(NotTheOwner):
+            ledger.rate("granted-1", "globex", False, owner_of=owner_of)
+        for rid in ("base-1", "norelease-1"):
+            with pytest.raises(NotTheOwner):
+                ledger.rate(rid, "globex", True, owner_of=owner_of)
+        assert ledger.rating("granted-1") is None and ledger.rating("base-1") is None
+        rating = ledger.rate("own-1", "acme", True, owner_of=owner_of)
+        assert rating.release_digest == R_T
+        assert ledger.rating("own-1") == rating
+
+    def test_a_granted_tenant_cannot_decide_the_owners_rollout(self, ledger: Ledger) -> None:
+        """The reviewer's two cases: a granted tenant's bad ratings against a canary its owner
+        rated all good, and its good ratings flipping the success source to feedback on a
+        canary that failed 10 of 40 requests in the engine."""
+        for i in range(10):
+            self._served(ledger, f"own-{i}", "acme")
+            ledger.rate(f"own-{i}", "acme", True, owner_of=owner_of)
+        for i in range(20):
+            self._served(ledger, f"theirs-{i}", "globex")
+            with pytest.raises(NotTheOwner):
+                ledger.rate(f"theirs-{i}", "globex", False, owner_of=owner_of)
+        w = ledger.release_window(R_T, A, 150.0, 300.0)
+        assert (w.rated, w.successes) == (10, 10)  # the owner's 100 % stands
+        for i in range(40):
+            self._served(ledger, f"late-{i}", "globex",
+                         Outcome.FAILED if i < 10 else Outcome.OK, at=400.0)
+            with pytest.raises(NotTheOwner):
+                ledger.rate(f"late-{i}", "globex", True, owner_of=owner_of)
+        w = ledger.release_window(R_T, A, 350.0, 450.0)
+        assert (w.requests, w.ok, w.failed, w.rated) == (40, 30, 10, 0)  # no feedback to use
+
+    def test_a_request_that_did_not_end_ok_is_never_a_success(self, ledger: Ledger) -> None:
+        for rid, outcome in (("f-1", Outcome.FAILED), ("m-1", Outcome.IDENTITY_MISMATCH),
+                             ("c-1", Outcome.CANCELLED), ("ok-1", Outcome.OK)):
+            self._served(ledger, rid, "acme", outcome)
+            ledger.rate(rid, "acme", True, owner_of=owner_of)  # recorded as the tenant said
+        ledger.admit([entry("r-1", "acme", at=200.0, outcome="rejected", reason="busy")])
+        ledger.rate("r-1", "acme", True, owner_of=owner_of)
+        ledger.admit([entry("run-1", "acme", at=200.0)])  # a stream still running
+        ledger.rate("run-1", "acme", True, owner_of=owner_of)
+        w = ledger.release_window(R_T, A, 150.0, 300.0)
+        # five finished rated requests, one ok: one success; the running one is not judged yet
+        assert (w.rated, w.successes) == (5, 1)
+        ledger.complete([Completion("run-1", Outcome.OK)], now=201.0)
+        w = ledger.release_window(R_T, A, 150.0, 300.0)
+        assert (w.rated, w.successes) == (6, 2)
+
+    def test_a_rating_binds_to_the_release_that_served_the_request(
+            self, engine: Engine, ledger: Ledger) -> None:
+        self._served(ledger, "own-1", "acme")
+        ledger.rate("own-1", "acme", True, owner_of=owner_of)
+        # a host that rewrites its row afterwards does not carry the rating to another arm
+        with engine.begin() as conn:
+            conn.execute(request_ledger.update().where(
+                request_ledger.c.request_id == "own-1").values(release_digest=R_B))
+        moved = ledger.release_window(R_B, B, 150.0, 300.0)
+        assert (moved.requests, moved.rated) == (1, 0)
+        assert ledger.release_window(R_T, A, 150.0, 300.0).rated == 0
+
+    def test_synthetic_requests_stay_out_of_the_window(self, ledger: Ledger) -> None:
+        self._served(ledger, "tenant-1", "acme")
+        self._served(ledger, "gate-1", GATE_TENANT)
+        self._served(ledger, "gate-2", GATE_TENANT, Outcome.FAILED)
+        ledger.admit([entry("probe-1", PROBE_TENANT, at=200.0, outcome="rejected",
+                            reason=BUSY_REASON)])
+        self._served(ledger, "gate-mm", GATE_TENANT, Outcome.IDENTITY_MISMATCH)
+        with pytest.raises(NotRatable):  # no tenant is the synthetic one
+            ledger.rate("gate-1", "acme", True, owner_of=owner_of)
+        w = ledger.release_window(R_T, A, 150.0, 300.0)
+        assert (w.requests, w.ok, w.failed, w.busy, w.synthetic) == (1, 1, 0, 0, 4)
+        assert w.identity_mismatches == 1  # the engine's fault, whoever asked
+
+    def test_a_version_4_ledger_upgrades_and_its_old_ratings_count_for_nothing(
+            self, engine: Engine, ledger: Ledger) -> None:
+        self._served(ledger, "old-1", "globex")  # rated by a granted tenant before version 5
+        self._served(ledger, "old-2", "acme")
+        with engine.begin() as conn:  # the ledger as version 4 left it
+            request_feedback.drop(conn)
+            sa.Table("request_feedback", sa.MetaData(),
+                     sa.Column("request_id", sa.String(36), primary_key=True),
+                     sa.Column("tenant", sa.String(128), nullable=False),
+                     sa.Column("success", sa.Boolean, nullable=False),
+                     sa.Column("rated_at", sa.Float, nullable=False)).create(conn)
+            conn.execute(sa.text("INSERT INTO request_feedback VALUES "
+                                 "('old-1', 'globex', :f, 1.0), ('old-2', 'acme', :t, 1.0)"),
+                         {"f": False, "t": True})
+            conn.execute(schema.versions.update().where(
+                schema.versions.c.component == "ledger").values(version=4))
+        found = {s.component: s for s in status(engine, (LEDGER,))}["ledger"]
+        assert (found.found, found.state) == (4, "outdated")
+        with pytest.raises(SchemaOutdated, match="version 4"):
+            Ledger(engine)
+        changes = {c.component: c for c in upgrade(engine, rebuild=None, components=(LEDGER,))}
+        assert LEDGER.latest == 5
+        assert (changes["ledger"].before, changes["ledger"].after) == (4, 5)
+        again = Ledger(engine)
+        kept = again.rating("old-1")
+        assert kept is not None and kept.release_digest is None and kept.success is False
+        w = again.release_window(R_T, A, 150.0, 300.0)
+        assert (w.requests, w.rated) == (2, 0)  # unchecked ratings count for no window
+        self._served(again, "new-1", "acme")
+        again.rate("new-1", "acme", True, owner_of=owner_of)
+        assert again.release_window(R_T, A, 150.0, 300.0).rated == 1
 
 
 class TestFeedbackSQLite(OnSQLite, FeedbackContract):

@@ -1,5 +1,7 @@
 """``POST /v1/feedback`` on the gateway, on SQLite and PostgreSQL: a tenant rates only its own
-requests, once; another tenant's request id and an unknown one get the same 404, byte for byte."""
+requests, once; another tenant's request id and an unknown one get the same 404, byte for byte;
+a request served under a release the caller does not own (an alias another tenant granted it)
+gets 403 and no rating; the control plane's own requests are no tenant's to rate."""
 
 from __future__ import annotations
 
@@ -13,17 +15,20 @@ from aiohttp.test_utils import TestClient, TestServer
 from control.app.registry import Registry
 from control.contracts.config import Settings
 from control.contracts.ledger import Ledger, LedgerEntry
+from control.contracts.synthetic import GATE_TENANT
 from control.contracts.tickets import TicketSigner
-from control.gateway.server import NO_SUCH_REQUEST, make_app
+from control.gateway.server import NO_SUCH_REQUEST, NOT_THE_OWNER, make_app
 from control.gateway.ticket_office import TicketOffice
 from projections.routing import RoutingView
-from tests.fixtures_control import OnPostgres, OnSQLite, WithRegistry
+from tests.fixtures_control import Artifacts, OnPostgres, OnSQLite, WithRegistry
+
+EVAL = {"producer": "eval-team", "passed": True}
 
 
-def _row(rid: str, tenant: str | None) -> LedgerEntry:
+def _row(rid: str, tenant: str | None, release: str | None) -> LedgerEntry:
     return LedgerEntry(request_id=rid, ticket_id="t", tenant=tenant, model="lora_llm",
                        host="h1", base_digest=None, adapter_digest=None, tokenizer_digest=None,
-                       admitted_at=1.0, outcome="ok")
+                       admitted_at=1.0, outcome="ok", release_digest=release)
 
 
 Exchange = tuple[int, dict[str, Any], bytes]
@@ -35,12 +40,32 @@ class FeedbackRouteContract(WithRegistry):
         return {t: registry.create_tenant(t, actor="op") for t in ("acme", "globex")}
 
     @pytest.fixture
-    def post(self, settings: Settings, registry: Registry, keys: dict[str, str]
-             ) -> Iterator[Any]:
+    def releases(self, registry: Registry, artifacts: Artifacts, keys: dict[str, str]
+                 ) -> dict[str, str]:
+        """acme's ``chat`` (granted to globex too), globex's ``g-chat``, a base alias."""
+        registry.register_base(artifacts.base, artifacts.tokenizer, name="tiny", actor="op",
+                               alias="tiny-base")
+        out = {}
+        for tenant, alias, name in (("acme", "chat", "alpha"), ("globex", "g-chat", "gamma")):
+            d = registry.register_adapter(artifacts.adapters[name], tenant=tenant, alias=alias,
+                                          actor="op")
+            registry.advance(d, external=True, evaluation=EVAL, actor="op")
+            out[alias] = registry.adapter(d).release or ""
+        registry.grant("globex", "chat", actor="op")
+        out["tiny-base"] = registry.alias("tiny-base").stable or ""
+        return out
+
+    @pytest.fixture
+    def post(self, settings: Settings, registry: Registry, keys: dict[str, str],
+             releases: dict[str, str]) -> Iterator[Any]:
         engine = registry.follower.engine
         ledger = Ledger(engine)
-        ledger.admit([_row("0b9c-acme", "acme"), _row("0b9c-globex", "globex"),
-                      _row("0b9c-none", None)])
+        ledger.admit([_row("0b9c-acme", "acme", releases["chat"]),
+                      _row("0b9c-globex", "globex", releases["g-chat"]),
+                      _row("0b9c-granted", "globex", releases["chat"]),
+                      _row("0b9c-base", "acme", releases["tiny-base"]),
+                      _row("0b9c-gate", GATE_TENANT, releases["chat"]),
+                      _row("0b9c-none", None, None)])
         signer, _ = TicketSigner.load_or_create(settings.keys_dir)
         app = make_app(TicketOffice(settings, RoutingView(engine), signer), ledger=ledger)
 
@@ -96,6 +121,27 @@ class FeedbackRouteContract(WithRegistry):
         assert Ledger(registry.follower.engine).rating("0b9c-globex") is None
         # globex itself may still rate it
         assert post({"request_id": "0b9c-globex", "success": True}, keys["globex"])[0] == 201
+
+    def test_only_the_owner_of_the_serving_release_rates_it(
+            self, post: Any, keys: dict[str, str], registry: Registry,
+            releases: dict[str, str]) -> None:
+        """Issue 21: globex, granted acme's alias, decided acme's rollout with its ratings."""
+        ledger = Ledger(registry.follower.engine)
+        for rid in ("0b9c-granted", "0b9c-base"):
+            status, body, _ = post({"request_id": rid, "success": False}, keys["globex"]
+                                   if rid == "0b9c-granted" else keys["acme"])
+            assert status == 403 and body == NOT_THE_OWNER, rid
+            assert ledger.rating(rid) is None
+        # its own alias's requests, globex rates; each rating names the release it rates
+        assert post({"request_id": "0b9c-globex", "success": True}, keys["globex"])[0] == 201
+        rating = ledger.rating("0b9c-globex")
+        assert rating is not None and rating.release_digest == releases["g-chat"]
+
+    def test_the_control_planes_own_requests_are_no_tenants_to_rate(
+            self, post: Any, keys: dict[str, str]) -> None:
+        for key in keys.values():
+            status, body, _ = post({"request_id": "0b9c-gate", "success": True}, key)
+            assert status == 404 and body == NO_SUCH_REQUEST
 
     def test_callers_and_bodies_are_checked(self, post: Any, keys: dict[str, str]) -> None:
         ok = {"request_id": "0b9c-acme", "success": True}

@@ -13,11 +13,14 @@ What runs, in order:
    (``LORAPLANE_BASE_DIGEST``) on ports of its own, on loopback, under a host id of its own so
    its ledger rows are told apart. No gateway routes to it (it is in no
    ``LORAPLANE_TRITON_URLS``), and a tenant's ticket names the old base, which it refuses (the
-   gate checks that too); the only tickets it serves are the ones the gate signs;
+   gate checks that too); the only tickets it serves are the ones the gate signs. It runs in a
+   process of its own that the kernel signals when the plan dies, SIGKILL included
+   (``control.ops.shadow_host``): nothing of it outlives its plan;
 4. the gate runs on it for each adapter (``control.ops.gate.OnNewBase``): its golden tasks on
    the new combination, compared with its release on the old base, which the live deployment
    serves at the same time; each report is recorded on the adapter for the new combination;
-5. the shadow engine is stopped, whatever happened, and the plan records the matrix
+5. the shadow engine is stopped, whatever happened (and the record says whether every process
+   of it is gone, as checked, not assumed), and the plan records the matrix
    (``UpgradePlanRecorded``), with a release on the new combination for each adapter that
    passed, in one transaction; a run that broke off records ``UpgradePlanAbandoned`` instead.
 
@@ -51,7 +54,8 @@ from control.domain import (
 )
 from control.ops.clients import free_port
 from control.ops.gate import GATE_ACTOR, Gate, GateTarget, GateUnavailable, OnNewBase
-from control.ops.serve import Deployment, Ports
+from control.ops.serve import Ports
+from control.ops.shadow_host import ShadowHost
 from control.ops.triton_server import TritonProcess
 from projections.follower import open_registry
 from projections.routing import RoutingView
@@ -93,10 +97,13 @@ def from_base_of(routing: RoutingView, to_base: str, given: str | None) -> str:
 def plan_upgrade(target: GateTarget, new_base: str, *, actor: str = GATE_ACTOR,
                  from_base: str | None = None, shadow_ports: Ports | None = None,
                  progress: Callable[[str], None] = lambda _m: None,
-                 ready_timeout_s: float = TritonProcess.READY_TIMEOUT_S) -> PlanResult:
+                 ready_timeout_s: float = TritonProcess.READY_TIMEOUT_S,
+                 on_shadow: Callable[[dict[str, Any]], None] | None = None) -> PlanResult:
     """Plan the upgrade of the adapters of ``target``'s base (or ``from_base``) to
     ``new_base`` (a registered base, by digest or name); see the module notes. ``target`` is
-    the live deployment (its home, database and Triton addresses, as for the gate)."""
+    the live deployment (its home, database and Triton addresses, as for the gate).
+    ``on_shadow``: called with the shadow's addresses once it answers, before any gate runs
+    (a test sends tenants' tickets there)."""
     t0 = time.monotonic()
     settings = target.settings
     registry = open_registry(settings)
@@ -112,7 +119,7 @@ def plan_upgrade(target: GateTarget, new_base: str, *, actor: str = GATE_ACTOR,
         progress(f"plan {plan.number}: {len(approved)} approved adapter(s) on the new base")
         try:
             cells, shadow = _run(desk, plan, approved, target, settings, shadow_ports,
-                                 progress, actor, ready_timeout_s)
+                                 progress, actor, ready_timeout_s, on_shadow)
             desk.record(plan, cells, shadow, actor=actor)
         except BaseException as e:
             # A plan that broke off says so on the record (Ctrl-C included), then fails.
@@ -126,7 +133,8 @@ def plan_upgrade(target: GateTarget, new_base: str, *, actor: str = GATE_ACTOR,
 
 def _run(desk: UpgradeDesk, plan: BaseUpgrade, approved: list[Adapter], target: GateTarget,
          settings: Settings, ports: Ports | None, progress: Callable[[str], None], actor: str,
-         ready_timeout_s: float) -> tuple[list[UpgradeCell], dict[str, Any]]:
+         ready_timeout_s: float, on_shadow: Callable[[dict[str, Any]], None] | None
+         ) -> tuple[list[UpgradeCell], dict[str, Any]]:
     cells: dict[str, UpgradeCell] = {}
     to_gate: list[tuple[Adapter, OldSide, Release]] = []
     for a in approved:
@@ -145,26 +153,28 @@ def _run(desk: UpgradeDesk, plan: BaseUpgrade, approved: list[Adapter], target: 
             to_gate.append((a, old, replaced))
     shadow: dict[str, Any] = {"host": plan.shadow_host, "started": False}
     if to_gate:
-        ports = ports or Ports(free_port(), free_port(), free_port(), free_port())
-        dep = Deployment(settings, ports, base=plan.to_base, actor=actor, progress=progress,
-                         role="triton", host_id=plan.shadow_host, rollout_controller=False)
+        host = ShadowHost(settings, plan.to_base, plan.shadow_host,
+                          ports or Ports(free_port(), free_port(), free_port(), free_port()),
+                          actor=actor, ready_timeout_s=ready_timeout_s, progress=progress)
         shadow.update(started=True, started_at=time.time())
         try:
-            dep.start(ready_timeout_s)
-            assert dep.triton is not None  # role triton: started, or start raised
-            shadow.update(http=dep.triton.http_url, grpc=dep.triton.grpc_url,
-                          ready_at=time.time())
-            on_shadow = GateTarget(
-                settings, dep.triton.http_url, dep.triton.grpc_url,
-                f"http://{dep.triton.http_url.rsplit(':', 1)[0]}:{ports.metrics}/metrics",
-                base=plan.to_base, device=target.device, host_id=plan.shadow_host)
-            for a, old, replaced in to_gate:
-                progress(f"gating {a.digest} ({a.alias}) on the new base")
-                cells[a.digest] = _gated(desk, a, old, replaced, on_shadow, target, actor)
+            with host as up:
+                shadow.update(http=up["http"], grpc=up["grpc"], tenant_http=up["tenant_http"],
+                              tenant_grpc=up["tenant_grpc"], pid=up["pid"],
+                              ready_at=time.time())
+                progress(f"shadow host {plan.shadow_host} ready: http {up['http']}, grpc "
+                         f"{up['grpc']}")
+                if on_shadow is not None:
+                    on_shadow(dict(shadow))
+                on_host = GateTarget(settings, up["http"], up["grpc"], up["metrics"],
+                                     base=plan.to_base, device=target.device,
+                                     host_id=plan.shadow_host)
+                for a, old, replaced in to_gate:
+                    progress(f"gating {a.digest} ({a.alias}) on the new base")
+                    cells[a.digest] = _gated(desk, a, old, replaced, on_host, target, actor)
         finally:
-            dep.stop()
-            shadow.update(stopped_at=time.time(), stopped=dep.triton is None or (
-                dep.triton.proc is not None and dep.triton.proc.poll() is not None))
+            # Whether every process of the shadow is gone, checked (ShadowHost.stop).
+            shadow.update(stopped_at=time.time(), stopped=host.stop())
     return [cells[a.digest] for a in approved], shadow
 
 

@@ -3,8 +3,9 @@
 Builds the reference kit, registers a base and three adapters for two tenants, grants and
 promotes, starts the gateway, the projection follower and a real tritonserver, sends a concurrent
 mixed burst over HTTP and gRPC, shows a cross-tenant refusal, revokes an adapter and shows its
-tickets refused, runs a short automatic rollout of a degraded adapter that rolls itself back, then
-prints the incident view for the revoked digest and the audit log.
+tickets refused, puts a degraded adapter through the real evaluation gate (refused), overrides the
+gate with a recorded break-glass and rolls its canary out, which rolls itself back, then prints
+the incident view for the revoked digest and the audit log.
 """
 
 from __future__ import annotations
@@ -90,9 +91,11 @@ def run_demo(work_dir: Path, *, fresh: bool = True, json_out: bool = False) -> i
         digest = reg.register_adapter(kit_dir / a.path, tenant=p.tenant, alias=p.alias,
                                       actor=actor)
         digests[p.adapter] = digest
-        # The lifecycle has guards: an evaluation report, then candidate -> canary -> stable.
-        reg.advance(digest, external=True, evaluation={"suite": "demo-smoke", "passed": True},
-                    actor=actor)
+        # The lifecycle has guards: an evaluation report (this one written outside the gate:
+        # it must say it passed and name its producer), then candidate -> canary -> stable
+        # (each alias's first release: stable on its canary evidence).
+        reg.advance(digest, external=True, actor=actor,
+                    evaluation={"producer": "demo", "suite": "demo-smoke", "passed": True})
         step(f"registered + released {p.adapter} for {p.tenant} as {p.alias} ({short(digest)})")
     try:
         reg.register_adapter(kit_dir / kit.adapters["other-base"].path, tenant="globex",
@@ -164,7 +167,8 @@ def run_demo(work_dir: Path, *, fresh: bool = True, json_out: bool = False) -> i
         status, body = request_ticket(dep.gateway_url, keys["globex"], "globex-gamma")
         step(f"new ticket for globex-gamma -> HTTP {status}")
 
-        # A canary that rolls itself back (control/ops/rollout_demo.py).
+        # The gate refuses a degraded adapter; a break-glass canary of it rolls itself back
+        # (control/ops/rollout_demo.py).
         rollout = show_rollback(reg, dep, kit, kit_dir, keys["acme"], step, console, actor)
     finally:
         step("stopping tritonserver, gateway and follower")
@@ -180,7 +184,9 @@ def run_demo(work_dir: Path, *, fresh: bool = True, json_out: bool = False) -> i
     entries = audit_log(reg)
     console.print(audit_table(entries))
     dispose_engines()
-    ok = served == expected and bool(refusal) and bool(rollout.get("rolled_back"))
+    ok = (served == expected and bool(refusal) and bool(rollout.get("rolled_back"))
+          and rollout.get("gate", {}).get("passed") is False
+          and bool(rollout.get("external_report_refused")))
     if json_out:
         print(json.dumps({"ok": ok, "burst": results, "revocation_refusal": refusal,
                           "incident_rows": len(rows), "audit_events": len(entries),

@@ -1,11 +1,17 @@
-"""The demo's rollout: a degraded adapter is canaried on a live alias and rolls itself back.
+"""The demo's rollout: a degraded adapter fails the real gate, an operator overrides it with a
+recorded break-glass, and its canary on a live alias rolls itself back.
 
-The kit's ``alpha-degraded`` answers with the wrong marker (``" ALPHA sighs"``). It is released
-to canary on ``acme-alpha`` and rolled out in steps of 50 and 100 % with windows of two seconds,
-while acme's traffic rates every answer by whether it starts with alpha's marker. The controller
-the deployment runs probes the adapter, gives it half the sessions, judges the first window
-against the stable release from that feedback, and rolls back: the canary is cleared and the
-target's sessions are re-pinned to stable, in one transaction. The stable release never moved.
+The kit's ``alpha-degraded`` answers with the wrong marker (``" ALPHA sighs"``). It is registered
+on ``acme-alpha`` with alpha's golden task set and goes through the evaluation gate on the
+running deployment (``control.ops.gate``), which refuses it (its golden tasks, the floor, the
+gain over the base alone); an external report saying it passed does not override that. The
+operator then overrides the gate with ``break-glass`` (``BreakGlassUsed``: who, why, the failing
+report), which puts it in canary, and it is rolled out in steps of 50 and 100 % with windows of
+two seconds, while acme's traffic rates every answer by whether it starts with alpha's marker.
+The controller the deployment runs probes the adapter, gives it half the sessions, judges the
+first window against the stable release from that feedback, and rolls back: the canary is
+cleared and the target's sessions are re-pinned to stable, in one transaction. The stable
+release never moved.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from rich.console import Console
 from control.app.registry import Registry
 from control.app.rollouts import RolloutDesk
 from control.contracts.digests import short
-from control.domain import CANARY, RolloutPolicy
+from control.domain import CANARY, DomainError, RolloutPolicy
 from control.ops.canary_traffic import CanaryTraffic, Running
+from control.ops.gate import GateTarget, run_gate
 from control.ops.kit import KitManifest
 from control.ops.rollout_view import render, rollout_status
 from control.ops.serve import Deployment
@@ -39,9 +46,29 @@ def show_rollback(reg: Registry, dep: Deployment, kit: KitManifest, kit_dir: Pat
     """Run the demo's rollout (see the module notes); returns what it showed."""
     assert dep.triton is not None
     digest = reg.register_adapter(kit_dir / kit.adapters[TARGET].path, tenant="acme",
-                                  alias=ALIAS, actor=actor)
-    reg.advance(digest, external=True, to=CANARY, actor=actor,
-                evaluation={"suite": "demo-smoke", "passed": True})
+                                  alias=ALIAS, actor=actor,
+                                  golden=kit.golden_set(kit_dir, kit.adapters[TARGET].family))
+    reg.promote(digest, actor=actor)  # -> candidate
+    gate = run_gate(GateTarget(reg.settings, dep.triton.http_url, dep.triton.grpc_url,
+                               f"http://{dep.triton.http_url.rsplit(':', 1)[0]}:"
+                               f"{dep.ports.metrics}/metrics"), digest, actor=actor)
+    figures = gate.report["figures"]
+    step(f"the gate {'passed' if gate.passed else '[red]refused[/red]'} {TARGET} "
+         f"({short(digest)}): golden {figures['success_rate']:.2f} against the stable "
+         f"release's {figures['stable_success_rate']:.2f} and the base alone's "
+         f"{figures['base_success_rate']:.2f}; failed: "
+         + ", ".join(line.split(":")[0] for line in gate.failures))
+    try:
+        reg.advance(digest, external=True, to=CANARY, actor=actor,
+                    evaluation={"producer": "demo", "suite": "demo-smoke", "passed": True})
+        overridden = "[red]an external report overrode the gate[/red]"
+    except DomainError as e:
+        overridden = f"[yellow]refused as expected[/yellow]: an external report -> {e}"
+    step(overridden)
+    reg.break_glass(digest, to=CANARY, actor=actor,
+                    reason="demo: show that the rollout controller rolls a bad canary back")
+    step(f"break-glass by {actor}: {TARGET} in canary despite its failing gate report "
+         "(BreakGlassUsed records who, why and the report overridden)")
     desk = RolloutDesk(reg)
     rollout = desk.start(ALIAS, digest, steps=[50, 100], window_s=WINDOW_S, policy=POLICY,
                          actor=actor)
@@ -61,4 +88,7 @@ def show_rollback(reg: Registry, dep: Deployment, kit: KitManifest, kit_dir: Pat
           else f"[red]not rolled back ({done.status})[/red]")
          + f" after {time.monotonic() - started:.1f} s: {'; '.join(done.reasons)}")
     return {"rolled_back": rolled_back, "windows": len(data["windows"]),
-            "reasons": done.reasons, "seen": {str(k): dict(v) for k, v in traffic.seen.items()}}
+            "reasons": done.reasons, "seen": {str(k): dict(v) for k, v in traffic.seen.items()},
+            "gate": {"passed": gate.passed, "failures": gate.failures,
+                     "report_digest": gate.report_digest},
+            "external_report_refused": overridden.startswith("[yellow]")}

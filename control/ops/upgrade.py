@@ -163,7 +163,8 @@ def _run(desk: UpgradeDesk, plan: BaseUpgrade, approved: list[Adapter], target: 
                               tenant_grpc=up["tenant_grpc"], pid=up["pid"],
                               ready_at=time.time())
                 progress(f"shadow host {plan.shadow_host} ready: http {up['http']}, grpc "
-                         f"{up['grpc']}")
+                         f"{up['grpc']}; tenants' addresses http {up['tenant_http']}, grpc "
+                         f"{up['tenant_grpc']} (process {up['pid']})")
                 if on_shadow is not None:
                     on_shadow(dict(shadow))
                 on_host = GateTarget(settings, up["http"], up["grpc"], up["metrics"],

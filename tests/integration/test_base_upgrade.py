@@ -3,12 +3,13 @@ stable on the kit's base, gated on ``base-v2`` (the main base further trained) b
 engine, while tenants keep calling the live deployment.
 
 Asserted: the matrix (alpha and beta pass on the new base and get a release there; gamma fails
-its golden tasks there and stays on its old combination, nothing of it moving); that no tenant
-ticket reached the shadow engine (every ledger row of the shadow host is one of the gate's
-requests, and every tenant request of the run landed on the live host); that the shadow host is
-gone afterwards; that an alias moves to its new-base release and back with the existing
-commands; and that ``base-b`` (another hidden size) is incompatible for all three, with no
-shadow engine started for it.
+its golden tasks there and stays on its old combination, nothing of it moving), each side's
+golden count against what the kit's build measured with PEFT (an oracle independent of the
+engine and the gate); that tenants' tickets, sent to the shadow host itself over HTTP and gRPC
+while it runs, are refused, and that every tenant request of the run landed on the live host;
+that no process of the shadow host is left afterwards, and none when its plan is SIGKILLed; that
+an alias moves to its new-base release and back with the existing commands; and that ``base-b``
+(another hidden size) is incompatible for all three, with no shadow engine started for it.
 
 Runs on a deployment of its own: it registers more bases, which the shared stack's tests do not
 expect.
@@ -17,7 +18,11 @@ expect.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,19 +34,25 @@ import pytest
 
 from control.app.gate_desk import GateDesk
 from control.app.registry import Registry
-from control.contracts.golden import GoldenSet
 from control.contracts.ledger import Ledger, Outcome
+from control.contracts.synthetic import GATE_TENANT
+from control.contracts.tickets import GENERIC_REFUSAL
 from control.domain import CellVerdict, PlanStatus
-from control.ops.clients import TritonRefused, free_port, infer_with, request_ticket
+from control.ops.clients import TritonRefused, free_port, generate, infer_with, request_ticket
 from control.ops.gate import GateTarget
 from control.ops.kit import KitManifest
 from control.ops.serve import Deployment, Ports
 from control.ops.upgrade import PlanResult, plan_upgrade
+from tests import REPO
 from tests.integration.conftest import ACTOR, ROUTES, provision, sqlite_home
 
 pytestmark = pytest.mark.triton
 
 FAMILIES = {"acme-alpha": "alpha", "acme-beta": "beta", "globex-gamma": "gamma"}
+# How far the engine's golden count may be from the kit's PEFT count, in tasks: greedy decoding
+# may tip on a near tie between fp32 paths, and a kit built before golden sets refused repeated
+# prompts measured one task that the set now draws again (KitManifest.golden_set).
+PEFT_TOLERANCE_TASKS = 2
 
 
 @dataclass
@@ -72,7 +83,7 @@ def world(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[W
     reg, kit, keys, digests = provision(settings, kit_dir)
     desk = GateDesk(reg)
     for family in FAMILIES.values():
-        golden = GoldenSet.load(kit_dir / kit.golden[family].path)
+        golden = kit.golden_set(kit_dir, family)
         desk.record_golden_set(digests[family], golden, actor=ACTOR)
     bases = {"base": kit.base_digest}
     for name, path in (("base-v2", kit.base_v2_path), ("base-b", kit.base_b_path)):
@@ -138,16 +149,43 @@ def _claims(ticket: str) -> dict[str, Any]:
     return dict(json.loads(raw[:-64]))
 
 
+@dataclass
+class AtTheShadow:
+    """Tenants' own tickets (from the gateway, for every route they are granted) sent to the
+    shadow host while it runs, before any gate: what each got back."""
+
+    sent: list[dict[str, Any]] = field(default_factory=list)
+
+    def __call__(self, w: World, shadow: dict[str, Any]) -> None:
+        for tenant, alias, _name in ROUTES:
+            status, body = request_ticket(w.deployment.gateway_url, w.keys[tenant], alias)
+            assert status == 200, body
+            ticket = str(body["ticket"])
+            for protocol, url in (("http", shadow["tenant_http"]),
+                                  ("grpc", shadow["tenant_grpc"])):
+                got: dict[str, Any] = {"tenant": tenant, "alias": alias, "protocol": protocol,
+                                       "jti": _claims(ticket)["jti"], "at": time.time()}
+                try:
+                    answer = generate(url, "Hello there", ticket, protocol=protocol,
+                                      max_tokens=4)
+                    got.update(served=True, adapter_digest=answer.adapter_digest)
+                except TritonRefused as e:
+                    got.update(served=False, status=e.status, message=e.message)
+                self.sent.append(got)
+
+
 @pytest.fixture(scope="module")
-def planned(world: World) -> tuple[PlanResult, TenantTraffic]:
+def planned(world: World) -> tuple[PlanResult, TenantTraffic, AtTheShadow]:
+    at_shadow = AtTheShadow()
     with TenantTraffic(world) as traffic:
         result = plan_upgrade(world.target, world.bases["base-v2"], actor=ACTOR,
-                              progress=lambda m: print("plan:", m))
+                              progress=lambda m: print("plan:", m),
+                              on_shadow=lambda shadow: at_shadow(world, shadow))
     print(f"plan run: {result.seconds:.1f} s; tenant requests meanwhile: "
           f"{len(traffic.ticket_ids)} ({traffic.answers} answered)")
     for c in result.cells:
         print("cell:", json.dumps(c.to_json(), sort_keys=True))
-    return result, traffic
+    return result, traffic, at_shadow
 
 
 def _cells(result: PlanResult, world: World) -> dict[str, Any]:
@@ -156,8 +194,8 @@ def _cells(result: PlanResult, world: World) -> dict[str, Any]:
 
 
 def test_the_matrix_alpha_and_beta_pass_on_the_new_base_gamma_fails_and_stays(
-        planned: tuple[PlanResult, TenantTraffic], world: World) -> None:
-    result, _ = planned
+        planned: tuple[PlanResult, TenantTraffic, AtTheShadow], world: World) -> None:
+    result, _, _ = planned
     reg = world.registry
     assert result.plan.status == PlanStatus.RECORDED
     assert [c.adapter for c in result.cells] == result.plan.adapters
@@ -177,21 +215,25 @@ def test_the_matrix_alpha_and_beta_pass_on_the_new_base_gamma_fails_and_stays(
         assert report["upgrade"]["host"] == result.plan.shadow_host
         assert adapter.gate_reports[combination.key]["report"] == cell.new.report
         f = report["figures"]
-        assert f["has_stable"] and f["stable_success_rate"] == cell.old.success_rate
         assert f["mismatch_refused"] == f["mismatch_tried"] == 8  # old-base tickets included
         assert f["misattributions"] == 0 and f["authorization_errors"] == 0
         assert cell.old.external  # the kit stack released them on external reports
+        # Each side's golden count against the kit's own PEFT measurement of the same tasks on
+        # the same bases (kit.json base_v2_golden): not a figure the plan copied from the gate.
+        family = next(f for f, d in world.digests.items() if d == cell.adapter)
+        old_peft, new_peft = world.kit.base_v2_golden[family]
+        assert cell.old.success_rate is not None and cell.new.success_rate is not None
+        assert abs(round(cell.old.success_rate * 60) - old_peft) <= PEFT_TOLERANCE_TASKS
+        assert abs(round(cell.new.success_rate * 60) - new_peft) <= PEFT_TOLERANCE_TASKS
         if cell.new.verdict == CellVerdict.PASSED:
-            assert cell.new.success_rate is not None and cell.old.success_rate is not None
-            assert cell.new.success_rate >= cell.old.success_rate
             release = reg.release_manifest(cell.new.release or "")
             assert (release.adapter_digest, release.base_digest) == (
                 cell.adapter, world.bases["base-v2"])
             assert release.evaluation_report_digest == cell.new.report
     gamma = cells["gamma"]
-    assert [line.split(":")[0] for line in gamma.new.failures] == ["success_rate"]
-    assert gamma.new.success_rate is not None and gamma.old.success_rate is not None
-    assert gamma.new.success_rate < gamma.old.success_rate
+    # it falls below the old base's rate, the floor and the margin over the base alone
+    assert {line.split(":")[0] for line in gamma.new.failures} == {
+        "success_rate", "min_success_rate", "gain_over_base"}
     # nothing of gamma moved: no release on the new base, its alias where it was
     assert gamma.new.release is None and not gamma.moves
     assert reg.alias("globex-gamma").stable == gamma.old.release
@@ -199,36 +241,76 @@ def test_the_matrix_alpha_and_beta_pass_on_the_new_base_gamma_fails_and_stays(
         assert reg.alias(alias).stable == cells[family].old.release  # the plan moves nothing
 
 
-def test_no_tenant_ticket_reached_the_shadow_engine(
-        planned: tuple[PlanResult, TenantTraffic], world: World) -> None:
-    result, traffic = planned
+def test_tenants_tickets_sent_to_the_shadow_host_are_refused(
+        planned: tuple[PlanResult, TenantTraffic, AtTheShadow], world: World) -> None:
+    """Each tenant route's own ticket, from the gateway, sent to the shadow host itself over
+    HTTP and gRPC (the previous version of this test only ever connected to the live host)."""
+    result, traffic, at_shadow = planned
+    assert len(at_shadow.sent) == 2 * len(ROUTES)
+    for got in at_shadow.sent:
+        assert got["served"] is False, got
+        assert got["message"] == GENERIC_REFUSAL, got
+    # the shadow host's ledger holds each of them as refused for naming the old base, before
+    # its ticket was verified (no ticket id: nothing of a tenant's ticket was trusted)
     ledger = Ledger(world.registry.follower.engine)
-    reports = [GateDesk(world.registry).gate_report(c.new.report or "") for c in result.cells]
-    gate_tickets = {s["ticket_id"] for r in reports for s in r["requests"]}
-    shadow = [r for r in ledger.query(since=result.shadow["started_at"] - 1)
-              if r.host == result.plan.shadow_host]
-    assert shadow, "the shadow host wrote no ledger row"
-    # the gate's only: its tickets, or its mismatch tickets refused before verification
-    assert {r.ticket_id for r in shadow if r.ticket_id} <= gate_tickets
-    unverified = [r for r in shadow if r.ticket_id is None]
-    assert all(r.outcome == Outcome.REJECTED and r.reason in ("base", "tokenizer")
-               for r in unverified)
-    assert len(unverified) == sum(1 for r in reports for s in r["requests"]
-                                  if s["route"] in ("wrong_base", "wrong_tokenizer",
-                                                    "old_base"))
+    first, last = at_shadow.sent[0]["at"] - 1, at_shadow.sent[-1]["at"] + 5
+    refused = [r for r in ledger.query(since=first, until=last)
+               if r.host == result.plan.shadow_host and r.ticket_id is None]
+    assert len(refused) >= len(at_shadow.sent)
+    assert all(r.outcome == Outcome.REJECTED and r.reason == "base" for r in refused)
+    shadow_rows = [r for r in ledger.query(since=result.shadow["started_at"] - 1)
+                   if r.host == result.plan.shadow_host]
+    tenant_tickets = {g["jti"] for g in at_shadow.sent} | set(traffic.ticket_ids)
+    assert not {r.ticket_id for r in shadow_rows} & tenant_tickets
+    assert not [r for r in shadow_rows if r.outcome == Outcome.OK and r.tenant != GATE_TENANT]
     # the tenants' own requests meanwhile: every one of them on the live host
     assert len(traffic.ticket_ids) >= 3 and traffic.answers >= 3
     tenant_rows = [r for r in ledger.query(since=result.shadow["started_at"] - 5)
                    if r.ticket_id in set(traffic.ticket_ids)]
     assert tenant_rows and {r.host for r in tenant_rows} == {socket.gethostname()}
-    assert not set(traffic.ticket_ids) & gate_tickets
 
 
-def test_the_shadow_host_is_gone_afterwards(planned: tuple[PlanResult, TenantTraffic]) -> None:
-    result, _ = planned
+def _shadow_processes(host_id: str) -> list[int]:
+    """Live processes of the shadow host ``host_id``: tritonserver and its stubs (their
+    environment names it as LORAPLANE_HOST_ID) and the shadow host process (its command line
+    does). Found from /proc, not from what the plan says it stopped."""
+    mark = f"LORAPLANE_HOST_ID={host_id}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                if f.read().rpartition(b")")[2].split()[0] == b"Z":
+                    continue  # exited, not yet reaped: nothing runs
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")
+        except OSError:
+            continue
+        if mark in environ or host_id.encode() in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def _closed(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        try:
+            s.connect((host, int(port)))
+        except OSError:
+            return True
+    return False
+
+
+def test_the_shadow_host_is_gone_afterwards(
+        planned: tuple[PlanResult, TenantTraffic, AtTheShadow]) -> None:
+    result, _, _ = planned
     shadow = result.shadow
-    assert shadow["started"] and shadow["stopped"] is True
-    assert shadow["stopped_at"] >= shadow["ready_at"] >= shadow["started_at"]
+    assert shadow["started"] and shadow["stopped_at"] >= shadow["ready_at"] >= shadow["started_at"]
+    assert _shadow_processes(result.plan.shadow_host) == []
     for address in (shadow["http"], shadow["grpc"]):
         host, port = address.rsplit(":", 1)
         with socket.socket() as s, pytest.raises(OSError):
@@ -239,8 +321,8 @@ def test_the_shadow_host_is_gone_afterwards(planned: tuple[PlanResult, TenantTra
 
 
 def test_a_passing_alias_moves_to_the_new_base_and_back_with_the_existing_commands(
-        planned: tuple[PlanResult, TenantTraffic], world: World) -> None:
-    result, _ = planned
+        planned: tuple[PlanResult, TenantTraffic, AtTheShadow], world: World) -> None:
+    result, _, _ = planned
     reg = world.registry
     alpha = _cells(result, world)["alpha"]
     gateway, key = world.deployment.gateway_url, world.keys["acme"]
@@ -269,12 +351,12 @@ def test_a_base_of_another_shape_is_incompatible_and_starts_no_shadow(world: Wor
 
 
 def test_the_cli_prints_the_matrix_and_its_full_values_with_json(
-        planned: tuple[PlanResult, TenantTraffic], world: World) -> None:
+        planned: tuple[PlanResult, TenantTraffic, AtTheShadow], world: World) -> None:
     from typer.testing import CliRunner
 
     from control.cli.main import app
 
-    result, _ = planned
+    result, _, _ = planned
     settings = world.registry.settings
     env = {"LORAPLANE_DB_URL": settings.db_url, "COLUMNS": "300"}  # no wrapped lines
 
@@ -302,3 +384,43 @@ def test_the_cli_prints_the_matrix_and_its_full_values_with_json(
     out = json.loads(planned_b.stdout.strip().splitlines()[-1])
     assert {c["new"]["verdict"] for c in out["cells"]} == {"incompatible"}
     assert out["shadow"]["started"] is False
+
+
+def test_a_sigkilled_plan_leaves_no_shadow_host_behind(world: World) -> None:
+    """Issue 21: a plan killed with SIGKILL (no handler, no cleanup) used to leave its shadow
+    tritonserver running with nothing to reap it."""
+    settings = world.registry.settings
+    plan = subprocess.Popen(
+        [sys.executable, "-m", "control.cli.main", "--home", str(settings.home), "base",
+         "upgrade", "plan", world.bases["base-v2"], "--http", world.target.http_url, "--grpc",
+         world.target.grpc_url, "--base", world.bases["base"]],
+        cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        env={**os.environ, "LORAPLANE_DB_URL": settings.db_url, "COLUMNS": "300"})
+    host_id = ""
+    try:
+        assert plan.stderr is not None
+        addresses: list[str] = []
+        for line in plan.stderr:  # the plan's progress: the shadow's id once it answers
+            if line.strip().startswith("shadow host ") and " ready: " in line:
+                words = line.replace(",", " ").replace(";", " ").split()
+                host_id = words[2]
+                addresses = [w for w in words if w.count(":") == 1 and w[0].isdigit()]
+                break
+        assert host_id.startswith("upgrade-shadow-"), "the plan never reported its shadow"
+        running = _shadow_processes(host_id)
+        assert running, "no process carries the shadow's host id"
+        plan.send_signal(signal.SIGKILL)
+        plan.wait(10)
+        deadline = time.monotonic() + 60
+        while _shadow_processes(host_id) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _shadow_processes(host_id)
+        print(f"shadow {host_id}: {len(running)} processes, {len(left)} left "
+              f"{60 - max(0.0, deadline - time.monotonic()):.1f} s after the plan's SIGKILL")
+        assert left == []
+        assert len(addresses) == 4 and all(_closed(a) for a in addresses), addresses
+    finally:
+        if plan.poll() is None:
+            plan.kill()
+        for pid in _shadow_processes(host_id) if host_id else []:
+            os.kill(pid, signal.SIGKILL)  # only if the test failed: leave the machine clean

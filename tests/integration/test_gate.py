@@ -1,5 +1,7 @@
 """The evaluation gate through the real tritonserver: the kit's good new version of alpha passes,
-its degraded version fails on its success rate, and each report's figures match the ledger.
+its degraded version fails on its success rate, its floor and its gain over the base alone, and
+each report's figures match the ledger: the success rate recomputed from the ledger's rows and
+the golden set's own checkers, and every request on the synthetic tenant ``loraplane:gate``.
 
 Runs on the integration ``stack`` (acme's ``acme-alpha`` serves alpha as its stable release):
 the candidates are registered as drafts on that alias with the kit's alpha golden set, so the
@@ -17,8 +19,8 @@ from typing import Any
 import pytest
 
 from control.app.gate_desk import GateDesk
-from control.contracts.golden import GoldenSet
 from control.contracts.ledger import Ledger
+from control.contracts.synthetic import GATE_TENANT
 from control.domain import CANARY, IllegalTransition
 from control.ops.gate import GateResult, GateTarget, run_gate
 from tests.integration.conftest import ACTOR, Stack
@@ -28,7 +30,7 @@ pytestmark = pytest.mark.triton
 
 @pytest.fixture(scope="module")
 def candidates(stack: Stack) -> dict[str, str]:
-    golden = GoldenSet.load(stack.kit_dir / stack.kit.golden["alpha"].path)
+    golden = stack.kit.golden_set(stack.kit_dir, "alpha")
     out = {}
     for name in ("alpha-v2", "alpha-degraded"):
         out[name] = stack.registry.register_adapter(
@@ -83,7 +85,8 @@ def test_the_degraded_version_fails_on_its_success_rate(gated: dict[str, GateRes
     print("alpha-degraded figures:", json.dumps(f, sort_keys=True))
     assert not result.passed
     failed = {v["rule"] for v in result.report["verdicts"] if not v["passed"]}
-    assert failed == {"success_rate"}
+    # below the stable release, below the floor, and no better than the base alone
+    assert failed == {"success_rate", "min_success_rate", "gain_over_base"}
     assert f["success_rate"] == 0.0 < f["stable_success_rate"]
     why = next(line for line in result.failures if line.startswith("success_rate"))
     assert "lower than the stable release it would replace" in why
@@ -123,9 +126,20 @@ def test_the_reports_figures_match_the_ledger(gated: dict[str, GateResult],
                 assert figures["ok"] == counted[phase].get("ok", 0), (name, phase)
                 assert figures["refused"] == counted[phase].get("rejected", 0), (name, phase)
         assert report["figures"]["ledger_mismatches"] == 0
-        # the golden success rate counts exactly the ledger's ok rows whose answers passed
-        passed = sum(1 for row in report["tasks"] if row["candidate"]["passed"])
-        assert report["figures"]["success_rate"] == round(passed / len(report["tasks"]), 6)
+        # every one of the gate's rows is the control plane's own traffic
+        assert {r.tenant for r in by_ticket.values()
+                if r.ticket_id in {s["ticket_id"] for s in report["requests"]}} == {GATE_TENANT}
+        # The golden success rate, recomputed apart from the gate's own tally: the golden set
+        # as the kit wrote it, its checker on each answer, and the ledger's row of each
+        # request (a task passes only on an ok row).
+        golden = {t.id: t for t in stack.kit.golden_set(stack.kit_dir, "alpha").tasks}
+        answered = {row["id"]: row["candidate"] for row in report["tasks"]}
+        golden_rows = {s["task"]: by_ticket.get(s["ticket_id"]) for s in report["requests"]
+                       if s["phase"] == "golden"}
+        passing = sum(1 for task_id, task in golden.items()
+                      if (r := golden_rows.get(task_id)) is not None and r.outcome == "ok"
+                      and task.checker.check(answered[task_id]["text"]))
+        assert report["figures"]["success_rate"] == round(passing / len(golden), 6), name
         # cold loads: the candidate's adapter_loads rows
         loads = [x.seconds for x in ledger.loads(report["adapter"]) if x.outcome == "loaded"]
         assert report["cold_loads_s"] == sorted(loads)
@@ -174,19 +188,23 @@ def test_the_cli_gate_applies_the_adapters_policy(stack: Stack, target: GateTarg
         return res.exit_code, json.loads(res.stdout.strip().splitlines()[-1])
 
     d = candidates["alpha-degraded"]
-    # an override that lets this adapter drop below the stable release: the same degraded
-    # candidate now passes (the policy is what decides), and the report records the policy
+    # an override that lets this adapter drop below the stable release: the policy decides
+    # that rule, and the report records it; the floor and the base alone still judge it
     code, out = cli("adapter", "gate-policy", d, "--set", "max_success_rate_drop=1.0")
     assert code == 0 and out["policy"]["max_success_rate_drop"] == 1.0
+    code, out = cli("adapter", "gate-policy", d, "--set", "min_success_rate=0")
+    assert code == 2 and "above 0" in out["error"]  # the floor cannot be switched off
     code, out = cli("adapter", "gate", d, "--http", target.http_url, "--grpc", target.grpc_url,
                     "--metrics", target.metrics_url or "")
-    assert code == 0 and out["passed"] is True and out["failures"] == [], out
+    assert code == 1 and out["passed"] is False, out
+    assert [line.split(":")[0] for line in out["failures"]] == ["min_success_rate",
+                                                                "gain_over_base"]
     assert out["report_digest"] != gated["alpha-degraded"].report_digest
     code, report = cli("adapter", "gate-report", out["report_digest"])
     assert code == 0 and report["policy"]["max_success_rate_drop"] == 1.0
     code, latest = cli("adapter", "gate-report", d)  # by adapter: its latest per combination
     assert code == 0 and [(r["report_digest"], r["passed"]) for r in latest] == [
-        (out["report_digest"], True)]
+        (out["report_digest"], False)]
     assert latest[0]["base"] == report["combination"]["base"]
     code, out = cli("adapter", "gate-policy", d, "--clear")
     assert code == 0 and out["policy"]["max_success_rate_drop"] == 0.0

@@ -188,14 +188,15 @@ def run(stack: Stack, case: str, route: str, tickets: dict[str, str]) -> str:
     return _grpc(stack, route == "grpc_stream", params, headers)
 
 
-@pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("case", sorted(CASES))
+# Every (case, route) pair that a client can send at all.
+TABLE = [(c, r) for c in sorted(CASES) for r in ROUTES if expected(c, r) != NOT_EXPRESSIBLE]
+
+
+@pytest.mark.parametrize(("case", "route"), TABLE)
 def test_every_route_reads_the_ticket_the_same_way(stack: Stack, case: str, route: str) -> None:
     if stack.deployment.door is None:
         pytest.skip("no front door here (haproxy not installed): generate routes drop headers")
     want = expected(case, route)
-    if want == NOT_EXPRESSIBLE:
-        pytest.skip(f"{case} cannot be expressed over gRPC")
     tickets = {"A": stack.ticket("acme", "acme-alpha"), "B": stack.ticket("acme", "acme-beta")}
     got = run(stack, case, route, tickets)
     alpha = stack.digests["alpha"]

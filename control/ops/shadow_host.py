@@ -208,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop_on_signal)
     signal.signal(signal.SIGINT, _stop_on_signal)
     if os.getppid() != args.parent:  # the plan died before the death signal was asked for
+        print(f"the plan (process {args.parent}) is gone: the shadow host does not start",
+              file=sys.stderr)
         return 1
     settings = Settings.from_env(args.home)
     dep = Deployment(settings, Ports(**json.loads(args.ports)), base=args.base,

@@ -195,14 +195,15 @@ class FeedbackContract:
         assert (w.requests, w.ok, w.failed, w.rated) == (40, 30, 10, 0)  # no feedback to use
 
     def test_a_request_that_did_not_end_ok_is_never_a_success(self, ledger: Ledger) -> None:
+        # (rated without an owner lookup: the trusted callers' path; the owner is acme anyway)
         for rid, outcome in (("f-1", Outcome.FAILED), ("m-1", Outcome.IDENTITY_MISMATCH),
                              ("c-1", Outcome.CANCELLED), ("ok-1", Outcome.OK)):
             self._served(ledger, rid, "acme", outcome)
-            ledger.rate(rid, "acme", True, owner_of=owner_of)  # recorded as the tenant said
+            ledger.rate(rid, "acme", True)  # recorded as the tenant said
         ledger.admit([entry("r-1", "acme", at=200.0, outcome="rejected", reason="busy")])
-        ledger.rate("r-1", "acme", True, owner_of=owner_of)
+        ledger.rate("r-1", "acme", True)
         ledger.admit([entry("run-1", "acme", at=200.0)])  # a stream still running
-        ledger.rate("run-1", "acme", True, owner_of=owner_of)
+        ledger.rate("run-1", "acme", True)
         w = ledger.release_window(R_T, A, 150.0, 300.0)
         # five finished rated requests, one ok: one success; the running one is not judged yet
         assert (w.rated, w.successes) == (5, 1)
@@ -213,7 +214,7 @@ class FeedbackContract:
     def test_a_rating_binds_to_the_release_that_served_the_request(
             self, engine: Engine, ledger: Ledger) -> None:
         self._served(ledger, "own-1", "acme")
-        ledger.rate("own-1", "acme", True, owner_of=owner_of)
+        ledger.rate("own-1", "acme", True)
         # a host that rewrites its row afterwards does not carry the rating to another arm
         with engine.begin() as conn:
             conn.execute(request_ledger.update().where(
@@ -230,7 +231,7 @@ class FeedbackContract:
                             reason=BUSY_REASON)])
         self._served(ledger, "gate-mm", GATE_TENANT, Outcome.IDENTITY_MISMATCH)
         with pytest.raises(NotRatable):  # no tenant is the synthetic one
-            ledger.rate("gate-1", "acme", True, owner_of=owner_of)
+            ledger.rate("gate-1", "acme", True)
         w = ledger.release_window(R_T, A, 150.0, 300.0)
         assert (w.requests, w.ok, w.failed, w.busy, w.synthetic) == (1, 1, 0, 0, 4)
         assert w.identity_mismatches == 1  # the engine's fault, whoever asked

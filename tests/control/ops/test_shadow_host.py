@@ -87,4 +87,5 @@ def test_a_shadow_whose_plan_is_already_gone_does_not_start(tmp_path: Path) -> N
          "--ports", "{}", "--parent", "1"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and done.stdout == ""
+    assert "the plan (process 1) is gone" in done.stderr
     assert not (tmp_path / "home").exists()  # not even a home was made

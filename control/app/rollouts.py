@@ -12,8 +12,18 @@ recorded the same way:
   the canary: it graduates), the adapter's promotion to stable and ``RolloutCompleted``, together;
 - a rollback records the window (or probe, or abort) that caused it, ``AliasCanaryCleared`` (new
   traffic goes back to the stable release, which the rollout never moved), what became of the
-  sessions pinned to the target (``AliasSessionsRepinned`` or ``AliasSessionsDrained``) and
-  ``RolloutRolledBack``, together.
+  sessions pinned to the target and ``RolloutRolledBack``, together.
+
+What becomes of the target's sessions on a rollback: re-pinned to the stable release
+(``AliasSessionsRepinned``), drained (``AliasSessionsDrained``, only when the policy says so and
+the rollback is not for a hard failure), or, when no servable stable release is there to re-pin
+them to (the stable one was revoked under fallback ``none``, say), ended one by one
+(``SessionEnded`` on each pin, same transaction): no session stays on a rolled-back target.
+:meth:`RolloutDesk.sweep_sessions` ends pins a gateway recorded on the target just after.
+
+Outside changes (:meth:`RolloutDesk.why_stop`): a target no longer servable, or an alias moved
+by hand, rolls the rollout back; a revoked *baseline* only pauses it with an alert, and
+resuming compares the canary with the alias's stable release of then.
 
 The stable release is never touched by a rollout until it completes: its weights stay loaded and
 its capacity stays where it was. Transactions go through the registry's own save
@@ -30,13 +40,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
 from eventsourcing.domain import Aggregate
 
 from control.app.registry import Registry
-from control.contracts.ledger import ReleaseWindow
+from control.app.sessions import SessionPins
 from control.domain import (
     CANARY,
     STABLE,
@@ -53,11 +64,21 @@ from control.domain import (
     event_fields,
     rollout_id,
 )
-from control.domain.rollout import FULL, Decision, Verdict
+from control.domain.rollout import FULL, Decision, Verdict, WindowFigures
 
 log = logging.getLogger("loraplane.rollouts")
 
 _RETRIES = 5  # an operator's command racing the controller's save on the same rollout
+
+
+@dataclass(frozen=True)
+class Stop:
+    """A reason found outside the windows to stop a rollout: ``roll_back``, or (False) pause
+    it because its baseline was revoked. ``hard``: the target itself cannot be served."""
+
+    reason: str
+    roll_back: bool = True
+    hard: bool = False
 
 
 class RolloutDesk:
@@ -149,9 +170,9 @@ class RolloutDesk:
         rollout = self.get(rid)
         route = reg.alias(rollout.alias)
         release = reg.release_manifest(rollout.target)
-        why_not = self._cannot_move(rollout, route)
-        if why_not is not None:
-            self._save(self._rolled_back(rollout, route, [why_not], actor))
+        stop = self._why_stop(rollout, route)
+        if stop is not None:
+            self._stop(rollout, route, stop, actor)
             return rollout
         now = self.clock()
         rollout.enter_step(index, probe, now, actor)
@@ -185,29 +206,60 @@ class RolloutDesk:
         self._save(self._rolled_back(rollout, route, reasons, actor))
         return rollout
 
-    def record_window(self, rid: UUID, start: float, end: float, target: ReleaseWindow,
-                      baseline: ReleaseWindow, host_busy: int, *, actor: str) -> Verdict:
+    def record_window(self, rid: UUID, start: float, end: float, window: WindowFigures,
+                      host_busy: int, *, actor: str) -> Verdict:
         """Record a window's figures and decision; a ``roll_back`` decision rolls the rollout
-        back in the same transaction."""
+        back in the same transaction (an ``inconclusive`` one pauses it, with its alert)."""
         rollout = self.get(rid)
-        verdict = rollout.record_window(start, end, target, baseline, host_busy, actor)
+        verdict = rollout.record_window(start, end, window, host_busy, actor)
         if verdict.decision != Decision.ROLL_BACK:
             self._save([rollout])
             return verdict
         route = self.registry.alias(rollout.alias)
-        self._save(self._rolled_back(rollout, route, verdict.reasons, actor))
+        self._save(self._rolled_back(rollout, route, verdict.reasons, actor, hard=verdict.hard))
         return verdict
 
-    def roll_back(self, rid: UUID, reasons: list[str], *, actor: str) -> Rollout:
-        """Roll back for a reason found outside the windows (the target was revoked, say)."""
+    def roll_back(self, rid: UUID, reasons: list[str], *, actor: str,
+                  hard: bool = False) -> Rollout:
+        """Roll back for a reason found outside the windows (a hard failure the controller saw
+        as it happened, the target revoked). ``hard``: the target cannot serve correctly, so
+        its sessions are re-pinned or ended whatever the policy says."""
         rollout = self.get(rid)
         route = self.registry.alias(rollout.alias)
-        self._save(self._rolled_back(rollout, route, reasons, actor))
+        self._save(self._rolled_back(rollout, route, reasons, actor, hard=hard))
         return rollout
 
-    def why_stop(self, rollout: Rollout) -> str | None:
-        """A reason to roll ``rollout`` back now, found outside its windows (None: carry on)."""
-        return self._cannot_move(rollout, self.registry.alias(rollout.alias))
+    def why_stop(self, rollout: Rollout) -> Stop | None:
+        """A reason to stop ``rollout`` now, found outside its windows (None: carry on)."""
+        return self._why_stop(rollout, self.registry.alias(rollout.alias))
+
+    def stop(self, rid: UUID, stop: Stop, *, actor: str) -> Rollout:
+        """Apply ``stop`` (from :meth:`why_stop`): roll back, or pause with an alert."""
+        rollout = self.get(rid)
+        self._stop(rollout, self.registry.alias(rollout.alias), stop, actor)
+        return rollout
+
+    def alert_unjudged(self, rid: UUID, *, actor: str) -> bool:
+        """Record that the rollout's open window went unjudged longer than its policy allows
+        (once per window); True when recorded."""
+        rollout = self.get(rid)
+        if not rollout.alert_unjudged(self.clock(), actor):
+            return False
+        self._save([rollout])
+        return True
+
+    def sweep_sessions(self, rid: UUID, *, actor: str) -> int:
+        """End the sessions still pinned to a rolled-back rollout's target (a gateway may
+        have pinned one just as the rollback was recorded); returns how many. Nothing for a
+        rollout that drained its sessions, or that did not roll back."""
+        rollout = self.get(rid)
+        if rollout.status != "rolled_back" or self._sessions_choice(rid) == Sessions.DRAIN:
+            return 0
+        pins = SessionPins(self.registry, actor=actor, clock=self.clock)
+        ended = pins.ending(pins.live_on(rollout.alias, rollout.target))
+        if ended:
+            self.registry._save(*ended, what="session pin")
+        return len(ended)
 
     # -- operators ----------------------------------------------------------------------------
 
@@ -224,8 +276,25 @@ class RolloutDesk:
         """Carry on a paused rollout; an open window starts afresh now."""
 
         def resume(r: Rollout) -> list[Aggregate]:
-            r.resume(reason, self.clock(), actor)
-            return [r]
+            route = self.registry.alias(r.alias)
+            baseline = None
+            if r.baseline_lost:
+                stable = (None if route.stable is None
+                          else self.registry.release_manifest(route.stable))
+                if stable is None or not self.registry._release_servable(stable):
+                    raise IllegalTransition(
+                        "the stable release this rollout compared against was revoked and the "
+                        "alias has no servable stable release now: point it at one (`loraplane "
+                        f"alias point {r.alias} ...`), then resume, or abort the rollout")
+                baseline = (stable.digest, stable.adapter_digest)
+            r.resume(reason, self.clock(), actor, baseline=baseline)
+            if baseline is None or r.step < 0 or r.percent >= FULL:
+                return [r]
+            # The revocation's fallback may have cleared the canary: it gets its share back.
+            if route.canary != r.target or route.canary_percent != r.percent:
+                route.set_canary(self.registry.release_manifest(r.target), r.percent, True,
+                                 actor)
+            return [r, route]
 
         return self._retrying(alias, resume)
 
@@ -255,35 +324,66 @@ class RolloutDesk:
     def _save(self, aggregates: list[Aggregate]) -> None:
         self.registry._save(*aggregates, what="rollout")
 
-    def _cannot_move(self, rollout: Rollout, route: Alias) -> str | None:
-        if route.stable != rollout.baseline:
-            return "the alias's stable release was changed outside the rollout"
-        if route.canary not in (None, rollout.target):
-            return "the alias's canary was changed outside the rollout"
-        if not self.registry._release_servable(self.registry.release_manifest(rollout.target)):
-            return "the target is no longer servable (revoked or deprecated)"
+    def _sessions_choice(self, rid: UUID) -> str | None:
+        """What the rollback of ``rid`` recorded for its sessions (None: not rolled back)."""
+        for name, fields in reversed(self.history(rid)):
+            if name == "RolloutRolledBack":
+                return str(fields["sessions"])
         return None
 
-    def _rolled_back(self, rollout: Rollout, route: Alias, reasons: list[str],
-                     actor: str) -> list[Aggregate]:
+    def _why_stop(self, rollout: Rollout, route: Alias) -> Stop | None:
+        reg = self.registry
+        if not reg._release_servable(reg.release_manifest(rollout.target)):
+            return Stop("the target is no longer servable (revoked or deprecated)", hard=True)
+        if route.canary not in (None, rollout.target):
+            return Stop("the alias's canary was changed outside the rollout")
+        baseline_gone = not reg._release_servable(reg.release_manifest(rollout.baseline))
+        if baseline_gone:
+            # Not the canary's doing: pause and call for an operator (once), never discard it.
+            return None if rollout.baseline_lost else Stop(
+                "the stable release the canary is compared with was revoked (or deprecated); "
+                "the alias now serves "
+                + ("nothing" if route.stable is None else "another stable release")
+                + ": paused, resume to compare with the alias's stable release", roll_back=False)
+        if route.stable != rollout.baseline:
+            return Stop("the alias's stable release was changed outside the rollout")
+        return None
+
+    def _stop(self, rollout: Rollout, route: Alias, stop: Stop, actor: str) -> None:
+        if stop.roll_back:
+            self._save(self._rolled_back(rollout, route, [stop.reason], actor, hard=stop.hard))
+        else:
+            rollout.lose_baseline(stop.reason, self.clock(), actor)
+            self._save([rollout])
+
+    def _rolled_back(self, rollout: Rollout, route: Alias, reasons: list[str], actor: str,
+                     *, hard: bool = False) -> list[Aggregate]:
         """Apply the rollback to ``rollout`` and ``route`` (nothing saved): the canary
-        cleared, the target's sessions re-pinned to the stable release or drained."""
+        cleared, the target's sessions re-pinned to the stable release, drained or ended (see
+        the module notes). Returns every aggregate to save, in one transaction."""
         reg = self.registry
         cleared = route.canary == rollout.target
         if cleared:
             route.clear_canary(actor)
-        sessions = rollout.policy.sessions
+        choice = rollout.policy.sessions
+        if hard and choice == Sessions.DRAIN:
+            choice = Sessions.REPIN
+            reasons = [*reasons, "a hard failure: the target's sessions do not drain"]
         why = f"rollout {rollout.number} of {rollout.alias} rolled back"
-        if sessions == Sessions.REPIN and route.stable is not None:
-            stable = reg.release_manifest(route.stable)
-            if reg._release_servable(stable) and stable.digest != rollout.target:
+        if choice == Sessions.REPIN:
+            stable = None if route.stable is None else reg.release_manifest(route.stable)
+            if (stable is not None and reg._release_servable(stable)
+                    and stable.digest != rollout.target):
                 route.repin_sessions(rollout.target, stable, True, why, actor)
             else:
-                sessions = Sessions.DRAIN
-                reasons = [*reasons, "the stable release is not servable: sessions drained"]
-        else:
-            sessions = Sessions.DRAIN
-        if sessions == Sessions.DRAIN:
+                choice = Sessions.END
+                reasons = [*reasons, "no servable stable release to re-pin to: the target's "
+                                     "sessions ended"]
+        ended: list[Aggregate] = []
+        if choice == Sessions.END:
+            pins = SessionPins(reg, actor=actor, clock=self.clock)
+            ended.extend(pins.ending(pins.live_on(rollout.alias, rollout.target)))
+        elif choice == Sessions.DRAIN:
             route.drain_sessions(rollout.target, why, actor)
-        rollout.roll_back(reasons, sessions, cleared, actor)
-        return [rollout, route]
+        rollout.roll_back(reasons, choice, cleared, actor)
+        return [rollout, route, *ended]

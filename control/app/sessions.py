@@ -19,9 +19,10 @@ it, ``Alias.repin_sessions``); see ``control.domain.session.effective_release``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Protocol, runtime_checkable
 
 from eventsourcing.application import AggregateNotFoundError
 
@@ -67,6 +68,13 @@ class Pin:
     def holds(self, now: float) -> bool:
         """Not ended and not expired at ``now`` (servability is the view's to judge)."""
         return not self.ended and now < self.expires_at
+
+
+@runtime_checkable
+class PinReads(Protocol):
+    """The projection's view of pins (``projections.routing.RoutingView.session_pins``)."""
+
+    def session_pins(self, alias: str) -> list[Pin]: ...
 
 
 class SessionPins:
@@ -154,10 +162,34 @@ class SessionPins:
         raise AssertionError("unreachable")
 
 
+    def live_on(self, alias: str, release: str) -> list[Pin]:
+        """The sessions of ``alias`` whose pin holds ``release`` now (not ended, not expired),
+        as the routing projection shows them once caught up with the event log (it applies
+        alias-wide re-pins, which a pin's own aggregate does not know of)."""
+        follower = self.registry.follower
+        follower.catch_up()
+        routing = follower.routing()
+        if not isinstance(routing, PinReads):
+            raise TypeError("the registry's routing view cannot list session pins")
+        now = self.clock()
+        return [p for p in routing.session_pins(alias) if p.release == release and p.holds(now)]
+
+    def ending(self, pins: Iterable[Pin]) -> list[SessionPin]:
+        """The pin aggregates of ``pins`` with their end applied, not saved: the caller saves
+        them in its own transaction (a rollback's). Sessions that ended already are left out."""
+        out = []
+        for p in pins:
+            agg = self._load(p.tenant, p.alias, p.session)
+            if agg is not None and not agg.ended:
+                agg.end(self.actor)
+                out.append(agg)
+        return out
+
+
 def _pin(agg: SessionPin, *, release: str | None = None, position: int = 0) -> Pin:
     return Pin(tenant=agg.tenant, alias=agg.alias, session=agg.session,
                release=release or agg.release, expires_at=agg.expires_at.timestamp(),
                version=agg.version, ended=agg.ended, position=position)
 
 
-__all__ = ["Pin", "RepinReason", "SessionPins"]
+__all__ = ["Pin", "PinReads", "RepinReason", "SessionPins"]

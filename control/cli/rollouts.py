@@ -2,7 +2,7 @@
 
 ``loraplane alias rollout ALIAS TARGET --steps 1,10,50,100 --window 60s``  start one
 ``loraplane rollout status ALIAS [--watch]``     where it stands: steps, windows, decisions
-``loraplane rollout pause|resume ALIAS``         stop judging and advancing / carry on
+``loraplane rollout pause|resume ALIAS``         stop advancing (still judged) / carry on
 ``loraplane rollout abort ALIAS --reason ...``   end it and roll it back
 ``loraplane rollout controller``                 the controller alone (``serve`` and
                                                  ``control-plane`` run it already)
@@ -80,50 +80,64 @@ def alias_rollout(
                      ] = "1,10,50,100",
     window: Annotated[str, typer.Option(help="Length of each judged window (60s, 2m, ...).")
                       ] = "60s",
-    min_requests: Annotated[int, typer.Option(
-        help="Target requests a window needs before it can advance.")] = 20,
-    min_ratings: Annotated[int, typer.Option(
-        help="Ratings each side needs for success to be judged from feedback.")] = 10,
-    max_success_drop: Annotated[float, typer.Option(
-        help="Roll back when success is more than this many points below the baseline.")
-    ] = 1.0,
-    max_load_failure_rate: Annotated[float, typer.Option(
-        help="Load failures per request above which a window holds (fraction).")] = 0.005,
-    load_failure_windows: Annotated[int, typer.Option(
-        help="Windows in a row above that rate that roll back.")] = 3,
-    settle: Annotated[str, typer.Option(
-        help="Wait after a window ends before judging it (feedback arrives late).")] = "2s",
-    sessions: Annotated[str, typer.Option(
-        help="On rollback, sessions bound to the target: repin (to stable) or drain.")
-    ] = "repin",
+    alpha: Annotated[float | None, typer.Option(
+        help="Chance that a canary as good as stable is rolled back, over the whole rollout "
+             "(default 0.02).")] = None,
+    power: Annotated[float | None, typer.Option(
+        help="Chance that a step does NOT advance a canary worse than stable by the margin "
+             "(default 0.95).")] = None,
+    margin: Annotated[float | None, typer.Option(
+        help="Non-inferiority margin in points of success rate: a step advances once the "
+             "canary is shown to be no more than this below stable (default 3).")] = None,
+    min_requests: Annotated[int | None, typer.Option(
+        help="Served requests per arm a step needs before it can advance (default 100).")
+    ] = None,
+    min_ratings: Annotated[int | None, typer.Option(
+        help="Ratings per arm from which feedback must also show the canary not worse "
+             "(default 100).")] = None,
+    deadline: Annotated[str | None, typer.Option(
+        help="A step undecided after this pauses as inconclusive, with an alert (default "
+             "1h).")] = None,
     max_p95_ratio: Annotated[float | None, typer.Option(
-        help="Roll back when the target's p95 latency exceeds the baseline's by this factor "
-             "(off unless set).")] = None,
+        help="Roll back when the canary's p95 latency is significantly above this multiple of "
+             "stable's (default 1.5).")] = None,
+    max_load_failures: Annotated[int | None, typer.Option(
+        help="Failed loads of the target's adapter tolerated before it rolls back at once "
+             "(default 0).")] = None,
+    settle: Annotated[str | None, typer.Option(
+        help="Wait after a window ends before judging it, feedback arrives late (default 2s).")
+    ] = None,
+    sessions: Annotated[str, typer.Option(
+        help="On rollback, sessions bound to the target: repin (to stable), end, or drain "
+             "(not after a hard failure).")] = "repin",
 ) -> None:
     """Start an automatic canary of TARGET on ALIAS: the controller probes the target, moves
-    the alias step by step, judges each window against the stable release, and rolls back on
-    its own."""
+    the alias step by step, weighs the evidence of each step against the stable release with
+    sequential tests, and advances, rolls back, or pauses at the step's deadline on its own."""
     # the domain's policy (eventsourcing): only when this verb runs
     from control.domain import RolloutPolicy, Sessions
 
     try:
         choice = Sessions(sessions)
     except ValueError:
-        raise typer.BadParameter("--sessions is repin or drain") from None
+        raise typer.BadParameter("--sessions is repin, end or drain") from None
+    given: dict[str, Any] = {
+        "alpha": alpha, "power": power, "margin_pp": margin, "min_requests": min_requests,
+        "min_ratings": min_ratings, "max_p95_ratio": max_p95_ratio,
+        "max_load_failures": max_load_failures,
+        "step_deadline_s": None if deadline is None else parse_duration(deadline),
+        "settle_s": None if settle is None else parse_duration(settle)}
     with errors():
-        policy = RolloutPolicy(
-            max_success_drop_pp=max_success_drop, max_load_failure_rate=max_load_failure_rate,
-            load_failure_windows=load_failure_windows, min_requests=min_requests,
-            min_ratings=min_ratings, settle_s=parse_duration(settle),
-            sessions=choice,
-            max_p95_ratio=max_p95_ratio)
+        policy = RolloutPolicy(sessions=choice,
+                               **{k: v for k, v in given.items() if v is not None})
         r = _desk().start(alias, target, steps=parse_steps(steps),
                           window_s=parse_duration(window), policy=policy, actor=state.actor)
     emit(_summary(r), lambda: console.print(
         f"{alias}: rollout #{r.number} of release {short(r.target)} started (steps "
-        f"{','.join(map(str, r.steps))}, windows of {r.window_s:g} s); the controller in "
-        f"`loraplane serve` / `control-plane` drives it: `loraplane rollout status {alias} "
-        "--watch`"))
+        f"{','.join(map(str, r.steps))}, windows of {r.window_s:g} s, alpha "
+        f"{r.policy.alpha:g}, power {r.policy.power:g}, margin {r.policy.margin_pp:g} points); "
+        f"the controller in `loraplane serve` / `control-plane` drives it: `loraplane rollout "
+        f"status {alias} --watch`"))
 
 
 @rollout_app.command("status")
@@ -163,7 +177,8 @@ def rollout_pause(
     alias: str,
     reason: Annotated[str, typer.Option(help="Why (recorded).")] = "",
 ) -> None:
-    """Stop judging and advancing the alias's rollout; its canary keeps its share."""
+    """Stop advancing the alias's rollout; its canary keeps its share and is still judged
+    (every rollback rule still applies)."""
     with errors():
         r = _desk().pause(alias, reason, actor=state.actor)
     emit(_summary(r), lambda: console.print(f"{alias}: rollout #{r.number} paused at "
@@ -175,7 +190,8 @@ def rollout_resume(
     alias: str,
     reason: Annotated[str, typer.Option(help="Why (recorded).")] = "",
 ) -> None:
-    """Carry on a paused rollout; the open window starts afresh now."""
+    """Carry on a paused rollout: the step gets a new deadline. If its baseline was revoked,
+    the canary is compared with the alias's stable release from now on."""
     with errors():
         r = _desk().resume(alias, reason, actor=state.actor)
     emit(_summary(r), lambda: console.print(f"{alias}: rollout #{r.number} resumed at "

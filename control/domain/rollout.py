@@ -1,33 +1,27 @@
-"""The ``Rollout`` aggregate: a canary that advances and rolls back on its own, and its rules.
+"""The ``Rollout`` aggregate: a canary that advances and rolls back on its own.
 
 A rollout moves one alias from its stable release (the *baseline*) to a *target* release through
 steps of traffic share (``1, 10, 50, 100`` per cent of sessions). Each step is entered only after
-the target was preloaded and health-probed on the hosts; then each window of ``window_s`` seconds
-is judged from the request ledger and tenant feedback, the target's figures beside the
-baseline's over the same window, and the decision is an event with its figures and reasons:
+the target was preloaded and health-probed on the hosts. From the first step on, the canary is
+judged window after window of ``window_s`` seconds, with no gap: each window starts where the last
+one ended, across step changes and pauses, until the rollout finishes, so every request the
+canary serves falls in a judged window. Each window's figures join the current step's evidence,
+and the judge (:mod:`control.domain.rollout_judge`, with the policy of
+:mod:`control.domain.rollout_policy`) decides from the step's whole evidence:
 
-- ``roll_back`` at once when the window shows any identity mismatch for the target (more than
-  ``max_identity_mismatches``), when the target's task success rate is more than
-  ``max_success_drop_pp`` percentage points below the baseline's, or when its adapter load
-  failures were above ``max_load_failure_rate`` of its requests for ``load_failure_windows``
-  windows in a row;
-- ``hold`` while load failures are above the rate for fewer windows than that (no advance on a
-  window that failed loads);
-- ``wait`` when the window had too few target requests (``min_requests``) or no baseline
-  traffic to compare with: nothing is concluded, the next window decides;
-- ``advance`` to the next step, or ``complete`` when the next step is 100 % (the alias then
-  points at the target, which graduates).
+- ``roll_back``: a hard failure (identity mismatch, failed load of the target's adapter, every
+  request refused) or a metric significantly worse than stable's;
+- ``advance`` (``complete`` when the next step is 100 %): every gating metric significantly
+  not worse than the margin; the next step is then due (probe, then the alias moves);
+- ``wait``: nothing concluded, or paused (a paused rollout is still judged and still rolls
+  back; it only does not advance);
+- ``inconclusive``: the step's deadline passed undecided: the rollout pauses and records an
+  alert (``RolloutAlerted``), and an operator resumes (a new deadline) or aborts it.
 
-Why mismatches and load failures are judged on every window, however few its requests: each is
-a hard failure of the serving path, not a statistic of answer quality, so one is evidence. The
-success comparison needs enough requests to mean anything, hence ``min_requests``. A window with
-no target request and no failed load says nothing about loads: the run of load-failure windows
-neither grows nor resets on it.
-
-Task success comes from tenant feedback where both sides hold at least ``min_ratings`` ratings
-in the window (``source: feedback``); otherwise from the ledger, served requests that ended
-``ok`` (``source: ledger``). Both sides are always judged from the same source, and every window
-event names it.
+Alerts (``RolloutAlerted``) are also recorded when a window went unjudged much longer than its
+policy allows (no controller was running), and when the baseline is revoked: the rollout then
+pauses instead of discarding a canary that did nothing wrong; resuming it compares the canary
+with the alias's stable release of then (``RolloutRebased``, fresh evidence).
 
 The aggregate holds what has happened and what is due next (:meth:`Rollout.next_action`); it
 never reads a clock, a database or a host: the controller (``control.ops.rollout_controller``)
@@ -39,21 +33,32 @@ at any point resumes correctly: what is due next follows from the recorded event
 
 from __future__ import annotations
 
-import itertools
-import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 from uuid import UUID, uuid5
 
 from eventsourcing.domain import Aggregate, event
 
-from control.contracts.ledger import ReleaseWindow
 from control.domain.errors import DomainError, IllegalTransition
 from control.domain.ids import NAMESPACE
 from control.domain.names import check_actor, check_name
+from control.domain.rollout_judge import (
+    Decision,
+    Evidence,
+    Verdict,
+    WindowFigures,
+    figures,
+    judge_window,
+)
+from control.domain.rollout_policy import FULL, RolloutPolicy, Sessions, check_steps
+from control.domain.rollout_probe import ProbeReport
 
-FULL = 100  # per cent: the last step, where the alias points at the target
+__all__ = [
+    "FULL", "Action", "AlertKind", "Decision", "Enter", "Evidence", "Idle", "Judge",
+    "ProbeReport", "Rollout", "RolloutPolicy", "RolloutStatus", "Sessions", "Sleep",
+    "Verdict", "WindowFigures", "check_steps", "judge_window", "rollout_id",
+]
 
 
 class RolloutStatus(StrEnum):
@@ -66,271 +71,18 @@ class RolloutStatus(StrEnum):
 FINISHED = frozenset({RolloutStatus.ROLLED_BACK, RolloutStatus.COMPLETED})
 
 
-class Decision(StrEnum):
-    """What a window's figures decided."""
+class AlertKind(StrEnum):
+    """Why a rollout called for an operator (``RolloutAlerted``)."""
 
-    ADVANCE = "advance"
-    COMPLETE = "complete"  # advance to 100 %: the last step
-    WAIT = "wait"  # too little traffic to conclude
-    HOLD = "hold"  # load failures above the rate, not yet for long enough to roll back
-    ROLL_BACK = "roll_back"
-
-
-class Sessions(StrEnum):
-    """What happens, on a rollback, to sessions already bound to the target."""
-
-    DRAIN = "drain"  # they keep the target until they end or their pin's TTL passes
-    REPIN = "repin"  # they are pinned to the stable release at once
-
-
-class SuccessSource(StrEnum):
-    FEEDBACK = "feedback"
-    LEDGER = "ledger"
+    INCONCLUSIVE = "inconclusive"  # the step's deadline passed undecided; the rollout paused
+    UNJUDGED = "unjudged"  # a window went unjudged longer than the policy allows
+    BASELINE_REVOKED = "baseline_revoked"  # the stable release compared with was revoked
 
 
 def rollout_id(alias: str, number: int) -> UUID:
     """The id of the ``number``-th rollout (from 1) of ``alias``: two processes starting the
     same one collide on the event store's unique index."""
     return uuid5(NAMESPACE, f"rollout:{alias}#{number}")
-
-
-def check_steps(steps: list[int]) -> list[int]:
-    """Steps are per cent of sessions, strictly increasing, from 1, ending at 100."""
-    if (not isinstance(steps, list) or not steps
-            or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps)):
-        raise DomainError("steps must be a list of whole per cents, e.g. 1,10,50,100")
-    if any(s < 1 or s > FULL for s in steps):
-        raise DomainError("every step must be between 1 and 100 per cent")
-    if any(b <= a for a, b in itertools.pairwise(steps)):
-        raise DomainError("steps must increase strictly, e.g. 1,10,50,100")
-    if steps[-1] != FULL:
-        raise DomainError("the last step must be 100 (where the alias points at the target)")
-    return list(steps)
-
-
-@dataclass(frozen=True)
-class RolloutPolicy:
-    """The rules a rollout is judged by; recorded whole in its started event.
-
-    ``settle_s``: how long after a window's end it is judged, so that requests admitted near
-    the end have finished and their tenants had a moment to rate them. ``probe_requests``: the
-    health probe's requests per host before each step; ``probe_attempts``: probes that may fail
-    (unreachable or unhealthy host) before the rollout rolls back (a probe that shows a load
-    failure or an identity mismatch rolls back at once). ``max_p95_ratio`` and
-    ``max_refusal_rate`` are off unless set: the target's p95 latency over the baseline's, and
-    its busy and out-of-memory refusals over its requests.
-    """
-
-    max_success_drop_pp: float = 1.0
-    max_load_failure_rate: float = 0.005
-    load_failure_windows: int = 3
-    max_identity_mismatches: int = 0
-    min_requests: int = 20
-    min_ratings: int = 10
-    settle_s: float = 2.0
-    probe_requests: int = 2
-    probe_attempts: int = 3
-    sessions: Sessions = Sessions.REPIN
-    max_p95_ratio: float | None = None
-    max_refusal_rate: float | None = None
-
-    def __post_init__(self) -> None:
-        def number(name: str, low: float, high: float = math.inf) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not (
-                    low <= v <= high) or math.isnan(v):
-                raise DomainError(f"policy {name} must be a number from {low:g}"
-                                  + ("" if high == math.inf else f" to {high:g}")
-                                  + f", found {v!r}")
-
-        def whole(name: str, low: int) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise DomainError(f"policy {name} must be a whole number of at least {low}, "
-                                  f"found {v!r}")
-
-        number("max_success_drop_pp", 0, 100)
-        number("max_load_failure_rate", 0, 1)
-        number("settle_s", 0, 3600)
-        for name in ("load_failure_windows", "min_requests", "probe_requests",
-                     "probe_attempts"):
-            whole(name, 1)
-        whole("max_identity_mismatches", 0)
-        whole("min_ratings", 1)
-        if self.max_p95_ratio is not None:
-            number("max_p95_ratio", 1)
-        if self.max_refusal_rate is not None:
-            number("max_refusal_rate", 0, 1)
-        try:
-            object.__setattr__(self, "sessions", Sessions(self.sessions))
-        except ValueError:
-            raise DomainError("policy sessions must be drain or repin") from None
-
-    def to_json(self) -> dict[str, Any]:
-        """The policy as its started event records it."""
-        return {**asdict(self), "sessions": self.sessions.value}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> RolloutPolicy:
-        """The policy a started event recorded (fields it does not know are refused)."""
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise DomainError(f"unknown rollout policy fields: {', '.join(sorted(unknown))}")
-        return cls(**data)
-
-
-# -- judging a window ---------------------------------------------------------------------------
-
-def served(w: ReleaseWindow) -> int:
-    """Requests that reached the engine and ended there (not refused, not cancelled)."""
-    return w.ok + w.failed + w.identity_mismatches
-
-
-def ledger_success(w: ReleaseWindow) -> float | None:
-    return w.ok / served(w) if served(w) else None
-
-
-def feedback_success(w: ReleaseWindow) -> float | None:
-    return w.successes / w.rated if w.rated else None
-
-
-def load_failure_rate(w: ReleaseWindow) -> float | None:
-    """Failed loads per target request in the window (1 when loads failed and no request got
-    through to be counted); None when the window holds neither."""
-    if w.requests:
-        return min(1.0, w.load_failures / w.requests)
-    return 1.0 if w.load_failures else None
-
-
-def figures(w: ReleaseWindow) -> dict[str, Any]:
-    """A release's window figures as an event records them: the counts and the rates."""
-    return {**asdict(w), "ledger_success_rate": ledger_success(w),
-            "feedback_success_rate": feedback_success(w),
-            "load_failure_rate": load_failure_rate(w)}
-
-
-@dataclass(frozen=True)
-class Verdict:
-    decision: Decision
-    reasons: list[str]
-    success_source: SuccessSource
-    target_success: float | None
-    baseline_success: float | None
-    load_failure_streak: int
-
-
-# Rates are ratios of counts: 98/100 against 99/100 must read as exactly one point apart, not
-# as the 1.0000000000000009 that floating point makes of it.
-_EPSILON_PP = 1e-9
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
-
-
-def judge_window(policy: RolloutPolicy, target: ReleaseWindow, baseline: ReleaseWindow,
-                 streak: int, last_step: bool) -> Verdict:
-    """Decide on one window (see the module notes for the rules and their order).
-
-    ``streak``: windows in a row so far with load failures above the rate; ``last_step``: the
-    next step is 100 %, so advancing completes the rollout."""
-    use_feedback = target.rated >= policy.min_ratings and baseline.rated >= policy.min_ratings
-    source = SuccessSource.FEEDBACK if use_feedback else SuccessSource.LEDGER
-    rate = feedback_success if use_feedback else ledger_success
-    t_success, b_success = rate(target), rate(baseline)
-
-    def verdict(decision: Decision, *reasons: str) -> Verdict:
-        return Verdict(decision, list(reasons), source, t_success, b_success, streak)
-
-    if target.identity_mismatches > policy.max_identity_mismatches:
-        return verdict(Decision.ROLL_BACK,
-                       f"identity mismatches: {target.identity_mismatches} "
-                       f"(at most {policy.max_identity_mismatches} allowed)")
-    failing = load_failure_rate(target)
-    if failing is not None:
-        if failing > policy.max_load_failure_rate:
-            streak += 1
-            why = (f"load failures {_pct(failing)} of requests > "
-                   f"{_pct(policy.max_load_failure_rate)} ({streak} of "
-                   f"{policy.load_failure_windows} windows in a row)")
-            if streak >= policy.load_failure_windows:
-                return verdict(Decision.ROLL_BACK, why)
-            return verdict(Decision.HOLD, why)
-        streak = 0
-    if target.requests < policy.min_requests:
-        return verdict(Decision.WAIT, f"too few target requests: {target.requests} < "
-                                      f"{policy.min_requests}")
-    if t_success is None or b_success is None:
-        side = "target" if t_success is None else "baseline"
-        return verdict(Decision.WAIT, f"no {side} request to judge success by ({source})")
-    drop_pp = 100 * (b_success - t_success)
-    if drop_pp > policy.max_success_drop_pp + _EPSILON_PP:
-        return verdict(Decision.ROLL_BACK,
-                       f"success rate {_pct(t_success)} is {drop_pp:.1f} points below the "
-                       f"baseline's {_pct(b_success)} (at most {policy.max_success_drop_pp:g} "
-                       f"allowed; {source})")
-    reasons = [f"success {_pct(t_success)} vs baseline {_pct(b_success)} ({source})"]
-    if policy.max_p95_ratio is not None and target.p95_latency_s is not None and (
-            baseline.p95_latency_s):
-        ratio = target.p95_latency_s / baseline.p95_latency_s
-        if ratio > policy.max_p95_ratio:
-            return verdict(Decision.ROLL_BACK, f"p95 latency {ratio:.2f}x the baseline's "
-                                               f"(at most {policy.max_p95_ratio:g}x)")
-    refusals = target.busy + target.memory_refusals
-    if policy.max_refusal_rate is not None and refusals / target.requests > (
-            policy.max_refusal_rate):
-        return verdict(Decision.ROLL_BACK,
-                       f"busy and out-of-memory refusals {_pct(refusals / target.requests)} "
-                       f"> {_pct(policy.max_refusal_rate)}")
-    return verdict(Decision.COMPLETE if last_step else Decision.ADVANCE, *reasons)
-
-
-# -- the probe before each step -------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ProbeReport:
-    """What preloading and probing the target on the hosts showed, before a step.
-
-    ``requests``/``ok``: probe requests sent and answered ok by the target's own adapter (the
-    answer's digest, read from the slot, equal to the target's); ``load_failures`` and
-    ``identity_mismatches``: what the ledger recorded for the target while the probe ran;
-    ``errors``: one short line per failed request (no tenant data: the probe is the owner's)."""
-
-    hosts: list[str]
-    requests: int
-    ok: int
-    load_failures: int = 0
-    identity_mismatches: int = 0
-    p95_latency_s: float | None = None
-    errors: list[str] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.hosts) and self.requests > 0 and self.ok == self.requests and not (
-            self.load_failures or self.identity_mismatches)
-
-    @property
-    def decisive(self) -> bool:
-        """It failed for the target's own fault (a load failure, a mismatch): no retry."""
-        return bool(self.load_failures or self.identity_mismatches)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def reasons(self) -> list[str]:
-        """Why the probe failed (empty when it passed)."""
-        out = []
-        if not self.hosts:
-            out.append("no Triton host to probe")
-        if self.load_failures:
-            out.append(f"load failures: {self.load_failures} failed loads of the target")
-        if self.identity_mismatches:
-            out.append(f"identity mismatches: {self.identity_mismatches}")
-        if self.hosts and self.ok < self.requests:
-            out.append(f"probe answered {self.ok} of {self.requests} requests"
-                       + (f": {self.errors[0]}" if self.errors else ""))
-        return out
 
 
 # -- what is due next ----------------------------------------------------------------------------
@@ -345,7 +97,7 @@ class Enter:
 
 @dataclass(frozen=True)
 class Judge:
-    """The window ``[start, end)`` of the current step is over and settled: judge it."""
+    """The window ``[start, end)`` is over and settled: judge it."""
 
     start: float
     end: float
@@ -360,7 +112,7 @@ class Sleep:
 
 @dataclass(frozen=True)
 class Idle:
-    """Paused or finished: nothing to do until an operator acts."""
+    """Finished, or paused before any step: nothing to do until an operator acts."""
 
 
 Action = Enter | Judge | Sleep | Idle
@@ -409,11 +161,27 @@ class Rollout(Aggregate):
         target: dict[str, Any]
         baseline: dict[str, Any]
         host_busy: int  # busy refusals before any ticket was read: no release to blame
-        success_source: str
+        latency: dict[str, Any]  # {"slow", "timed"}: the target's requests beside stable's p95
+        load_failures: int  # failed loads of the target's adapter, capacity refusals aside
         decision: str
         reasons: list[str]
-        load_failure_streak: int
+        evidence: dict[str, Any] | None  # the step's evidence with this window (None: v1)
+        metrics: dict[str, Any]  # per metric: tallies, bounds, state
         actor: str
+
+        # Version 2: the sequential analysis. A version 1 window was judged alone: it carries
+        # no evidence and no per-metric bounds, and its success source and load-failure run
+        # are no longer part of any rule.
+        class_version = 2
+
+        @staticmethod
+        def upcast_v1_v2(state: dict[str, Any]) -> None:
+            state.pop("success_source", None)
+            state.pop("load_failure_streak", None)
+            state["latency"] = {}
+            state["load_failures"] = 0
+            state["evidence"] = None
+            state["metrics"] = {}
 
     class RolloutPaused(Aggregate.Event):
         alias: str
@@ -426,6 +194,24 @@ class Rollout(Aggregate):
         resumed_at: float
         actor: str
 
+    class RolloutAlerted(Aggregate.Event):
+        alias: str
+        kind: str  # an AlertKind
+        message: str
+        at: float
+        actor: str
+
+    class RolloutRebased(Aggregate.Event):
+        """The canary is compared with another stable release from now on (the one it was
+        compared with was revoked); the step's evidence starts afresh."""
+
+        alias: str
+        baseline: str
+        baseline_adapter: str | None
+        reason: str
+        at: float
+        actor: str
+
     class RolloutAborted(Aggregate.Event):
         alias: str
         reason: str
@@ -434,7 +220,7 @@ class Rollout(Aggregate):
     class RolloutRolledBack(Aggregate.Event):
         alias: str
         reasons: list[str]
-        sessions: str  # what became of sessions bound to the target: drain | repin
+        sessions: str  # what became of sessions bound to the target: drain | repin | end
         canary_cleared: bool  # False: the alias never sent the target any traffic
         actor: str
 
@@ -467,7 +253,12 @@ class Rollout(Aggregate):
         self.step = -1  # index of the step entered last; -1: none yet
         self.window_start: float | None = None  # start of the open window; None: none open
         self.windows_in_step = 0
-        self.streak = 0  # windows in a row with load failures above the rate
+        self.evidence = Evidence()  # the current step's, all its windows summed
+        self.advance_due = False  # the evidence let the step advance; the next one is due
+        self.deadline_at: float | None = None  # the current step's, by window end time
+        self.baseline_lost = False  # the baseline was revoked; resuming rebases
+        self.unjudged_alerted: float | None = None  # start of the window last alerted late
+        self.alerts: list[dict[str, Any]] = []
         self.probe_failures = 0  # failed probes for the next step
         self.last_decision: Decision | None = None
         self.reasons: list[str] = []
@@ -501,16 +292,42 @@ class Rollout(Aggregate):
         """The target's share of sessions now (0 before the first step)."""
         return self.steps[self.step] if self.step >= 0 else 0
 
+    @property
+    def test_alpha(self) -> float:
+        """The level of each statistical rollback test of this rollout (the policy's alpha
+        split over its judged steps and metrics)."""
+        return self.policy.test_alpha(len(self.steps) - 1)
+
+    def due_at(self) -> float | None:
+        """When the open window is due to be judged (None: no window open)."""
+        if self.window_start is None:
+            return None
+        return self.window_start + self.window_s + self.policy.settle_s
+
+    def unjudged_for(self, now: float) -> float | None:
+        """How long past its due time the open window is, when that is longer than the policy
+        allows (None otherwise): nothing has been judging this canary."""
+        due = self.due_at()
+        if self.finished or due is None or now - due <= self.policy.max_unjudged_s:
+            return None
+        return now - due
+
     def next_action(self, now: float) -> Action:
-        """What is due at ``now``, from the recorded events alone."""
-        if self.status != RolloutStatus.RUNNING or (
-                self.window_start is None and self.step + 1 >= len(self.steps)):
+        """What is due at ``now``, from the recorded events alone: a settled window first
+        (paused or not), then the next step when one is due and the rollout runs."""
+        if self.finished:
             return Idle()
-        if self.window_start is None:  # no window open: the next step is due
+        due = self.due_at()
+        if due is not None and now >= due:
+            assert self.window_start is not None
+            return Judge(self.window_start, self.window_start + self.window_s)
+        if self._step_due():
             return Enter(self.step + 1, self.steps[self.step + 1])
-        end = self.window_start + self.window_s
-        due = end + self.policy.settle_s
-        return Judge(self.window_start, end) if now >= due else Sleep(due)
+        return Idle() if due is None else Sleep(due)
+
+    def _step_due(self) -> bool:
+        return (self.status == RolloutStatus.RUNNING and not self.baseline_lost
+                and self.step + 1 < len(self.steps) and (self.step == -1 or self.advance_due))
 
     # -- the controller's moves ----------------------------------------------------------------
 
@@ -518,13 +335,19 @@ class Rollout(Aggregate):
         if self.status != RolloutStatus.RUNNING:
             raise IllegalTransition(f"the rollout is {self.status.value}")
 
+    def _check_unfinished(self) -> None:
+        if self.finished:
+            raise IllegalTransition(f"the rollout is {self.status.value}")
+
     def enter_step(self, index: int, probe: ProbeReport, now: float, actor: str) -> None:
-        """Record that step ``index`` began (its probe passed); only the next step may begin."""
+        """Record that step ``index`` began (its probe passed); only the next step may begin,
+        and only once the last one's evidence let it advance."""
         self._check_running()
-        if self.window_start is not None or index != self.step + 1 or index >= len(self.steps):
+        if not self._step_due() or index != self.step + 1:
             raise IllegalTransition(
                 f"step {index + 1} is not due: the rollout is at step {self.step + 1} of "
-                f"{len(self.steps)}" + (" with a window open" if self.window_start else ""))
+                f"{len(self.steps)}" + ("" if self.advance_due or self.step < 0
+                                        else ", still being judged"))
         if not probe.passed:
             raise IllegalTransition("a step begins only after its probe passed")
         self._step_entered(alias=self.alias, step=index, percent=self.steps[index],
@@ -536,14 +359,21 @@ class Rollout(Aggregate):
         self.step = step
         self.windows_in_step = 0
         self.probe_failures = 0
-        # The last step (100 %) has no window: the rollout completes with it.
-        self.window_start = entered_at if percent < FULL else None
+        self.advance_due = False
+        self.evidence = Evidence()
+        self.deadline_at = entered_at + self.policy.step_deadline_s
+        if percent >= FULL:
+            self.window_start = None  # the last step completes the rollout at once
+        elif self.window_start is None:
+            # The first judged window opens with the first share; later steps carry on with
+            # the window already open, so the time between steps is judged too.
+            self.window_start = entered_at
 
     def record_probe_failure(self, index: int, probe: ProbeReport, actor: str) -> bool:
         """Record a failed probe before step ``index``; True when the rollout must now roll
         back (a decisive failure, or the policy's attempts used up)."""
         self._check_running()
-        if self.window_start is not None or index != self.step + 1:
+        if not self._step_due() or index != self.step + 1:
             raise IllegalTransition(f"no probe is due for step {index + 1}")
         self._probe_failed(alias=self.alias, step=index, attempt=self.probe_failures + 1,
                            probe=probe.to_json(), reasons=probe.reasons(),
@@ -556,43 +386,94 @@ class Rollout(Aggregate):
         self.probe_failures = attempt
         self.reasons = list(reasons)
 
-    def record_window(self, start: float, end: float, target: ReleaseWindow,
-                      baseline: ReleaseWindow, host_busy: int, actor: str) -> Verdict:
-        """Judge the open window on its figures and record figures and decision; returns the
-        verdict. The window must be the one :meth:`next_action` said was due."""
-        self._check_running()
+    def record_window(self, start: float, end: float, window: WindowFigures, host_busy: int,
+                      actor: str) -> Verdict:
+        """Judge the open window with the step's evidence and record figures and decision;
+        returns the verdict. The window must be the one :meth:`next_action` said was due. An
+        ``inconclusive`` decision also pauses the rollout and records an alert."""
+        self._check_unfinished()
         if self.window_start is None or start != self.window_start or (
                 end != self.window_start + self.window_s):
             raise IllegalTransition("that window is not the one open")
-        last = self.step + 1 == len(self.steps) - 1
-        v = judge_window(self.policy, target, baseline, self.streak, last_step=last)
+        paused = self.status == RolloutStatus.PAUSED
+        v = judge_window(
+            self.policy, self.test_alpha, self.evidence, window,
+            last_step=self.step + 1 == len(self.steps) - 1, paused=paused,
+            past_deadline=(not self.advance_due and self.deadline_at is not None
+                           and end >= self.deadline_at))
+        actor = check_actor(actor)
         self._window_evaluated(
             alias=self.alias, step=self.step, percent=self.percent,
-            window=self.windows_in_step + 1, start=start, end=end, target=figures(target),
-            baseline=figures(baseline), host_busy=host_busy,
-            success_source=v.success_source.value, decision=v.decision.value,
-            reasons=v.reasons, load_failure_streak=v.load_failure_streak,
-            actor=check_actor(actor))
+            window=self.windows_in_step + 1, start=start, end=end,
+            target=figures(window.target), baseline=figures(window.baseline),
+            host_busy=host_busy, latency={"slow": window.slow, "timed": window.timed},
+            load_failures=window.load_failures, decision=v.decision.value, reasons=v.reasons,
+            evidence=v.evidence.to_json(), metrics=v.metrics_json(), actor=actor)
+        if v.decision == Decision.INCONCLUSIVE:
+            why = f"step {self.step + 1} ({self.percent}%) inconclusive at its deadline"
+            self._paused(alias=self.alias, reason=why, actor=actor)
+            self._alerted(alias=self.alias, kind=AlertKind.INCONCLUSIVE.value,
+                          message=f"{why}: " + "; ".join(v.reasons[1:]), at=end, actor=actor)
         return v
 
     @event(RolloutWindowEvaluated)
     def _window_evaluated(self, alias: str, step: int, percent: int, window: int, start: float,
                           end: float, target: dict[str, Any], baseline: dict[str, Any],
-                          host_busy: int, success_source: str, decision: str,
-                          reasons: list[str], load_failure_streak: int, actor: str) -> None:
+                          host_busy: int, latency: dict[str, Any], load_failures: int,
+                          decision: str, reasons: list[str], evidence: dict[str, Any] | None,
+                          metrics: dict[str, Any], actor: str) -> None:
         self.windows_in_step = window
-        self.streak = load_failure_streak
         self.last_decision = Decision(decision)
         self.reasons = list(reasons)
-        # Waiting and holding open the next window right away; advancing closes the step.
-        continuing = decision in (Decision.WAIT, Decision.HOLD)
-        self.window_start = end if continuing else None
+        advanced = decision in (Decision.ADVANCE, Decision.COMPLETE)
+        self.advance_due = self.advance_due or advanced
+        if evidence is None:
+            # Version 1: each window judged alone, and advancing closed the step's window.
+            self.window_start = end if decision in (Decision.WAIT, Decision.HOLD) else None
+            return
+        self.evidence = Evidence.from_json(evidence)
+        self.window_start = end  # windows follow on, whatever was decided
+
+    # -- alerts -----------------------------------------------------------------------------
+
+    def alert_unjudged(self, now: float, actor: str) -> bool:
+        """Record that the open window went unjudged longer than the policy allows (once per
+        window); True when recorded."""
+        late = self.unjudged_for(now)
+        if late is None or self.unjudged_alerted == self.window_start:
+            return False
+        self._alerted(alias=self.alias, kind=AlertKind.UNJUDGED.value,
+                      message=f"window from {self.window_start:.3f} was due {late:.0f} s ago "
+                              f"and nothing judged it (is a rollout controller running?); the "
+                              f"canary held {self.percent}% meanwhile", at=now,
+                      actor=check_actor(actor))
+        return True
+
+    def lose_baseline(self, message: str, now: float, actor: str) -> None:
+        """The baseline (the stable release compared with) was revoked: pause and alert. The
+        canary is not rolled back for what its baseline did."""
+        self._check_unfinished()
+        if self.baseline_lost:
+            raise IllegalTransition("the rollout's baseline was already recorded as revoked")
+        actor = check_actor(actor)
+        if self.status == RolloutStatus.RUNNING:
+            self._paused(alias=self.alias, reason=message, actor=actor)
+        self._alerted(alias=self.alias, kind=AlertKind.BASELINE_REVOKED.value, message=message,
+                      at=now, actor=actor)
+
+    @event(RolloutAlerted)
+    def _alerted(self, alias: str, kind: str, message: str, at: float, actor: str) -> None:
+        self.alerts.append({"kind": kind, "message": message, "at": at})
+        if kind == AlertKind.BASELINE_REVOKED:
+            self.baseline_lost = True
+        elif kind == AlertKind.UNJUDGED:
+            self.unjudged_alerted = self.window_start
 
     # -- operators ----------------------------------------------------------------------------
 
     def pause(self, reason: str, actor: str) -> None:
-        """Stop judging and advancing; the alias stays where it is (the canary keeps its
-        share)."""
+        """Stop advancing; the alias stays where it is (the canary keeps its share) and every
+        window is still judged: the rollout still rolls back on its own."""
         self._check_running()
         self._paused(alias=self.alias, reason=reason, actor=check_actor(actor))
 
@@ -600,23 +481,42 @@ class Rollout(Aggregate):
     def _paused(self, alias: str, reason: str, actor: str) -> None:
         self.status = RolloutStatus.PAUSED
 
-    def resume(self, reason: str, now: float, actor: str) -> None:
-        """Carry on: a window open when the rollout was paused starts afresh at ``now`` (its
-        traffic mixed paused and running time)."""
+    def resume(self, reason: str, now: float, actor: str, *,
+               baseline: tuple[str, str | None] | None = None) -> None:
+        """Carry on: the step gets a new deadline from ``now``. A rollout whose baseline was
+        revoked needs ``baseline`` (release digest, adapter digest): the alias's stable release
+        now, which the canary is compared with from here on, with fresh evidence."""
         if self.status != RolloutStatus.PAUSED:
             raise IllegalTransition("only a paused rollout can be resumed")
-        self._resumed(alias=self.alias, reason=reason, resumed_at=now, actor=check_actor(actor))
+        actor = check_actor(actor)
+        if self.baseline_lost:
+            if baseline is None:
+                raise IllegalTransition(
+                    "the stable release this rollout compared against was revoked: point the "
+                    "alias at a servable stable release, then resume (or abort the rollout)")
+            if baseline[0] == self.target:
+                raise IllegalTransition("the alias's stable release is the target itself")
+            self._rebased(alias=self.alias, baseline=baseline[0], baseline_adapter=baseline[1],
+                          reason=reason, at=now, actor=actor)
+        self._resumed(alias=self.alias, reason=reason, resumed_at=now, actor=actor)
+
+    @event(RolloutRebased)
+    def _rebased(self, alias: str, baseline: str, baseline_adapter: str | None, reason: str,
+                 at: float, actor: str) -> None:
+        self.baseline = baseline
+        self.baseline_adapter = baseline_adapter
+        self.baseline_lost = False
+        self.evidence = Evidence()  # the open window is judged against the new baseline
 
     @event(RolloutResumed)
     def _resumed(self, alias: str, reason: str, resumed_at: float, actor: str) -> None:
         self.status = RolloutStatus.RUNNING
-        if self.window_start is not None:
-            self.window_start = resumed_at
+        if self.step >= 0:
+            self.deadline_at = resumed_at + self.policy.step_deadline_s
 
     def abort(self, reason: str, actor: str) -> None:
         """An operator ends the rollout; the caller rolls it back in the same transaction."""
-        if self.finished:
-            raise IllegalTransition(f"the rollout is already {self.status.value}")
+        self._check_unfinished()
         if not reason.strip():
             raise DomainError("an abort needs a reason")
         self._aborted(alias=self.alias, reason=reason, actor=check_actor(actor))
@@ -629,10 +529,8 @@ class Rollout(Aggregate):
                   actor: str) -> None:
         """Record the rollback: the alias no longer sends the target traffic (the caller
         clears its canary in the same transaction when it had one). ``sessions``: what was
-        done with the sessions bound to the target, the policy's choice unless re-pinning was
-        impossible (the caller says why in ``reasons``)."""
-        if self.finished:
-            raise IllegalTransition(f"the rollout is already {self.status.value}")
+        done with the sessions bound to the target."""
+        self._check_unfinished()
         self._rolled_back(alias=self.alias, reasons=list(reasons),
                           sessions=Sessions(sessions).value, canary_cleared=canary_cleared,
                           actor=check_actor(actor))
@@ -642,6 +540,7 @@ class Rollout(Aggregate):
                      actor: str) -> None:
         self.status = RolloutStatus.ROLLED_BACK
         self.window_start = None
+        self.advance_due = False
         self.reasons = list(reasons)
 
     def complete(self, now: float, actor: str) -> None:

@@ -11,9 +11,25 @@ and for each unfinished one asks the aggregate what is due (``Rollout.next_actio
   transaction). A failed probe is recorded; a decisive one (a load failure, an identity
   mismatch) or the policy's last attempt rolls back;
 - **judge a window**: read the target's and the baseline's figures over the window from the
-  request ledger and tenant feedback (``Ledger.release_window``) and record them with the
-  decision (``RolloutDesk.record_window``), which rolls back in the same transaction when the
-  decision says so.
+  request ledger and tenant feedback (``Ledger.release_window``), the target's latencies beside
+  the baseline's p95 and its failed loads, and record them with the decision
+  (``RolloutDesk.record_window``), which rolls back in the same transaction when the decision
+  says so. Windows missed while no controller ran are judged one after another (catch-up), and
+  a window judged later than the policy allows records an alert first (``RolloutAlerted``);
+- **watch for hard failures as they happen**: about once a second, the target's identity
+  mismatches and failed loads since the open window began; one over the policy rolls back at
+  once, paused or not, without waiting for the window's end. The same look runs right before a
+  step is entered, so the time between a window's end and the next step is covered too;
+- **outside changes** (``RolloutDesk.why_stop``): roll back, or pause with an alert when the
+  baseline was revoked; for a while after a rollback, end sessions a gateway pinned to the
+  target just as it happened (``RolloutDesk.sweep_sessions``).
+
+One rollout's failure (a race lost to an operator or another controller, a database hiccup)
+is logged and never stops the tick: the other rollouts are handled all the same.
+
+Liveness: every tick updates :data:`LIVENESS`, which :func:`liveness_metrics` reads as gauges
+(the last tick's age, rollouts failing, canaries unjudged for longer than their policy allows)
+for an exporter in the same process; across processes the unjudged alert is the record.
 
 It holds no state of its own that matters: killed at any point (SIGKILL), a restarted controller
 reads the same events and finds the same action due. A step is entered only if it is the next
@@ -46,11 +62,13 @@ from control.app.rollouts import RolloutDesk
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.event_log import page_after
-from control.contracts.ledger import LOAD_FAILED, Ledger, Outcome, p95
+from control.contracts.ledger import LOAD_FAILED, MEMORY_REFUSALS, Ledger, Outcome, p95
 from control.contracts.signals import TerminationSignals
+from control.contracts.synthetic import PROBE_TENANT, is_synthetic
 from control.contracts.tickets import TicketSigner
 from control.domain import Conflict, DomainError, ProbeReport, Release, Rollout
-from control.domain.rollout import Enter, Judge
+from control.domain.rollout import Enter, Judge, WindowFigures
+from control.domain.rollout_judge import hard_failures
 from control.ops.clients import TritonRefused, infer_with
 from projections.follower import open_registry
 from projections.routing import RoutingView
@@ -61,6 +79,12 @@ ACTOR = "rollout-controller"
 PROBE_PROMPT = "health probe"
 PROBE_TICKET_TTL_S = 60  # a probe ticket lives as long as the probe, not a tenant's minutes
 _PAGE = 500
+# Failed loads that say the host had no room (the adapter cache's reasons behind the ledger's
+# memory refusals), or that the adapter was revoked: not the target's own failure.
+_NOT_THE_TARGETS = frozenset({r.removeprefix("adapter_") for r in MEMORY_REFUSALS}
+                             | {"revoked"})
+CATCH_UP_WINDOWS = 50  # windows judged per rollout per tick at most, after an outage
+SWEEP_S = 30.0  # after a rollback, how long sessions pinned to the target are looked for
 # Events that change which rollouts are unfinished; the others are read from the aggregate.
 _STARTED = get_topic(Rollout.RolloutStarted)
 _FINISHED = (get_topic(Rollout.RolloutRolledBack), get_topic(Rollout.RolloutCompleted))
@@ -78,9 +102,10 @@ class TritonProbe:
     The first request makes the adapter resident (the host loads it from the store, re-hashing
     its bytes, exactly as for a tenant's request); each of ``requests`` per host must answer
     ``ok`` from a slot holding the target's adapter. The ticket is signed with a key that is
-    recorded and not retired (hosts trust no other), for the alias owner, naming the target
-    release: the host checks it like any tenant's ticket. Load failures and identity mismatches
-    are read back from the ledger the hosts wrote while the probe ran.
+    recorded and not retired (hosts trust no other), for the synthetic probe tenant, naming the
+    target release: the host checks it like any tenant's ticket, and rollout windows leave its
+    requests out (but for identity mismatches, which count whoever sent them). Load failures
+    and identity mismatches are read back from the ledger the hosts wrote while the probe ran.
     """
 
     def __init__(self, settings: Settings, hosts: Sequence[str], routing: RoutingView,
@@ -102,8 +127,10 @@ class TritonProbe:
             return ProbeReport(hosts=self.hosts, requests=0, ok=0, errors=[
                 "no recorded, unretired signing key held here" if signer is None
                 else "the alias has no owner to probe as"])
+        # The probe's requests are the control plane's own (control.contracts.synthetic): its
+        # ticket names the synthetic tenant, so no window counts them as the alias owner's.
         token, _claims = signer.issue(
-            tenant=owner, model=self.settings.model_name, base=release.base_digest,
+            tenant=PROBE_TENANT, model=self.settings.model_name, base=release.base_digest,
             adapter=release.adapter_digest, tokenizer=release.tokenizer_digest,
             release=release.digest, ttl_s=min(PROBE_TICKET_TTL_S, self.settings.ticket_ttl_s))
         import tritonclient.http as http  # the client library: only a probe needs it
@@ -148,6 +175,43 @@ class TritonProbe:
 
 
 @dataclass
+class Liveness:
+    """What the controllers of this process last did (one per process: :data:`LIVENESS`)."""
+
+    last_tick_at: float | None = None
+    ticks: int = 0
+    failures: int = 0  # rollouts whose handling raised, all ticks together
+    unjudged: int = 0  # canaries unjudged for longer than their policy allows, last tick
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def ticked(self, now: float, failures: int, unjudged: int) -> None:
+        with self._lock:
+            self.last_tick_at = now
+            self.ticks += 1
+            self.failures += failures
+            self.unjudged = unjudged
+
+
+LIVENESS = Liveness()
+
+
+def liveness_metrics(now: float | None = None) -> dict[str, float]:
+    """Gauges for an exporter in this process (Prometheus names): seconds since a rollout
+    controller last ticked here (-1: none ever did), rollouts whose handling failed, and
+    canaries unjudged for longer than their policy allows at the last tick."""
+    now = time.time() if now is None else now
+    with LIVENESS._lock:
+        last = LIVENESS.last_tick_at
+        return {
+            "loraplane_rollout_controller_tick_age_seconds":
+                -1.0 if last is None else max(0.0, now - last),
+            "loraplane_rollout_controller_ticks_total": float(LIVENESS.ticks),
+            "loraplane_rollout_controller_failures_total": float(LIVENESS.failures),
+            "loraplane_rollout_unjudged_canaries": float(LIVENESS.unjudged),
+        }
+
+
+@dataclass
 class RolloutController:
     """Drives rollouts (see the module notes). ``tick`` does what is due once; ``run`` ticks
     until stopped."""
@@ -163,6 +227,9 @@ class RolloutController:
     _unfinished: set[UUID] = field(default_factory=set)
     _not_before: dict[UUID, float] = field(default_factory=dict)
     _checked_at: dict[UUID, float] = field(default_factory=dict)
+    _sweep_until: dict[UUID, float] = field(default_factory=dict)
+    _late: dict[UUID, bool] = field(default_factory=dict)  # unjudged too long, when last read
+    _looked: bool = False  # the log was read once: rollbacks found from now on are new
 
     @classmethod
     def for_hosts(cls, settings: Settings, hosts: Sequence[str], *,
@@ -188,6 +255,7 @@ class RolloutController:
                               topics=(_STARTED, *_FINISHED))
             if not page:
                 self._position = max(self._position, top)
+                self._looked = True
                 return
             for n in page:
                 rid = UUID(str(n.originator_id))  # the stored form may be the hex string
@@ -197,6 +265,9 @@ class RolloutController:
                     self._unfinished.discard(rid)
                     self._not_before.pop(rid, None)
                     self._checked_at.pop(rid, None)
+                    self._late.pop(rid, None)
+                    if self._looked and n.topic == _FINISHED[0]:
+                        self._sweep_until[rid] = self.clock() + SWEEP_S
             self._position = page[-1].id
 
     @property
@@ -206,16 +277,45 @@ class RolloutController:
     # -- acting -------------------------------------------------------------------------------
 
     def tick(self) -> int:
-        """Do what is due for every unfinished rollout; return how many moves were recorded."""
+        """Do what is due for every unfinished rollout; return how many moves were recorded.
+
+        Each rollout is handled on its own: whatever one raises (a move lost to an operator or
+        another controller, an error reading its figures) is logged, and the others are still
+        handled; the next tick starts again from the recorded events."""
         self.discover()
-        moves = 0
+        moves = failures = 0
         for rid in sorted(self._unfinished):
             try:
                 moves += self._act(rid)
-            except Conflict:
-                # Another controller or an operator moved it first: look again next tick.
-                log.info("rollout %s moved concurrently; re-reading it", rid)
+            except (Conflict, DomainError) as e:
+                # Another controller or an operator moved it first (Conflict, or the move is no
+                # longer legal on the fresh record): look again next tick.
+                log.warning("rollout %s moved concurrently (%s); re-reading it", rid, e)
+            except Exception:
+                failures += 1
+                log.exception("rollout %s: handling failed; retrying next tick", rid)
+        for rid in sorted(self._sweep_until):
+            try:
+                self._sweep(rid)
+            except Exception:
+                failures += 1
+                log.exception("rollout %s: ending the target's sessions failed", rid)
+        unjudged = sum(1 for rid in self._unfinished if self._late.get(rid))
+        LIVENESS.ticked(self.clock(), failures, unjudged)
         return moves
+
+    def _sweep(self, rid: UUID) -> None:
+        now = self.clock()
+        if now >= self._sweep_until[rid]:
+            del self._sweep_until[rid]
+            return
+        if now - self._checked_at.get(rid, float("-inf")) < self.check_s:
+            return
+        self._checked_at[rid] = now
+        ended = self.desk.sweep_sessions(rid, actor=self.actor)
+        if ended:
+            log.warning("rollout %s: ended %d session(s) pinned to its rolled-back target",
+                        rid, ended)
 
     def _act(self, rid: UUID) -> int:
         now = self.clock()
@@ -225,20 +325,61 @@ class RolloutController:
         if rollout.finished:
             self._unfinished.discard(rid)
             return 0
-        if now - self._checked_at.get(rid, float("-inf")) >= self.check_s and (
-                rollout.status == "running"):
+        if now - self._checked_at.get(rid, float("-inf")) >= self.check_s:
             self._checked_at[rid] = now
-            why = self.desk.why_stop(rollout)
-            if why is not None:
-                log.warning("rolling back %s #%d: %s", rollout.alias, rollout.number, why)
-                self.desk.roll_back(rid, [why], actor=self.actor)
+            stop = self.desk.why_stop(rollout)
+            if stop is not None:
+                log.warning("%s %s #%d: %s", "rolling back" if stop.roll_back else "pausing",
+                            rollout.alias, rollout.number, stop.reason)
+                self.desk.stop(rid, stop, actor=self.actor)
                 return 1
-        action = rollout.next_action(now)
-        if isinstance(action, Enter):
-            return self._enter(rollout, action)
-        if isinstance(action, Judge):
-            return self._judge(rollout, action)
-        return 0
+            hard = self._hard_failures(rollout, now)
+            if hard:
+                return self._roll_back_hard(rollout, hard)
+        moves = 0
+        self._late[rid] = rollout.unjudged_for(now) is not None
+        if self._late[rid] and self.desk.alert_unjudged(rid, actor=self.actor):
+            log.warning("%s #%d: a window went unjudged for too long", rollout.alias,
+                        rollout.number)
+            moves += 1
+            rollout = self.desk.get(rid)
+        for _ in range(CATCH_UP_WINDOWS):
+            action = rollout.next_action(self.clock())
+            if isinstance(action, Judge):
+                moves += self._judge(rollout, action)
+                rollout = self.desk.get(rid)
+                continue
+            if isinstance(action, Enter):
+                moves += self._enter(rollout, action)
+            break
+        return moves
+
+    def _hard_failures(self, rollout: Rollout, now: float) -> list[str]:
+        """Why the hard-failure rules roll ``rollout`` back now, counting the step's judged
+        windows and the open window up to ``now`` (empty: they do not)."""
+        if rollout.window_start is None:
+            return []
+        since = rollout.window_start
+        seen = self.ledger.release_window(rollout.target, rollout.target_adapter, since, now)
+        return hard_failures(
+            rollout.policy, rollout.evidence.identity_mismatches + seen.identity_mismatches,
+            rollout.evidence.load_failures + self._failed_loads(rollout, since, now))
+
+    def _roll_back_hard(self, rollout: Rollout, reasons: list[str]) -> int:
+        log.warning("rolling back %s #%d at once: %s", rollout.alias, rollout.number,
+                    "; ".join(reasons))
+        self.desk.roll_back(rollout.id, [f"seen as it happened: {r}" for r in reasons],
+                            actor=self.actor, hard=True)
+        return 1
+
+    def _failed_loads(self, rollout: Rollout, since: float, until: float) -> int:
+        """Failed loads of the target's adapter started in ``[since, until)``, capacity
+        refusals and revocations aside (see ``_NOT_THE_TARGETS``)."""
+        if rollout.target_adapter is None:
+            return 0
+        return sum(1 for load in self.ledger.loads(rollout.target_adapter)
+                   if load.outcome == LOAD_FAILED and since <= load.started_at < until
+                   and load.reason not in _NOT_THE_TARGETS)
 
     def _enter(self, rollout: Rollout, action: Enter) -> int:
         release = self.desk.registry.release_manifest(rollout.target)
@@ -248,12 +389,18 @@ class RolloutController:
         fresh = self.desk.get(rollout.id)
         if fresh.next_action(self.clock()) != action:
             return 0
+        # Look for hard failures up to this instant: the time since the last window (settle,
+        # tick, probe) is judged before the canary's share grows.
+        hard = self._hard_failures(fresh, self.clock())
+        if hard:
+            return self._roll_back_hard(fresh, hard)
         try:
             if report.passed:
                 after = self.desk.enter_step(rollout.id, action.index, report, actor=self.actor)
-                if after.status == "rolled_back":  # the alias was moved outside the rollout
-                    log.warning("%s #%d rolled back: %s", rollout.alias, rollout.number,
-                                "; ".join(after.reasons))
+                if after.step != action.index:  # stopped for an outside change instead
+                    log.warning("%s #%d: step %d not entered, %s: %s", rollout.alias,
+                                rollout.number, action.index + 1, after.status,
+                                "; ".join(after.reasons) or after.alerts[-1]["message"])
                 else:
                     log.info("%s #%d: step %d (%d%%) entered", rollout.alias, rollout.number,
                              action.index + 1, action.percent)
@@ -271,13 +418,22 @@ class RolloutController:
         return 1
 
     def _judge(self, rollout: Rollout, action: Judge) -> int:
-        target = self.ledger.release_window(rollout.target, rollout.target_adapter,
-                                            action.start, action.end)
+        start, end = action.start, action.end
+        target = self.ledger.release_window(rollout.target, rollout.target_adapter, start, end)
         baseline = self.ledger.release_window(rollout.baseline, rollout.baseline_adapter,
-                                              action.start, action.end)
-        busy = self.ledger.unattributed_busy(action.start, action.end)
-        verdict = self.desk.record_window(rollout.id, action.start, action.end, target,
-                                          baseline, busy, actor=self.actor)
+                                              start, end)
+        slow = timed = 0
+        if baseline.p95_latency_s is not None:
+            bound = rollout.policy.max_p95_ratio * baseline.p95_latency_s
+            took = [r.finished_at - r.admitted_at for r in self.ledger.query(
+                release=rollout.target, since=start, until=end, outcome=Outcome.OK.value)
+                if r.finished_at is not None and not is_synthetic(r.tenant)]
+            slow, timed = sum(1 for t in took if t > bound), len(took)
+        window = WindowFigures(target, baseline, slow=slow, timed=timed,
+                               load_failures=self._failed_loads(rollout, start, end))
+        busy = self.ledger.unattributed_busy(start, end)
+        verdict = self.desk.record_window(rollout.id, start, end, window, busy,
+                                          actor=self.actor)
         log.info("%s #%d: window of step %d: %s (%s)", rollout.alias, rollout.number,
                  rollout.step + 1, verdict.decision, "; ".join(verdict.reasons))
         return 1

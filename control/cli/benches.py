@@ -150,3 +150,53 @@ def bench_control(
         results = run_all(settings().home / "bench-control", pg_url=url, commands=commands,
                           tickets=tickets)
     emit(results, lambda: console.print_json(json.dumps(results)))
+
+
+# --- release ----------------------------------------------------------------------------------
+
+@bench_app.command("release")
+def bench_release(
+    rollouts: Annotated[int | None, typer.Option(
+        help="Simulated rollouts per scenario (default: 300, or 2000 with --full).")] = None,
+    full: Annotated[bool, typer.Option(
+        "--full", help="The full run: 2000 rollouts per scenario (about a minute).")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of the simulated traffic.")] = 21,
+) -> None:
+    """The rollout judge's error rates, simulated with the functions the controller calls:
+    false rollbacks, detections, requests per arm and completions, beside the old rule's."""
+    # the domain's rollout and numpy: only this verb loads them
+    from control.ops.bench_release import FULL_ROLLOUTS, QUICK_ROLLOUTS, run_bench
+
+    n = rollouts if rollouts is not None else FULL_ROLLOUTS if full else QUICK_ROLLOUTS
+    with errors():
+        result = run_bench(rollouts=n, seed=seed, progress=_progress)
+
+    def human() -> None:
+        from rich.table import Table
+
+        def rate(r: dict[str, float]) -> str:
+            return f"{100 * r['rate']:.1f}% ({100 * r['low']:.1f}-{100 * r['high']:.1f})"
+
+        setup = result["setup"]
+        t = Table(title=f"loraplane bench release: {setup['rollouts_per_scenario']} rollouts "
+                        f"per scenario, steps {setup['steps']}, {setup['requests_per_window']} "
+                        f"requests per {setup['window_s']:g} s window; rates with Wilson 95 % "
+                        "intervals")
+        for col in ("scenario", "rolled back", "completed", "inconclusive",
+                    "1st step requests/arm, median (p95)", "before: rolled back",
+                    "before: completed"):
+            t.add_column(col)
+        for name, s in result["scenarios"].items():
+            req = s["requests_per_arm_first_step"]
+            t.add_row(name, rate(s["rolled_back"]), rate(s["completed"]),
+                      rate(s["inconclusive"]),
+                      f"canary {req['target']['median']:g} ({req['target']['p95']:g}), stable "
+                      f"{req['baseline']['median']:g} ({req['baseline']['p95']:g})",
+                      rate(s["before"]["rolled_back"]), rate(s["before"]["completed"]))
+        console.print(t)
+        for key, g in result["goals"].items():
+            console.print(f"{key}: {rate(g['rate'])}, goal {g['goal']}: "
+                          + ("met" if g["met"] else "NOT met"))
+        console.print(f"policy: {setup['policy']}; each test at alpha {setup['test_alpha']:.3g}")
+
+    emit(result, human)

@@ -14,6 +14,10 @@ the revoked adapter, in the revocation's own transaction, and records the outcom
 
 A revoked canary is simply cleared. Whenever the stable slot ends up empty the canary is cleared
 too: a canary alone would otherwise take every session, a promotion nobody decided.
+
+A rollout in progress on the alias is not rolled back for its stable release's revocation: it
+pauses with an alert, and resuming it compares the canary with whatever stable release the
+alias has then, giving the canary its share back (``control.app.rollouts``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ each session held and why it moved.
 An alias can also move every pin it holds on one release at once (``Alias.repin_sessions``, one
 event on the alias, after a rollback): the routing projection applies it to each pin. Such a
 pin then holds the alias's release, not the one this aggregate last recorded;
-:func:`effective_release` says which one counts.
+:func:`effective_release` says which one counts. When a rollback has no servable stable release
+to re-pin to, it ends each pin on the rolled-back release instead (``SessionEnded``, in the
+rollback's transaction: ``control.app.rollouts``): no session stays on it.
 
 The id is uuid5 of (tenant, alias, session id): two gateways pinning one session at once
 collide on the event store's unique index, and the loser reads the winner's pin.

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from control.contracts.config import Settings
 from control.contracts.digests import directory_digest
+from tests.required import unavailable
 
 PG_URL_ENV = "LORAPLANE_TEST_PG_URL"
 
@@ -140,7 +141,7 @@ def postgres_settings(home: Path, max_rank: int = 8) -> Iterator[Settings]:
     """Settings on a fresh PostgreSQL schema (via ``search_path``), dropped afterwards."""
     url = os.environ.get(PG_URL_ENV)
     if not url:
-        pytest.skip(f"PostgreSQL tests need {PG_URL_ENV} "
+        unavailable("PostgreSQL", f"the tests that need it read {PG_URL_ENV} "
                     "(e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test)")
     schema = "lp_" + uuid.uuid4().hex[:12]
     admin = sa.create_engine(url)

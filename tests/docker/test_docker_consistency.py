@@ -34,6 +34,7 @@ from control.ops.serve import Deployment
 from control.ops.triton_server import READY_PATHS, READY_PROBE_TIMEOUT_S, TritonProcess
 from tests import REPO
 from tests.docker.test_image_dependencies import IMAGE_PYTHON, read_pins
+from tests.required import unavailable
 
 ROOT = REPO
 DOCKER = ROOT / "docker"
@@ -124,7 +125,7 @@ def _check_loraplane_command(argv: list[str]) -> None:
 def test_compose_validates_with_docker_compose() -> None:
     binary = shutil.which("docker-compose")
     if binary is None:
-        pytest.skip("docker-compose is not installed (Debian package docker-compose)")
+        unavailable("docker-compose", "not installed (Debian package docker-compose)")
     for profile in ([], ["--profile", "scale-out"]):
         r = subprocess.run([binary, "-f", str(DOCKER / "compose.yaml"), *profile, "config"],
                            capture_output=True, text=True, timeout=60)

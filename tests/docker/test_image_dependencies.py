@@ -30,6 +30,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from tests import REPO
+from tests.required import unavailable
 
 ROOT = REPO
 REQUIREMENTS = ROOT / "docker" / "requirements.txt"
@@ -186,7 +187,7 @@ def test_the_image_dependencies_resolve_for_the_image_python_and_platform(
     if result.returncode != 0:
         unreachable = index_unreachable(tmp_path)
         if unreachable is not None:
-            pytest.skip(f"the package index cannot be reached: {unreachable}")
+            unavailable("the package index", f"cannot be reached: {unreachable}")
         pytest.fail(f"docker/requirements.txt does not install on CPython "
                     f"{IMAGE_PYTHON[0]}.{IMAGE_PYTHON[1]} manylinux x86_64:\n"
                     f"{result.stderr[-4000:]}")

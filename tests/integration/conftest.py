@@ -20,6 +20,7 @@ from control.ops.kit import KitManifest
 from control.ops.serve import Deployment, Ports
 from control.ops.triton_server import TritonUnavailable, find_triton
 from projections.follower import open_registry
+from tests.required import unavailable
 
 ACTOR = "test-operator"
 # (tenant, alias, kit adapter or None for the base alone)
@@ -65,7 +66,7 @@ def sqlite_home(tmp_path_factory: pytest.TempPathFactory, name: str) -> Settings
     try:
         find_triton(home)
     except TritonUnavailable as e:
-        pytest.skip(f"real Triton not available: {e}")
+        unavailable("the real tritonserver", str(e))
     settings = Settings(home=home, db_url=f"sqlite:///{home / 'loraplane.db'}")
     settings.ensure_dirs()
     return settings

@@ -56,6 +56,7 @@ from control.ops.triton_user import (
 )
 from tests.control.ops.door_support import haproxy_or_skip
 from tests.integration.conftest import ACTOR, provision
+from tests.required import unavailable
 
 pytestmark = pytest.mark.triton
 
@@ -137,7 +138,7 @@ def door_stack(kit_dir: Path) -> Iterator[DoorStack]:
         install = find_triton(home / "run")
     except TritonUnavailable as e:
         shutil.rmtree(home)
-        pytest.skip(f"real Triton not available: {e}")
+        unavailable("the real tritonserver", str(e))
     settings = Settings(home=home, db_url=f"sqlite:///{home / 'loraplane.db'}")
     settings.ensure_dirs()
     _reg, _kit, keys, digests = provision(settings, kit_dir)

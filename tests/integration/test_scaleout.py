@@ -28,6 +28,7 @@ from control.ops.triton_server import TritonUnavailable, find_triton
 from projections.follower import open_registry
 from projections.routing import RoutingView
 from tests.fixtures_control import close_registry, postgres_settings
+from tests.required import unavailable
 
 ACTOR = "scaleout-test"
 pytestmark = pytest.mark.postgres
@@ -63,7 +64,7 @@ def cluster(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     try:
         find_triton(root)
     except TritonUnavailable as e:
-        pytest.skip(f"real Triton not available: {e}")
+        unavailable("the real tritonserver", str(e))
     with postgres_settings(root / "gw-1") as first:
         url = first.db_url
         homes = {name: root / name for name in ("gw-1", "gw-2", "host-a", "host-b")}

@@ -22,6 +22,7 @@ from control.ops.kit import KitManifest
 from control.ops.serve import Deployment, Ports
 from control.ops.triton_server import TritonUnavailable, find_triton
 from projections.follower import open_registry
+from tests.required import unavailable
 
 ACTOR = "trace-test"
 
@@ -33,7 +34,7 @@ def traced(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory
     try:
         find_triton(home)
     except TritonUnavailable as e:
-        pytest.skip(f"real Triton not available: {e}")
+        unavailable("the real tritonserver", str(e))
     spans = home / "spans.jsonl"
     mp = pytest.MonkeyPatch()
     mp.setenv("LORAPLANE_TRACES", f"file:{spans}")  # read by the gateway and the Triton stub

@@ -32,6 +32,7 @@ from control.ops.triton_access import (
 )
 from control.ops.triton_server import TritonProcess, TritonUnavailable, find_triton
 from tests.integration.conftest import Stack
+from tests.required import unavailable
 
 pytestmark = pytest.mark.triton
 
@@ -147,7 +148,7 @@ def test_every_api_group_of_this_tritonserver_is_assigned(tmp_path: Path) -> Non
     try:
         binary = find_triton(tmp_path).binary
     except TritonUnavailable as e:
-        pytest.skip(f"real Triton not available: {e}")
+        unavailable("the real tritonserver", str(e))
     env = {**os.environ, "LD_LIBRARY_PATH": sysconfig.get_config_var("LIBDIR") or ""}
     help_run = subprocess.run([str(binary), "--help"], capture_output=True, text=True, env=env,
                               timeout=60)

@@ -24,6 +24,7 @@ import pytest
 
 from control.ops.triton_server import TritonUnavailable, find_triton
 from tests import REPO
+from tests.required import unavailable
 
 pytestmark = pytest.mark.triton
 
@@ -64,9 +65,9 @@ def test_the_walkthrough_runs_as_pasted(tmp_path: Path) -> None:
     try:
         find_triton(tmp_path)
     except TritonUnavailable as e:
-        pytest.skip(f"real Triton not available: {e}")
+        unavailable("the real tritonserver", str(e))
     if shutil.which("curl") is None:
-        pytest.skip("curl is not installed")
+        unavailable("curl", "the walkthrough's tenant shell calls it")
     taken = [p for p in PORTS if _port_taken(p)]
     if taken:
         pytest.skip(f"the walkthrough's default ports are taken: {taken}")

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from control.cli.main import app
 from control.ops.bench_cli import GOALS, MEASURES
 from control.ops.triton_server import TritonUnavailable, find_triton
+from tests.required import unavailable
 
 pytestmark = pytest.mark.triton
 
@@ -21,7 +22,7 @@ def test_bench_cli_reports_every_measure_of_one_real_run(kit_dir: Path, tmp_path
     try:
         find_triton(tmp_path / "probe")
     except TritonUnavailable as e:
-        pytest.skip(f"real Triton not available: {e}")
+        unavailable("the real tritonserver", str(e))
     res = CliRunner().invoke(app, ["--json", "--home", str(tmp_path / "h"), "bench", "cli",
                                    "--runs", "1", "--kit", str(kit_dir)],
                              env={"LORAPLANE_DB_URL": ""})

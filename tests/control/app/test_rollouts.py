@@ -334,6 +334,31 @@ class RolloutContract(RolloutWorld):
         assert now["loraplane_rollout_controller_tick_age_seconds"] == pytest.approx(5)
         assert now["loraplane_rollout_unjudged_canaries"] == 0
 
+    def test_status_shows_the_policy_the_step_evidence_and_alerts(self, world: World) -> None:
+        from rich.console import Console
+
+        from control.ops.rollout_view import render, rollout_status
+
+        w = world
+        r = start(w)
+        c = w.controller()
+        c.tick()
+        stable, canary = w.releases()
+        w.traffic(canary, w.target, 12)
+        w.traffic(stable, w.stable, 12)
+        w.clock.now += 20 * WINDOW  # nothing judged it for twenty windows: alerted, caught up
+        c.tick()
+        data = rollout_status(w.desk, w.desk.get(r.id), now=w.clock.now)
+        assert data["policy"]["margin_pp"] == 10 and data["test_alpha"] == pytest.approx(
+            0.02 / 2 / 4)
+        assert data["metrics"]["errors"]["target"] == [12, 12]
+        assert [a["kind"] for a in data["alerts"]] == ["unjudged"]
+        assert data["unjudged_s"] is None  # caught up now
+        out = Console(width=200, record=True)
+        out.print(render(data, now=w.clock.now))
+        text = out.export_text()
+        assert "margin 10 points" in text and "alert (unjudged)" in text and "errors" in text
+
     def test_starting_is_refused_when_it_cannot_be_judged(self, world: World) -> None:
         w = world
         with pytest.raises(IllegalTransition, match="already the alias's stable"):

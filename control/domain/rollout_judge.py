@@ -15,8 +15,10 @@ can fail the canary; none stands in for another:
   ``policy.test_alpha``; they let the step advance once the target is significantly not worse
   than ``margin_pp`` below stable, at level ``1 - power`` (feedback gates only once both arms
   hold ``min_ratings`` ratings; errors need ``min_requests`` served per arm);
-- **refusals** (the target's requests that were not served: refused, or unfinished when judged)
-  against stable's: rolled back when significantly worse;
+- **refusals** (the target's requests that were not served: refused, cancelled) against
+  stable's: rolled back when significantly worse. A request still running when its window is
+  judged counts in no rate: its outcome is not known yet (``--settle`` longer than most
+  requests take keeps those few);
 - **latency**: the share of the target's ok requests slower than ``max_p95_ratio`` times the
   stable release's p95 in the same window; under "the target's p95 is within that bound" the
   share is at most 5 %, so the canary is rolled back when it is significantly above 5 %.
@@ -88,13 +90,16 @@ class WindowFigures:
     ``max_p95_ratio`` times the baseline's p95 in the window, and those with a latency at all
     (0/0 when the baseline had no ok request to take a p95 from); ``load_failures``: failed
     loads of the target's adapter other than capacity refusals (``ReleaseWindow.load_failures``
-    counts those too)."""
+    counts those too); ``target_running``/``baseline_running``: each arm's requests still
+    running when the window was judged (not refused: their outcome is to come)."""
 
     target: ReleaseWindow
     baseline: ReleaseWindow
     slow: int = 0
     timed: int = 0
     load_failures: int = 0
+    target_running: int = 0
+    baseline_running: int = 0
 
 
 _NONE = Tally()  # frozen: one instance serves every empty default
@@ -107,7 +112,8 @@ def _pair(data: Any) -> tuple[Tally, Tally]:
 @dataclass(frozen=True)
 class Evidence:
     """Everything a step has seen so far (its windows summed): per metric, the target's and the
-    baseline's tallies; the hard-failure counts; the target's requests and served requests."""
+    baseline's tallies; the hard-failure counts; the target's requests that ended (served or
+    refused) and those served."""
 
     errors: tuple[Tally, Tally] = (_NONE, _NONE)
     feedback: tuple[Tally, Tally] = (_NONE, _NONE)
@@ -120,17 +126,20 @@ class Evidence:
 
     def add(self, f: WindowFigures) -> Evidence:
         t, b = f.target, f.baseline
+        # Requests whose outcome is known: served, or refused (not still running).
+        ended_t = max(served(t), t.requests - f.target_running)
+        ended_b = max(served(b), b.requests - f.baseline_running)
         return Evidence(
             errors=(self.errors[0] + Tally(t.ok, served(t)),
                     self.errors[1] + Tally(b.ok, served(b))),
             feedback=(self.feedback[0] + Tally(t.successes, t.rated),
                       self.feedback[1] + Tally(b.successes, b.rated)),
-            refusals=(self.refusals[0] + Tally(served(t), max(t.requests, served(t))),
-                      self.refusals[1] + Tally(served(b), max(b.requests, served(b)))),
+            refusals=(self.refusals[0] + Tally(served(t), ended_t),
+                      self.refusals[1] + Tally(served(b), ended_b)),
             latency=self.latency + Tally(f.timed - f.slow, f.timed),
             identity_mismatches=self.identity_mismatches + t.identity_mismatches,
             load_failures=self.load_failures + f.load_failures,
-            requests=self.requests + t.requests, served=self.served + served(t))
+            requests=self.requests + ended_t, served=self.served + served(t))
 
     def to_json(self) -> dict[str, Any]:
         return {"errors": [x.to_json() for x in self.errors],

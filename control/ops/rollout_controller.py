@@ -372,6 +372,13 @@ class RolloutController:
                             actor=self.actor, hard=True)
         return 1
 
+    def _running(self, release: str, since: float, until: float) -> int:
+        """The release's requests admitted in ``[since, until)`` and not finished yet (tenants'
+        only, as the window's figures count them)."""
+        return sum(1 for r in self.ledger.query(release=release, since=since, until=until,
+                                                outcome=Outcome.RUNNING.value)
+                   if not is_synthetic(r.tenant))
+
     def _failed_loads(self, rollout: Rollout, since: float, until: float) -> int:
         """Failed loads of the target's adapter started in ``[since, until)``, capacity
         refusals and revocations aside (see ``_NOT_THE_TARGETS``)."""
@@ -429,8 +436,11 @@ class RolloutController:
                 release=rollout.target, since=start, until=end, outcome=Outcome.OK.value)
                 if r.finished_at is not None and not is_synthetic(r.tenant)]
             slow, timed = sum(1 for t in took if t > bound), len(took)
-        window = WindowFigures(target, baseline, slow=slow, timed=timed,
-                               load_failures=self._failed_loads(rollout, start, end))
+        window = WindowFigures(
+            target, baseline, slow=slow, timed=timed,
+            load_failures=self._failed_loads(rollout, start, end),
+            target_running=self._running(rollout.target, start, end),
+            baseline_running=self._running(rollout.baseline, start, end))
         busy = self.ledger.unattributed_busy(start, end)
         verdict = self.desk.record_window(rollout.id, start, end, window, busy,
                                           actor=self.actor)

@@ -131,6 +131,16 @@ def test_a_canary_whose_every_request_is_refused_rolls_back() -> None:
     assert decision == Decision.ROLL_BACK and "none of the target's 30 requests" in reasons[0]
 
 
+def test_requests_still_running_when_judged_are_not_refusals() -> None:
+    # 30 long requests admitted, none finished by the time the window is judged.
+    running = WindowFigures(window(30, ok=0), window(270, ok=240), target_running=30,
+                            baseline_running=30)
+    v = judge_window(POLICY, ALPHA, Evidence(), running, last_step=False)
+    assert v.decision == Decision.WAIT
+    assert (v.evidence.refusals[0].total, v.evidence.requests) == (0, 0)
+    assert v.evidence.refusals[1].total == 240
+
+
 def test_refusals_worse_than_stable_roll_back() -> None:
     target = window(100, ok=50, busy=50)
     decision, reasons = judge(figures(target, window(900, ok=890, busy=10)))

@@ -257,7 +257,7 @@ class Rollout(Aggregate):
         self.advance_due = False  # the evidence let the step advance; the next one is due
         self.deadline_at: float | None = None  # the current step's, by window end time
         self.baseline_lost = False  # the baseline was revoked; resuming rebases
-        self.unjudged_alerted: float | None = None  # start of the window last alerted late
+        self.unjudged_alerted: float | None = None  # when an outage was last alerted
         self.alerts: list[dict[str, Any]] = []
         self.probe_failures = 0  # failed probes for the next step
         self.last_decision: Decision | None = None
@@ -438,10 +438,13 @@ class Rollout(Aggregate):
 
     def alert_unjudged(self, now: float, actor: str) -> bool:
         """Record that the open window went unjudged longer than the policy allows (once per
-        window); True when recorded."""
+        outage: windows that began before the last such alert are being caught up); True when
+        recorded."""
         late = self.unjudged_for(now)
-        if late is None or self.unjudged_alerted == self.window_start:
-            return False
+        if late is None or (self.unjudged_alerted is not None
+                            and self.window_start is not None
+                            and self.window_start < self.unjudged_alerted):
+            return False  # this outage was alerted already: the windows are being caught up
         self._alerted(alias=self.alias, kind=AlertKind.UNJUDGED.value,
                       message=f"window from {self.window_start:.3f} was due {late:.0f} s ago "
                               f"and nothing judged it (is a rollout controller running?); the "
@@ -467,7 +470,7 @@ class Rollout(Aggregate):
         if kind == AlertKind.BASELINE_REVOKED:
             self.baseline_lost = True
         elif kind == AlertKind.UNJUDGED:
-            self.unjudged_alerted = self.window_start
+            self.unjudged_alerted = at
 
     # -- operators ----------------------------------------------------------------------------
 

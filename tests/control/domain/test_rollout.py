@@ -328,6 +328,12 @@ def test_an_unjudged_window_is_alerted_once() -> None:
     assert r.unjudged_for(1200.0) == pytest.approx(139.0)
     assert r.alert_unjudged(1200.0, "c") and not r.alert_unjudged(1300.0, "c")
     assert r.alerts[-1]["kind"] == AlertKind.UNJUDGED and "controller" in r.alerts[-1]["message"]
+    r.record_window(1000.0, 1060.0, QUIET, 0, "c")  # catching up: still the same outage
+    assert r.unjudged_for(1300.0) is not None and not r.alert_unjudged(1300.0, "c")
+    for start in range(1060, 1300, 60):
+        r.record_window(float(start), float(start + 60), QUIET, 0, "c")
+    assert not r.alert_unjudged(1400.0, "c")  # caught up: the window from 1300 is on time
+    assert r.alert_unjudged(1600.0, "c")  # a new outage
 
 
 def test_a_revoked_baseline_pauses_and_resume_compares_with_the_new_stable() -> None:

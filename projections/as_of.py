@@ -11,7 +11,7 @@ from eventsourcing.application import Application
 from sqlalchemy.pool import StaticPool
 
 from control.app.audit import events_until
-from projections import routing
+from projections import writers
 from projections.tables import (
     adapters,
     api_keys,
@@ -35,7 +35,7 @@ def state_as_of(registry: Application[Any], when: dt.datetime) -> dict[str, Any]
     last = 0
     with scratch.begin() as conn:
         for n, domain_event in events_until(registry, when):
-            routing.apply(conn, domain_event)
+            writers.apply(conn, domain_event)
             last = n.id
     out: dict[str, Any] = {"as_of": when.isoformat(), "position": last}
     with scratch.connect() as conn:

@@ -33,7 +33,7 @@ from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.event_log import page_after
 from control.contracts.signals import TerminationSignals
-from projections import routing
+from projections import writers
 from projections.routing import RoutingView
 from projections.tables import VIEW_TABLES, create_tables, projection_tracking
 
@@ -155,7 +155,7 @@ class ProjectionFollower:
                 if not events:
                     conn.rollback()
                     return 0
-                routing.apply_all(conn, events)
+                writers.apply_all(conn, events)
                 self._write_position(conn, old, last)
                 if not sqlite:
                     # Delivered at commit to every listening Triton host (projections.host_view):

@@ -1,7 +1,7 @@
-"""The routing projection: events in, rows out; and the read API the gateway and backend use.
+"""The routing projection's read API, used by the gateway, the CLI and the control plane's desks
+(the writers, events in and rows out, are ``projections.writers``).
 
-``apply(conn, event)`` folds one domain event into the tables of ``projections.tables`` on an
-open connection (the follower owns the transaction). ``RoutingView`` answers run-time questions
+``RoutingView`` answers run-time questions
 from those tables: which release a tenant's session gets for an alias (the release its session
 pin holds, else the canary split by the hash of tenant and session id), who holds an API key,
 which digests are revoked, which ticket-signing keys are retired.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -29,17 +28,8 @@ from control.app.sessions import Pin
 from control.domain import (
     DEFAULT_FALLBACK,
     DEPRECATED,
-    DRAFT,
     REVOKED,
     SERVABLE_STATES,
-    Adapter,
-    Alias,
-    BaseModel,
-    Release,
-    ReleaseManifest,
-    SessionPin,
-    SigningKey,
-    Tenant,
     canary_bucket,
     choose_release,
     hash_api_key,
@@ -116,263 +106,6 @@ class AliasRow:
     canary_release: str | None
     canary_percent: int
     fallback: str = DEFAULT_FALLBACK.value
-
-
-# ---------------------------------------------------------------------------------------------
-# Event -> rows
-
-
-# Events whose whole effect is new rows: ``event -> [(table, row), ...]``. ``apply`` inserts
-# them one event at a time; ``apply_all`` gathers a run of them into one executemany per table
-# (statement building, not the database, is what a replay spends its time on).
-Rows = list[tuple[sa.Table, dict[str, Any]]]
-
-
-def _tenant_created(e: Tenant.TenantCreated) -> Rows:
-    return [(tenants, {"name": e.name, "created_at": e.timestamp}),
-            (api_keys, {"key_hash": e.api_key_hash, "tenant": e.name})]
-
-
-def _base_registered(e: BaseModel.BaseRegistered) -> Rows:
-    return [(bases, {"digest": e.digest, "name": e.name,
-                     "tokenizer_digest": e.tokenizer_digest})]
-
-
-def _adapter_registered(e: Adapter.AdapterRegistered) -> Rows:
-    meta = e.metadata or {}
-    return [(adapters, {
-        "digest": e.digest, "tenant": e.tenant, "alias": e.alias, "base_digest": e.base_digest,
-        "tokenizer_digest": e.tokenizer_digest, "state": DRAFT, "rank": e.rank,
-        "registered_at": e.timestamp, "owner": str(meta.get("owner", "")),
-        "training_data_version": str(meta.get("training_data_version", "")),
-        "licence": str(meta.get("licence", "")),
-        "allowed_tasks": ",".join(meta.get("allowed_tasks", [])),
-        "signature": (e.signature or {}).get("method"),
-        "evaluation_report_digest": None, "release_digest": None})]
-
-
-def _serving_step(step: str) -> Callable[[Any], Rows]:
-    def rows(e: Any) -> Rows:
-        return [(serving_steps, {"digest": e.digest, "host": e.host, "step": step,
-                                 "at": e.timestamp})]
-    return rows
-
-
-def _release_created(e: Release.ReleaseCreated) -> Rows:
-    row = ReleaseManifest.of(e).as_dict()  # one column per manifest field, by the same name
-    row["inference_defaults"] = json.dumps(row["inference_defaults"], sort_keys=True)
-    return [(releases, {"digest": e.digest, **row, "created_at": e.timestamp})]
-
-
-def _alias_created(e: Alias.AliasCreated) -> Rows:
-    return [(routes, {"alias": e.name, "owner": e.owner, "stable_release": e.release,
-                      "canary_release": None, "canary_percent": 0,
-                      "fallback": DEFAULT_FALLBACK.value})]
-
-
-def _alias_granted(e: Alias.AliasGranted) -> Rows:
-    return [(grants, {"tenant": e.tenant, "alias": e.alias})]
-
-
-def _signing_key_recorded(e: SigningKey.SigningKeyRecorded) -> Rows:
-    return [(signing_keys, {"kid": e.kid, "public_key": e.public_key_b64,
-                            "created_at": e.timestamp, "retired_at": None})]
-
-
-INSERTS: dict[type, Callable[[Any], Rows]] = {
-    Tenant.TenantCreated: _tenant_created,
-    BaseModel.BaseRegistered: _base_registered,
-    Adapter.AdapterRegistered: _adapter_registered,
-    Adapter.AdapterDrained: _serving_step("drained"),
-    Adapter.AdapterPurged: _serving_step("purged"),
-    Adapter.AdapterUnloaded: _serving_step("unloaded"),
-    Release.ReleaseCreated: _release_created,
-    Alias.AliasCreated: _alias_created,
-    Alias.AliasGranted: _alias_granted,
-    SigningKey.SigningKeyRecorded: _signing_key_recorded,
-}
-
-
-def _evaluation_recorded(conn: Connection, e: Adapter.EvaluationRecorded) -> None:
-    conn.execute(adapters.update().where(adapters.c.digest == e.digest)
-                 .values(evaluation_report_digest=e.report_digest))
-
-
-def _adapter_promoted(conn: Connection, e: Adapter.AdapterPromoted) -> None:
-    values: dict[str, Any] = {"state": e.to}
-    if e.release is not None:
-        values["release_digest"] = e.release
-    conn.execute(adapters.update().where(adapters.c.digest == e.digest).values(**values))
-
-
-def _adapter_revoked(conn: Connection, e: Adapter.AdapterRevoked) -> None:
-    conn.execute(adapters.update().where(adapters.c.digest == e.digest).values(state=REVOKED))
-    escalated = conn.execute(revocations.update().where(revocations.c.digest == e.digest)
-                             .values(immediate=revocations.c.immediate | e.immediate))
-    if not escalated.rowcount:  # the first revocation of the digest
-        conn.execute(revocations.insert().values(digest=e.digest, reason=e.reason,
-                                                 revoked_at=e.timestamp,
-                                                 immediate=e.immediate))
-
-
-def _alias_pointed(conn: Connection, e: Alias.AliasPointed) -> None:
-    conn.execute(routes.update().where(routes.c.alias == e.alias)
-                 .values(stable_release=e.release))
-    # A canary that became the stable release ends its split (as the aggregate does).
-    conn.execute(routes.update().where(routes.c.alias == e.alias,
-                                       routes.c.canary_release == e.release)
-                 .values(canary_release=None, canary_percent=0))
-
-
-def _alias_canary_set(conn: Connection, e: Alias.AliasCanarySet) -> None:
-    conn.execute(routes.update().where(routes.c.alias == e.alias)
-                 .values(canary_release=e.release, canary_percent=e.percent))
-
-
-def _alias_canary_cleared(conn: Connection, e: Alias.AliasCanaryCleared) -> None:
-    conn.execute(routes.update().where(routes.c.alias == e.alias)
-                 .values(canary_release=None, canary_percent=0))
-
-
-def _alias_rolled_back(conn: Connection, e: Alias.AliasRolledBack) -> None:
-    conn.execute(routes.update().where(routes.c.alias == e.alias)
-                 .values(stable_release=e.to_release))
-
-
-def _alias_fallback_set(conn: Connection, e: Alias.AliasFallbackSet) -> None:
-    conn.execute(routes.update().where(routes.c.alias == e.alias).values(fallback=e.policy))
-
-
-def _alias_fell_back(conn: Connection, e: Alias.AliasFellBack) -> None:
-    # As the aggregate does: the stable slot changes only if it held the revoked release.
-    conn.execute(routes.update().where(routes.c.alias == e.alias,
-                                       routes.c.stable_release == e.revoked_release)
-                 .values(stable_release=e.to_release))
-    if e.canary_cleared:
-        conn.execute(routes.update().where(routes.c.alias == e.alias)
-                     .values(canary_release=None, canary_percent=0))
-
-
-def _next_changed(conn: Connection) -> int:
-    """The next value of ``session_pins.changed``: above every row's, this batch's included."""
-    top = conn.execute(sa.select(sa.func.max(session_pins.c.changed))).scalar()
-    return int(top or 0) + 1
-
-
-def _pin_key(e: Any) -> Any:
-    return sa.and_(session_pins.c.tenant == e.tenant, session_pins.c.alias == e.alias,
-                   session_pins.c.session == e.session)
-
-
-def _session_pinned(conn: Connection, e: SessionPin.SessionPinned) -> None:
-    conn.execute(session_pins.insert().values(
-        tenant=e.tenant, alias=e.alias, session=e.session, release=e.release,
-        expires_at=e.expires_at.timestamp(), ended=False, version=e.originator_version,
-        pinned_at=e.timestamp, changed=_next_changed(conn)))
-
-
-def _session_repinned(conn: Connection, e: SessionPin.SessionRepinned) -> None:
-    conn.execute(session_pins.update().where(_pin_key(e)).values(
-        release=e.release, expires_at=e.expires_at.timestamp(), ended=False,
-        version=e.originator_version, pinned_at=e.timestamp, changed=_next_changed(conn)))
-
-
-def _session_ended(conn: Connection, e: SessionPin.SessionEnded) -> None:
-    conn.execute(session_pins.update().where(_pin_key(e)).values(
-        ended=True, version=e.originator_version, changed=_next_changed(conn)))
-
-
-def _alias_sessions_repinned(conn: Connection, e: Alias.AliasSessionsRepinned) -> None:
-    # ``version`` stays: it counts the pin's own events (control.domain.session).
-    conn.execute(session_pins.update().where(
-        session_pins.c.alias == e.alias, session_pins.c.release == e.from_release,
-        session_pins.c.ended.is_(False)).values(release=e.to_release,
-                                                changed=_next_changed(conn)))
-
-
-def _tickets_not_before(conn: Connection, tenant: str, when: datetime) -> None:
-    """The tenant's tickets issued until ``when`` are no longer honoured by hosts."""
-    conn.execute(tenants.update().where(tenants.c.name == tenant)
-                 .values(tickets_not_before=when.timestamp()))
-
-
-def _alias_grant_removed(conn: Connection, e: Alias.AliasGrantRemoved) -> None:
-    conn.execute(grants.delete().where(grants.c.tenant == e.tenant, grants.c.alias == e.alias))
-    # A ticket does not name the alias it was issued through, so every earlier ticket of the
-    # tenant goes: its clients get new ones at once for what is still granted.
-    _tickets_not_before(conn, e.tenant, e.timestamp)
-
-
-def _api_key_rotated(conn: Connection, e: Tenant.ApiKeyRotated) -> None:
-    # One working key per tenant: the rotation withdraws every earlier one in the same write.
-    conn.execute(api_keys.delete().where(api_keys.c.tenant == e.tenant))
-    conn.execute(api_keys.insert().values(key_hash=e.api_key_hash, tenant=e.tenant))
-    _tickets_not_before(conn, e.tenant, e.timestamp)
-
-
-def _api_keys_revoked(conn: Connection, e: Tenant.ApiKeysRevoked) -> None:
-    conn.execute(api_keys.delete().where(api_keys.c.tenant == e.tenant))
-    _tickets_not_before(conn, e.tenant, e.timestamp)
-
-
-def _signing_key_retired(conn: Connection, e: SigningKey.SigningKeyRetired) -> None:
-    conn.execute(signing_keys.update().where(signing_keys.c.kid == e.kid)
-                 .values(retired_at=e.timestamp))
-
-
-# Events that change rows already there.
-HANDLERS: dict[type, Callable[[Connection, Any], None]] = {
-    Adapter.EvaluationRecorded: _evaluation_recorded,
-    Adapter.AdapterPromoted: _adapter_promoted,
-    Adapter.AdapterRevoked: _adapter_revoked,
-    Alias.AliasPointed: _alias_pointed,
-    Alias.AliasCanarySet: _alias_canary_set,
-    Alias.AliasCanaryCleared: _alias_canary_cleared,
-    Alias.AliasRolledBack: _alias_rolled_back,
-    Alias.AliasGrantRemoved: _alias_grant_removed,
-    Alias.AliasFallbackSet: _alias_fallback_set,
-    Alias.AliasFellBack: _alias_fell_back,
-    Alias.AliasSessionsRepinned: _alias_sessions_repinned,
-    SessionPin.SessionPinned: _session_pinned,
-    SessionPin.SessionRepinned: _session_repinned,
-    SessionPin.SessionEnded: _session_ended,
-    Tenant.ApiKeyRotated: _api_key_rotated,
-    Tenant.ApiKeysRevoked: _api_keys_revoked,
-    SigningKey.SigningKeyRetired: _signing_key_retired,
-}
-
-
-def apply(conn: Connection, domain_event: Any) -> None:
-    """Fold one domain event into the view tables; events the views ignore are skipped."""
-    rows = INSERTS.get(type(domain_event))
-    if rows is not None:
-        for table, row in rows(domain_event):
-            conn.execute(table.insert(), row)
-        return
-    handler = HANDLERS.get(type(domain_event))
-    if handler is not None:
-        handler(conn, domain_event)
-
-
-def apply_all(conn: Connection, domain_events: Iterable[Any]) -> None:
-    """Fold events in order, as ``apply`` would one by one, but insert each run of row-only
-    events with one executemany per table (flushed before any event that changes rows)."""
-    pending: dict[sa.Table, list[dict[str, Any]]] = {}
-
-    def flush() -> None:
-        for table, rows in pending.items():
-            conn.execute(table.insert(), rows)
-        pending.clear()
-
-    for event in domain_events:
-        rows = INSERTS.get(type(event))
-        if rows is None:
-            flush()
-            apply(conn, event)
-            continue
-        for table, row in rows(event):
-            pending.setdefault(table, []).append(row)
-    flush()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from sqlalchemy.engine import Connection, Engine
 from control.app.registry import NotYetVisible, Registry
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
-from projections import routing
+from projections import writers
 from projections.follower import ProjectionFollower, open_registry, snapshot
 from projections.routing import RoutingView
 from tests import REPO
@@ -34,7 +34,7 @@ from tests.fixtures_control import (
     sqlite_settings,
 )
 
-REAL_APPLY = routing.apply
+REAL_APPLY = writers.apply
 
 apply_counts = sa.Table(
     "test_apply_counts", sa.MetaData(),
@@ -45,7 +45,7 @@ apply_counts = sa.Table(
 
 def counting_apply(engine: Engine, fail_at: int | None = None
                    ) -> Callable[[Connection, list[Any]], None]:
-    """``routing.apply_all`` that applies event by event and also counts, IN the projection's
+    """``writers.apply_all`` that applies event by event and also counts, IN the projection's
     transaction, how often each event was applied: a rolled-back batch leaves no count behind,
     a committed one leaves exactly 1."""
     apply_counts.create(engine, checkfirst=True)
@@ -170,13 +170,13 @@ class ProjectionContract:
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         total = self._total(registry)
-        monkeypatch.setattr(routing, "apply_all", counting_apply(engine, fail_at=5))
+        monkeypatch.setattr(writers, "apply_all", counting_apply(engine, fail_at=5))
         first = ProjectionFollower(registry, engine, batch_size=3)
         with pytest.raises(RuntimeError, match="killed"):
             first.catch_up()
         assert first.position() == 3  # batch 1 committed, batch 2 rolled back entirely
         assert counts(engine) == [1, 1, 1]
-        monkeypatch.setattr(routing, "apply_all", counting_apply(engine))
+        monkeypatch.setattr(writers, "apply_all", counting_apply(engine))
         second = ProjectionFollower(registry, engine, batch_size=3)
         assert second.catch_up() == total - 3
         assert sorted(counts(engine)) == [1] * total
@@ -185,7 +185,7 @@ class ProjectionContract:
                                           history: dict[str, str],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
         total = self._total(registry)
-        monkeypatch.setattr(routing, "apply_all", counting_apply(engine))
+        monkeypatch.setattr(writers, "apply_all", counting_apply(engine))
         follower = ProjectionFollower(registry, engine, batch_size=4)
         real_write = ProjectionFollower._write_position
         calls = {"n": 0}
@@ -208,7 +208,7 @@ class ProjectionContract:
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         total = self._total(registry)
-        monkeypatch.setattr(routing, "apply_all", counting_apply(engine))
+        monkeypatch.setattr(writers, "apply_all", counting_apply(engine))
         followers = [ProjectionFollower(registry, engine, batch_size=2) for _ in range(3)]
         errors: list[BaseException] = []
 
@@ -261,7 +261,7 @@ class ProjectionContract:
         batched = sa.create_engine(f"sqlite:///{tmp_path / 'batched.db'}")
         one_by_one = sa.create_engine(f"sqlite:///{tmp_path / 'one-by-one.db'}")
         follower.rebuild_into(batched)
-        monkeypatch.setattr(routing, "apply_all", lambda conn, events: [
+        monkeypatch.setattr(writers, "apply_all", lambda conn, events: [
             REAL_APPLY(conn, e) for e in events])
         follower.rebuild_into(one_by_one)
         rows = snapshot(batched)
@@ -285,7 +285,7 @@ class ProjectionContract:
         back; one that finds other processes' events before its own reads the log, and every
         event is applied exactly once either way."""
         a, b = open_registry(settings), open_registry(settings, follow=False)
-        monkeypatch.setattr(routing, "apply_all", counting_apply(engine))
+        monkeypatch.setattr(writers, "apply_all", counting_apply(engine))
         reads: list[int] = []
         real = a.recorder.select_notifications
 

@@ -35,7 +35,13 @@ from control.contracts.event_log import page_after
 from control.contracts.signals import TerminationSignals
 from projections import writers
 from projections.routing import RoutingView
-from projections.tables import VIEW_TABLES, create_tables, projection_tracking
+from projections.tables import (
+    CHANGE_CHANNEL,
+    TRACKING_NAME,
+    VIEW_TABLES,
+    create_tables,
+    projection_tracking,
+)
 
 if TYPE_CHECKING:
     from eventsourcing.application import Application
@@ -43,9 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("loraplane.follower")
 
-DEFAULT_NAME = "routing"
-# PostgreSQL NOTIFY channel: a projection batch committed (payload: the new position).
-CHANGE_CHANNEL = "loraplane_projection"
+DEFAULT_NAME = TRACKING_NAME
 _RETRIES = 8
 
 

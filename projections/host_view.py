@@ -31,9 +31,16 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from projections.follower import CHANGE_CHANNEL
-from projections.follower import DEFAULT_NAME as TRACKING_NAME
-from projections.tables import projection_tracking, releases, revocations, signing_keys, tenants
+from projections.tables import (
+    CHANGE_CHANNEL,
+    TRACKING_NAME,
+    bases,
+    projection_tracking,
+    releases,
+    revocations,
+    signing_keys,
+    tenants,
+)
 
 log = logging.getLogger("loraplane.host_view")
 
@@ -115,6 +122,16 @@ class HostGovernance:
                 if self._state is None or self._state.position != position:
                     self._state = _load(conn, position)
                 return self._state
+
+
+def tokenizer_of(engine: Engine, base_digest: str) -> str | None:
+    """The tokenizer digest registered with base ``base_digest`` (None: no such base). The one
+    fact a host needs from the catalogue at start, read here so that the serving side imports no
+    reader that reaches into the control plane's application code."""
+    with engine.connect() as conn:
+        value = conn.execute(sa.select(bases.c.tokenizer_digest)
+                             .where(bases.c.digest == base_digest)).scalar()
+    return None if value is None else str(value)
 
 
 class ChangeListener:

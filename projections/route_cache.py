@@ -57,9 +57,9 @@ from control.contracts.config import (
     route_timing_from_env,
 )
 from control.domain import SERVABLE_STATES, canary_bucket, choose_release, hash_api_key
-from projections.follower import DEFAULT_NAME as TRACKING_NAME
 from projections.routing import Route, RoutingView, pin_from_row
 from projections.tables import (
+    TRACKING_NAME,
     adapters,
     api_keys,
     grants,

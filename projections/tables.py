@@ -150,7 +150,11 @@ session_pins = sa.Table(
 )
 
 # Position of each projection in the event store's notification log. Written in the same
-# transaction as the view rows it accounts for.
+# transaction as the view rows it accounts for. The follower's row is named TRACKING_NAME; readers
+# (the gateway's cache, the hosts' governance view) read it as the projections' change stamp.
+TRACKING_NAME = "routing"
+# PostgreSQL NOTIFY channel: a projection batch committed (payload: the new position).
+CHANGE_CHANNEL = "loraplane_projection"
 projection_tracking = sa.Table(
     "projection_tracking", metadata,
     sa.Column("name", sa.String(32), primary_key=True),

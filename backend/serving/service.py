@@ -86,8 +86,7 @@ from control.contracts.tickets import (
     load_public_keys,
 )
 from control.contracts.wire import TEXT_INPUT
-from projections.host_view import ChangeListener, GovernanceState, HostGovernance
-from projections.routing import RoutingView
+from projections.host_view import ChangeListener, GovernanceState, HostGovernance, tokenizer_of
 
 log = logging.getLogger("loraplane.backend")
 
@@ -231,16 +230,15 @@ class LoraService:
         self.settings = settings
         self.host = host or socket.gethostname()
         db = make_engine(settings.db_url)
-        self.routing = RoutingView(db)
         self.governance = HostGovernance(db)
         self.ledger = Ledger(db)
         self.writer = LedgerWriter(self.ledger)
         self.store = ArtifactStore(settings.store_dir)
-        base = next((b for b in self.routing.bases() if b.digest == base_digest), None)
-        if base is None:
+        tokenizer = tokenizer_of(db, base_digest)
+        if tokenizer is None:
             raise RuntimeError("the base model digest to serve is not registered")
         self.base_digest = base_digest
-        self.tokenizer_digest = base.tokenizer_digest
+        self.tokenizer_digest = tokenizer
         if engine is None:
             engine = Engine(
                 self.store.verify(base_digest),

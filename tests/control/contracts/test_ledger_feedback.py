@@ -7,6 +7,7 @@ it writes it."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -237,7 +238,7 @@ class FeedbackContract:
         assert w.identity_mismatches == 1  # the engine's fault, whoever asked
 
     def test_a_version_4_ledger_upgrades_and_its_old_ratings_count_for_nothing(
-            self, engine: Engine, ledger: Ledger) -> None:
+            self, engine: Engine, ledger: Ledger, settings: Settings) -> None:
         self._served(ledger, "old-1", "globex")  # rated by a granted tenant before version 5
         self._served(ledger, "old-2", "acme")
         with engine.begin() as conn:  # the ledger as version 4 left it
@@ -256,9 +257,18 @@ class FeedbackContract:
         assert (found.found, found.state) == (4, "outdated")
         with pytest.raises(SchemaOutdated, match="version 4"):
             Ledger(engine)
-        changes = {c.component: c for c in upgrade(engine, rebuild=None, components=(LEDGER,))}
+        # the operator's command, as the services' refusal names it
+        from typer.testing import CliRunner
+
+        from control.cli.main import app
+
+        done = CliRunner().invoke(app, ["--home", str(settings.home), "--json", "db",
+                                        "upgrade"], env={"LORAPLANE_DB_URL": settings.db_url})
+        assert done.exit_code == 0, done.output
+        changes = {c["component"]: c for c in json.loads(done.stdout)}
         assert LEDGER.latest == 5
-        assert (changes["ledger"].before, changes["ledger"].after) == (4, 5)
+        assert (changes["ledger"]["action"], status(engine, (LEDGER,))[0].found) == (
+            "upgraded", 5)
         again = Ledger(engine)
         kept = again.rating("old-1")
         assert kept is not None and kept.release_digest is None and kept.success is False

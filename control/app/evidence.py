@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from eventsourcing.domain import Aggregate
-
 from control.domain import (
     CANARY,
     Adapter,
@@ -47,10 +45,9 @@ def stable_basis_of(reg: Registry, adapter: Adapter, route: Alias | None) -> Sta
         break_glass=adapter.break_glass_for == BreakGlassTarget.STABLE)
 
 
-def break_glass(reg: Registry, adapter: Adapter, *, to: str, reason: str,
-                actor: str) -> list[Aggregate]:
+def break_glass(reg: Registry, adapter: Adapter, *, to: str, reason: str, actor: str) -> None:
     """Check and record (unsaved) an operator's override letting ``adapter`` move to ``to``;
-    return the other aggregates that changed (none: the move is the caller's).
+    the move itself is the caller's, saved with it.
 
     Into canary (from candidate) it overrides a failing gate report on the canary's
     combination; it is refused where there is nothing to override (a passing report: promote
@@ -88,7 +85,6 @@ def break_glass(reg: Registry, adapter: Adapter, *, to: str, reason: str,
                                     "abort it first")
         overrides = "no_rollout"
     adapter.break_glass(target.value, overrides, reason, actor)
-    return []
 
 
 def _rollouts(reg: Registry, alias: str) -> list[Rollout]:

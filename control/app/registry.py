@@ -668,9 +668,9 @@ class Registry(Application[UUID]):
         although the evidence that move needs is missing, ``BreakGlassUsed`` and the move in
         one transaction; return the new state. See ``control.app.evidence.break_glass``."""
         adapter = self.adapter(digest)
-        changed = evidence.break_glass(self, adapter, to=to, reason=reason, actor=actor)
-        changed += self._step(adapter, to, actor=actor, canary_percent=canary_percent,
-                              defaults=inference_defaults)
+        evidence.break_glass(self, adapter, to=to, reason=reason, actor=actor)
+        changed = self._step(adapter, to, actor=actor, canary_percent=canary_percent,
+                             defaults=inference_defaults)
         self._save(adapter, *changed, what="adapter")
         return adapter.state
 

@@ -33,10 +33,11 @@ from control.contracts.digests import short
 
 EXIT_FAILED = 1  # the gate ran and the candidate failed (2: usage and other errors)
 
-_SET_HELP = ("A threshold FIELD=VALUE (repeatable; VALUE as JSON: 0, 0.05, 8, true, null). "
+_SET_HELP = ("A threshold FIELD=VALUE (repeatable; VALUE as JSON: 0, 0.05, 8, true). "
              "Fields: max_authorization_errors, max_success_rate_drop, min_success_rate, "
-             "max_cold_load_p95_s, max_memory_accounting_error, max_misattributions, "
-             "mixed_requests, min_golden_tasks, max_load_failures, require_long_context.")
+             "min_gain_over_base, max_cold_load_p95_s, max_memory_accounting_error, "
+             "max_misattributions, mixed_requests, min_golden_tasks, max_load_failures, "
+             "require_long_context.")
 
 
 @adapter_app.command("golden")

@@ -183,7 +183,13 @@ def _parse(line: str) -> dict[str, Any]:
 # -- the shadow host process ----------------------------------------------------------------------
 
 def _say(**message: Any) -> None:
-    print(json.dumps(message), flush=True)
+    try:
+        print(json.dumps(message), flush=True)
+    except (BrokenPipeError, ValueError, OSError):
+        # The plan is gone (its end of the pipe with it): nobody reads, and a stop that is
+        # reporting its progress must not be broken off by that.
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
 
 
 def _stop_on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -25,16 +25,21 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 # reports the child's pid and waits to be killed.
 PLAN = textwrap.dedent("""
     import subprocess, sys, time
-    child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+    # the shadow's stdout is a pipe to this process, as ShadowHost reads it
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]],
+                             stdout=subprocess.PIPE)
     print(child.pid, flush=True)
     time.sleep(600)
 """)
 SHADOW = textwrap.dedent("""
     import signal, sys, time
     from pathlib import Path
-    from control.ops.shadow_host import die_with_parent
+    from control.ops.shadow_host import _say, die_with_parent
     die_with_parent(signal.SIGTERM)
     def stop(signum, frame):
+        # the deployment's stop reports progress into the dead plan's pipe: it must go on
+        for _ in range(3):
+            _say(progress="stopping tritonserver")
         Path(sys.argv[1]).write_text("stopped cleanly")
         raise SystemExit(0)
     signal.signal(signal.SIGTERM, stop)

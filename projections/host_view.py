@@ -23,6 +23,7 @@ unloads a revoked adapter without waiting for a request.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -47,11 +48,13 @@ log = logging.getLogger("loraplane.host_view")
 
 @dataclass(frozen=True)
 class ReleaseBinding:
-    """The digests a release manifest binds together."""
+    """The digests a release manifest binds together, and its inference defaults (what a request
+    on it that omits a sampling parameter gets: ``control.contracts.sampling.with_defaults``)."""
 
     adapter_digest: str | None
     base_digest: str
     tokenizer_digest: str
+    defaults: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -89,10 +92,12 @@ def _load(conn: Connection, position: int) -> GovernanceState:
             sa.select(signing_keys.c.kid).where(signing_keys.c.retired_at.is_not(None)))
             .scalars()),
         releases={str(r.digest): ReleaseBinding(r.adapter_digest, str(r.base_digest),
-                                                str(r.tokenizer_digest))
+                                                str(r.tokenizer_digest),
+                                                dict(json.loads(r.inference_defaults or "{}")))
                   for r in conn.execute(sa.select(releases.c.digest, releases.c.adapter_digest,
                                                   releases.c.base_digest,
-                                                  releases.c.tokenizer_digest))},
+                                                  releases.c.tokenizer_digest,
+                                                  releases.c.inference_defaults))},
         tickets_not_before={str(r.name): float(r.tickets_not_before) for r in conn.execute(
             sa.select(tenants.c.name, tenants.c.tickets_not_before)
             .where(tenants.c.tickets_not_before.is_not(None)))},

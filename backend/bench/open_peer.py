@@ -25,6 +25,7 @@ a :class:`backend.triton.glue.TritonGlue`; the open engine exists only in a repo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -75,13 +76,13 @@ class OpenService(LoraService):
         self.writer = UnrecordedWriter()
         self._claims: dict[str, TicketClaims] = {}
 
-    def _authorize(self, req: IncomingRequest) -> TicketClaims:
+    def _authorize(self, req: IncomingRequest) -> tuple[TicketClaims, Mapping[str, object]]:
         token = ticket_from_parameters(req.parameters)
         claims = self._claims.get(token)
         if claims is None:
             claims = self.tickets.verify(token)
             self._claims[token] = claims
-        return claims
+        return claims, {}  # the bench's releases set no inference defaults
 
     def _write_running(self, entry: LedgerEntry) -> None:
         pass

@@ -37,7 +37,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -77,6 +77,7 @@ from backend.serving.scheduler import AdapterRevoked, QueueFull, Scheduler, Sche
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import AdapterLoad, Completion, Ledger, LedgerEntry, Outcome
+from control.contracts.sampling import with_defaults
 from control.contracts.store import ArtifactStore
 from control.contracts.tickets import (
     GENERIC_REFUSAL,
@@ -385,8 +386,8 @@ class LoraService:
         # 1. the ticket, 2. governance, 3. the request's own parameters; only then may any
         # adapter bytes be read
         try:
-            claims = self._authorize(req)
-            gen = self._generation_request(req, claims)
+            claims, defaults = self._authorize(req)
+            gen = self._generation_request(req, claims, defaults)
         except (TicketRejected, RequestRefused) as e:
             self.stats.refuse(e.reason)
             # Claims of a ticket that failed verification are never recorded: unproven.
@@ -452,8 +453,10 @@ class LoraService:
             self.stats.refuse("revoked")
             self._finish(adm, seq.result(""), Outcome.REJECTED, "revoked")
 
-    def _authorize(self, req: IncomingRequest) -> TicketClaims:
-        """The verified claims of the request's ticket, if governance allows them now."""
+    def _authorize(self, req: IncomingRequest) -> tuple[TicketClaims, Mapping[str, object]]:
+        """The verified claims of the request's ticket, if governance allows them now, and the
+        inference defaults of the release the ticket names (its ``release`` claim: no lookup
+        beyond the governance snapshot already read)."""
         claims = self.tickets.verify(ticket_from_parameters(req.parameters))
         state = self.governance.current()
         self._apply_governance(state)
@@ -461,7 +464,8 @@ class LoraService:
             check_governance(claims, state)
         except RequestRefused as e:
             raise RequestRefused(e.reason, claims) from None
-        return claims
+        bound = state.releases.get(claims.release) if claims.release is not None else None
+        return claims, bound.defaults if bound is not None else {}
 
     def _write_running(self, entry: LedgerEntry) -> None:
         """The admitted request's row, durable before any token is computed."""
@@ -531,9 +535,11 @@ class LoraService:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _generation_request(self, req: IncomingRequest, claims: TicketClaims) -> GenerationRequest:
-        """The request's prompt and sampling parameters, checked; InvalidInput or
-        InvalidParameter, each naming the caller's own input, when one is malformed."""
+    def _generation_request(self, req: IncomingRequest, claims: TicketClaims,
+                            defaults: Mapping[str, object]) -> GenerationRequest:
+        """The request's prompt and sampling parameters, checked, each omitted one taken from
+        its release's inference ``defaults``; InvalidInput or InvalidParameter, each naming the
+        caller's own input, when one is malformed."""
         if req.problem is not None:
             raise req.problem
         text = req.text
@@ -547,7 +553,8 @@ class LoraService:
         if len(text) > MAX_PROMPT_CHARS:
             raise InvalidInput(TEXT_INPUT, f"is longer than {MAX_PROMPT_CHARS} characters "
                                            f"({len(text)})", "prompt")
-        params = check_sampling(req.max_tokens, req.temperature, req.top_p, req.seed)
+        params = check_sampling(*with_defaults(req.max_tokens, req.temperature, req.top_p,
+                                               defaults), req.seed)
         return GenerationRequest(
             prompt=text,
             adapter=claims.adapter,

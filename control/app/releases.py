@@ -18,10 +18,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
 from control.contracts.digests import directory_digest
 from control.contracts.documents import canonical_json, document_digest
+from control.contracts.sampling import InvalidParameter, check_defaults
 from control.contracts.store import ArtifactStore
 from control.domain import DomainError, ReleaseManifest
 
@@ -31,16 +30,6 @@ GATE_REPORT_FILE = "gate_report.json"  # a report the evaluation gate wrote
 TEMPLATE_FILE = "chat_template.json"
 MAX_REPORT_BYTES = 1 << 20
 MAX_SUMMARY_KEYS = 32
-
-
-class InferenceDefaults(BaseModel):
-    """Generation defaults a release ships with (what a client gets when it sets nothing)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    max_tokens: int | None = Field(default=None, ge=1, le=8192)
-    temperature: float | None = Field(default=None, ge=0.0, le=5.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stop: list[str] | None = Field(default=None, max_length=8)
 
 
 def put_document(store: ArtifactStore, file_name: str, data: Any) -> str:
@@ -60,18 +49,14 @@ def get_document(store: ArtifactStore, file_name: str, digest: str) -> Any:
 
 
 def parse_defaults(data: dict[str, Any] | None) -> dict[str, Any]:
-    """Validate inference defaults; return them without unset fields."""
+    """A release's inference defaults (what a request that omits a sampling parameter gets, on
+    every route), checked against the one sampling contract; returned without unset fields."""
+    if data is not None and not isinstance(data, dict):
+        raise DomainError("invalid inference defaults: expected an object")
     try:
-        return InferenceDefaults(**(data or {})).model_dump(exclude_none=True)
-    except (ValidationError, TypeError) as e:
-        raise DomainError(f"invalid inference defaults: {_first_error(e)}") from None
-
-
-def _first_error(e: Exception) -> str:
-    if isinstance(e, ValidationError) and e.errors():
-        err = e.errors()[0]
-        return f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}"
-    return "expected an object"
+        return dict(check_defaults(data or {}))
+    except InvalidParameter as e:
+        raise DomainError(f"invalid inference defaults: {e}") from None
 
 
 def load_report(path: Path) -> dict[str, Any]:

@@ -25,12 +25,18 @@ parameter       accepted                                                  defaul
 ==============  =======================================================  ==============
 
 A ``stop`` input does not exist on the ``lora_llm`` models: Triton refuses unknown inputs itself.
+
+The same ranges bound a release's inference defaults (:func:`check_defaults`: ``max_tokens``,
+``temperature``, ``top_p``; what a request that omits one of them gets, on the Triton route and
+the OpenAI route alike), and the OpenAI route (one deliberate difference, said here:
+:data:`OPENAI_TEMPERATURE_MAX`, the OpenAI API's own ceiling of 2).
 """
 
 from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from control.contracts.wire import MAX_TOKENS, SEED, TEMPERATURE, TOP_P
@@ -41,6 +47,11 @@ TEMPERATURE_MIN = 0.01
 TEMPERATURE_MAX = 10.0
 TOP_P_MIN = 0.001
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# The OpenAI API documents temperature in [0, 2]: its route accepts the part of the host's range
+# that lies there (0, or 0.01 to 2), the one difference between the surfaces.
+OPENAI_TEMPERATURE_MAX = 2.0
+# What a release may set as its inference defaults (a seed is per request, never a default).
+DEFAULT_FIELDS = (MAX_TOKENS, TEMPERATURE, TOP_P)
 
 
 def _float32(x: float) -> float:
@@ -111,3 +122,30 @@ def check_sampling(max_tokens: object = None, temperature: object = None,
     if s is not None and not SEED_MIN <= s <= SEED_MAX:
         raise InvalidParameter(SEED, "must fit a signed 64-bit integer")
     return SamplingParams(n, t, p, s)
+
+
+def check_defaults(defaults: Mapping[str, object]) -> dict[str, int | float]:
+    """A release's inference defaults, each checked against the range a request's own value
+    must lie in; InvalidParameter names the first that is not (or a field no model reads)."""
+    unknown = sorted(set(defaults) - set(DEFAULT_FIELDS))
+    if unknown:
+        raise InvalidParameter(unknown[0], "is not a sampling parameter a release may default "
+                               f"(one of {', '.join(DEFAULT_FIELDS)}; the models have no "
+                               f"{unknown[0]!r} input)")
+    given = {k: v for k, v in defaults.items() if v is not None}
+    checked = check_sampling(given.get(MAX_TOKENS), given.get(TEMPERATURE), given.get(TOP_P))
+    out: dict[str, int | float] = {}
+    for name, value in ((MAX_TOKENS, checked.max_tokens), (TEMPERATURE, checked.temperature),
+                        (TOP_P, checked.top_p)):
+        if name in given:
+            out[name] = value
+    return out
+
+
+def with_defaults(max_tokens: object, temperature: object, top_p: object,
+                  defaults: Mapping[str, object]) -> tuple[object, object, object]:
+    """A request's sampling values, each omitted one (None) taken from ``defaults`` (a
+    release's, checked by :func:`check_defaults`); the request's own values always win."""
+    return (defaults.get(MAX_TOKENS) if max_tokens is None else max_tokens,
+            defaults.get(TEMPERATURE) if temperature is None else temperature,
+            defaults.get(TOP_P) if top_p is None else top_p)

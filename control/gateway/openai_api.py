@@ -65,6 +65,8 @@ from aiohttp import web
 from control.contracts import wire
 from control.contracts.ledger import request_ledger
 from control.contracts.sampling import (
+    DEFAULT_MAX_TOKENS,
+    OPENAI_TEMPERATURE_MAX,
     TEMPERATURE_MAX,
     TEMPERATURE_MIN,
     InvalidParameter,
@@ -79,8 +81,6 @@ from projections.tables import grants
 
 log = logging.getLogger("loraplane.gateway")
 
-# OpenAI documents temperature 0..2; the hosts' contract takes 0 or 0.01..10: both hold here.
-OPENAI_TEMPERATURE_MAX = 2.0
 ROLES = ("system", "user", "assistant")
 MODEL_NOT_FOUND = "The model does not exist or you do not have access to it."
 SESSION_HEADER = "x-session-id"
@@ -231,7 +231,7 @@ def _prompt(body: Mapping[str, Any], chat: bool) -> str:
 @dataclass(frozen=True)
 class Generation:
     prompt: str
-    max_tokens: int
+    max_tokens: int | None  # None: not given, the release's or the host's default applies
     temperature: float | None  # None: not given, the release's or the host's default applies
     top_p: float | None
     seed: int | None
@@ -263,7 +263,8 @@ def _real(body: Mapping[str, Any], name: str) -> float | None:
         raise _bad(f"invalid parameter {name}: out of range", name, "invalid_value") from None
 
 
-def _sampling(body: Mapping[str, Any]) -> tuple[int, float | None, float | None, int | None]:
+def _sampling(body: Mapping[str, Any]) -> tuple[int | None, float | None, float | None,
+                                                 int | None]:
     """max_tokens, temperature, top_p and seed, checked against the sampling contract a Triton
     host applies (:mod:`control.contracts.sampling`), so what a host would refuse is refused
     here, before a ticket is signed, with a message naming the field.
@@ -285,7 +286,7 @@ def _sampling(body: Mapping[str, Any]) -> tuple[int, float | None, float | None,
         raise _bad(message, param, "invalid_value") from None
     if temperature is not None and checked.temperature > OPENAI_TEMPERATURE_MAX:
         raise _temperature_refused(temperature)
-    return (checked.max_tokens,
+    return (None if max_tokens is None else checked.max_tokens,
             None if temperature is None else checked.temperature,
             None if top_p is None else checked.top_p,
             checked.seed)
@@ -314,6 +315,19 @@ def _generation(body: Mapping[str, Any], prompt: str) -> Generation:
     return Generation(prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                       top_p=top_p, seed=seed, stream=bool(stream),
                       include_usage=bool(include_usage))
+
+
+def _finish_reason(request: web.Request, g: Generation, issued: Any,
+                   usage: Mapping[str, int]) -> str:
+    """``length`` when the answer used every token it was allowed: the client's max_tokens, else
+    the release's default, else the sampling contract's."""
+    limit = g.max_tokens
+    if limit is None:
+        release = (request.app[OFFICE_KEY].routing.release(issued.release)
+                   if issued.release else None)
+        defaults = (release or {}).get("inference_defaults") or {}
+        limit = int(defaults.get(wire.MAX_TOKENS, DEFAULT_MAX_TOKENS))
+    return "length" if usage["completion_tokens"] >= limit else "stop"
 
 
 def render_chat(messages: object) -> str:
@@ -380,9 +394,11 @@ async def _issue(request: web.Request, tenant: str, model: str, session: str | N
 
 def _triton_body(up_inputs: frozenset[str], g: Generation, ticket: str,
                  traceparent: str | None) -> dict[str, Any]:
-    body: dict[str, Any] = {wire.TEXT_INPUT: g.prompt, wire.MAX_TOKENS: g.max_tokens}
-    for name, value in ((wire.TEMPERATURE, g.temperature), (wire.TOP_P, g.top_p),
-                        (wire.SEED, g.seed)):
+    # What the client left out is left out here too: the host fills it from the release's
+    # inference defaults (control.contracts.sampling.with_defaults), as for any other client.
+    body: dict[str, Any] = {wire.TEXT_INPUT: g.prompt}
+    for name, value in ((wire.MAX_TOKENS, g.max_tokens), (wire.TEMPERATURE, g.temperature),
+                        (wire.TOP_P, g.top_p), (wire.SEED, g.seed)):
         if value is not None:
             body[name] = value
     if wire.STREAM in up_inputs:
@@ -491,7 +507,7 @@ async def _complete(request: web.Request, chat: bool, g: Generation, issued: Any
             s.set_attribute("loraplane.request_id", rid)
             usage = _usage(request, [rid])
             text = str(answer.get(wire.TEXT_OUTPUT, ""))
-            finish = "length" if usage["completion_tokens"] >= g.max_tokens else "stop"
+            finish = _finish_reason(request, g, issued, usage)
             choice: dict[str, Any] = (
                 {"index": 0, "message": {"role": "assistant", "content": text},
                  "finish_reason": finish} if chat else
@@ -500,12 +516,12 @@ async def _complete(request: web.Request, chat: bool, g: Generation, issued: Any
                                       "object": kind, "created": created, "model": alias,
                                       "choices": [choice], "usage": usage})
         first = await anext(events)  # errors before the first event still get a status code
-        return await _stream(request, chat, g, alias, created, first, events, s)
+        return await _stream(request, chat, g, issued, alias, created, first, events, s)
 
 
-async def _stream(request: web.Request, chat: bool, g: Generation, alias: str, created: int,
-                  first: dict[str, Any], events: AsyncIterator[dict[str, Any]], s: Any
-                  ) -> web.StreamResponse:
+async def _stream(request: web.Request, chat: bool, g: Generation, issued: Any, alias: str,
+                  created: int, first: dict[str, Any], events: AsyncIterator[dict[str, Any]],
+                  s: Any) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
@@ -534,7 +550,7 @@ async def _stream(request: web.Request, chat: bool, g: Generation, alias: str, c
             await send(str(event.get(wire.TEXT_OUTPUT, "")), None)
         usage = _usage(request, [rid])
         await send(None if chat else "",
-                   "length" if usage["completion_tokens"] >= g.max_tokens else "stop")
+                   _finish_reason(request, g, issued, usage))
         if g.include_usage:
             tail = {"id": cid, "object": kind, "created": created, "model": alias,
                     "choices": [], "usage": usage}

@@ -388,8 +388,10 @@ def test_the_cli_prints_the_matrix_and_its_full_values_with_json(
 
 def test_a_sigkilled_plan_leaves_no_shadow_host_behind(world: World) -> None:
     """Issue 21: a plan killed with SIGKILL (no handler, no cleanup) used to leave its shadow
-    tritonserver running with nothing to reap it."""
+    tritonserver running with nothing to reap it. The shadow is found from /proc (the host id in
+    its environment, its ports on tritonserver's command line), not from what the plan says."""
     settings = world.registry.settings
+    before = set(_shadow_hosts())
     plan = subprocess.Popen(
         [sys.executable, "-m", "control.cli.main", "--home", str(settings.home), "base",
          "upgrade", "plan", world.bases["base-v2"], "--http", world.target.http_url, "--grpc",
@@ -399,16 +401,15 @@ def test_a_sigkilled_plan_leaves_no_shadow_host_behind(world: World) -> None:
     host_id = ""
     try:
         assert plan.stderr is not None
-        addresses: list[str] = []
-        for line in plan.stderr:  # the plan's progress: the shadow's id once it answers
-            if line.strip().startswith("shadow host ") and " ready: " in line:
-                words = line.replace(",", " ").replace(";", " ").split()
-                host_id = words[2]
-                addresses = [w for w in words if w.count(":") == 1 and w[0].isdigit()]
+        for line in plan.stderr:  # the plan's progress: gating starts once its shadow answers
+            if line.strip().startswith("gating ") and "on the new base" in line:
                 break
-        assert host_id.startswith("upgrade-shadow-"), "the plan never reported its shadow"
+        new = set(_shadow_hosts()) - before
+        assert len(new) == 1, f"the plan's shadow host not found ({new})"
+        host_id = new.pop()
         running = _shadow_processes(host_id)
-        assert running, "no process carries the shadow's host id"
+        ports = _triton_ports(running)
+        assert running and len(ports) == 3, (running, ports)
         plan.send_signal(signal.SIGKILL)
         plan.wait(10)
         deadline = time.monotonic() + 60
@@ -418,9 +419,38 @@ def test_a_sigkilled_plan_leaves_no_shadow_host_behind(world: World) -> None:
         print(f"shadow {host_id}: {len(running)} processes, {len(left)} left "
               f"{60 - max(0.0, deadline - time.monotonic()):.1f} s after the plan's SIGKILL")
         assert left == []
-        assert len(addresses) == 4 and all(_closed(a) for a in addresses), addresses
+        assert all(_closed(f"127.0.0.1:{p}") for p in ports), ports
     finally:
         if plan.poll() is None:
             plan.kill()
         for pid in _shadow_processes(host_id) if host_id else []:
             os.kill(pid, signal.SIGKILL)  # only if the test failed: leave the machine clean
+
+
+def _shadow_hosts() -> list[str]:
+    """Host ids of running shadow hosts (``upgrade-shadow-...`` in a process's environment)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    environ = f.read().split(b"\0")
+            except OSError:
+                continue
+            found |= {v.split(b"=", 1)[1].decode() for v in environ
+                      if v.startswith(b"LORAPLANE_HOST_ID=upgrade-shadow-")}
+    return sorted(found)
+
+
+def _triton_ports(pids: list[int]) -> list[int]:
+    """The HTTP, gRPC and metrics ports on the command line of tritonserver among ``pids``."""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if args and args[0].endswith("tritonserver"):
+            return [int(a.split("=", 1)[1]) for a in args
+                    if a.split("=", 1)[0] in ("--http-port", "--grpc-port", "--metrics-port")]
+    return []

@@ -1,12 +1,15 @@
 """The rollout controller as a process of its own, against a real tritonserver whose engine model
 is the production glue over :class:`tests.rollout_faults.SwappingEngine` (this test's own model
 repository; ``serve`` can never launch it): an injected identity mismatch rolls the canary back
-in the window it happened in, and a controller killed with SIGKILL mid-rollout, twice, resumes
-from the recorded events without repeating or skipping a step.
+as soon as the controller sees it (within seconds of the failed request, not at a window's
+end), and a controller killed with SIGKILL mid-rollout, twice, resumes from the recorded events
+without repeating or skipping a step, and without leaving any stretch of the canary's traffic
+out of a judged window.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -18,7 +21,7 @@ import pytest
 
 from control.contracts.ledger import Ledger, Outcome
 from control.domain import RolloutPolicy, RolloutStatus
-from control.ops.canary_traffic import PROMPTS, CanaryTraffic, Running
+from control.ops.canary_traffic import PROMPTS, Running
 from control.ops.clients import free_port
 from control.ops.model_repositories import derived_repository
 from control.ops.serve import Deployment, Ports
@@ -27,6 +30,7 @@ from tests.integration.rollout_stack import (
     ACTOR,
     POLICY,
     WINDOW_S,
+    ArmTraffic,
     RolloutStack,
     build,
     wait_for,
@@ -104,8 +108,9 @@ def _names(stack: RolloutStack, rid: object) -> list[str]:
     return [n for n, _ in stack.events(rid)]
 
 
-def test_an_injected_identity_mismatch_rolls_back_in_its_window(
-        stack: RolloutStack, controller: ControllerProcess) -> None:
+def test_an_injected_identity_mismatch_rolls_back_as_soon_as_it_is_seen(
+        stack: RolloutStack, controller: ControllerProcess,
+        record_property: pytest.RecordProperty) -> None:
     sc = stack.scenarios["acme-swap"]
     r = stack.desk.start(sc.alias, sc.target, steps=[50, 100], window_s=WINDOW_S,
                          policy=POLICY, actor=ACTOR)
@@ -115,24 +120,24 @@ def test_an_injected_identity_mismatch_rolls_back_in_its_window(
         text = PROMPTS[n % len(PROMPTS)]
         return f"{SWAP} {text}" if release == r.target else text
 
-    sent = CanaryTraffic(stack.gateway, stack.api_key, sc.alias, stack.http, ALPHA,
-                         prompt_for=prompt)
+    sent = ArmTraffic(stack.gateway, stack.api_key, sc.alias, stack.http, ALPHA,
+                      prompt_for=prompt)
     with Running(sent, threads=2):
         wait_for("the rollout to finish", lambda: stack.desk.get(r.id).finished, 180)
     done = stack.desk.get(r.id)
     assert done.status == RolloutStatus.ROLLED_BACK
-    windows = [f for n, f in stack.events(r.id) if n == "RolloutWindowEvaluated"]
-    # The window that saw the first mismatch is the one that rolled back; any before it saw
-    # no target request at all.
-    assert windows[-1]["decision"] == "roll_back"
-    assert windows[-1]["target"]["identity_mismatches"] > 0  # type: ignore[index,operator]
-    assert all(w["target"]["identity_mismatches"] == 0  # type: ignore[index]
-               and w["decision"] == "wait" for w in windows[:-1])
-    assert "identity mismatches" in done.reasons[0]
+    assert "identity mismatches" in done.reasons[0], done.reasons
     rows = Ledger(stack.registry.follower.engine).query(
         release=r.target, outcome=Outcome.IDENTITY_MISMATCH.value)
     assert rows and all(row.reason == "stale_slot" for row in rows)
     assert sent.seen[r.target]["refused"] > 0 and sent.seen[r.baseline]["good"] > 0
+    # Acted on the event: from the first mismatch recorded to the rollback recorded.
+    first = min(row.finished_at for row in rows if row.finished_at is not None)
+    rolled = next(e for e in stack.registry.repository.event_store.get(r.id)
+                  if type(e).__name__ == "RolloutRolledBack")
+    reaction_s = rolled.timestamp.timestamp() - first
+    record_property("mismatch_to_rollback_s", round(reaction_s, 3))
+    assert reaction_s < 10.0  # a check a second, on two busy cores: seconds, not a window
     alias = stack.registry.alias(sc.alias)
     assert (alias.stable, alias.canary) == (r.baseline, None)
 
@@ -142,12 +147,14 @@ def test_a_controller_killed_mid_rollout_resumes_without_repeating_or_skipping(
         record_property: pytest.RecordProperty) -> None:
     sc = stack.scenarios["acme-kill"]
     steps = [20, 40, 60, 80, 100]
-    policy = RolloutPolicy(min_requests=2, min_ratings=2, settle_s=0.3, probe_requests=2)
+    # A 25-point margin: some ten requests per arm advance a step; restarts are under test.
+    policy = RolloutPolicy(min_requests=5, min_ratings=5, margin_pp=25, settle_s=0.3,
+                           probe_requests=2)
     r = stack.desk.start(sc.alias, sc.target, steps=steps, window_s=1.5, policy=policy,
                          actor=ACTOR)
     kills: list[str] = []
-    with Running(CanaryTraffic(stack.gateway, stack.api_key, sc.alias, stack.http, ALPHA,
-                               rate=False), threads=2):
+    with Running(ArmTraffic(stack.gateway, stack.api_key, sc.alias, stack.http, ALPHA,
+                            rate=False), threads=2):
         # 1: mid-window, right after a step was entered
         wait_for("step 1", lambda: "RolloutStepEntered" in _names(stack, r.id), 60)
         controller.kill()
@@ -171,12 +178,19 @@ def test_a_controller_killed_mid_rollout_resumes_without_repeating_or_skipping(
     entered = [f["step"] for n, f in events if n == "RolloutStepEntered"]
     assert entered == list(range(len(steps)))  # each step once, in order
     assert [n for n, _ in events].count("RolloutCompleted") == 1
-    for index in range(len(steps) - 1):  # each step's windows numbered 1..k, one decisive
-        windows = [f for n, f in events if n == "RolloutWindowEvaluated" and f["step"] == index]
-        assert [w["window"] for w in windows] == list(range(1, len(windows) + 1))
-        assert [w["decision"] for w in windows][-1] in ("advance", "complete")
-        assert all(w["decision"] == "wait" for w in windows[:-1])
-    assert kills[0] in ("RolloutStepEntered", "RolloutWindowEvaluated")
+    windows = [f for n, f in events if n == "RolloutWindowEvaluated"]
+    # No stretch of traffic left out: each window starts where the one before it ended, across
+    # the kills, the steps and the probes between them.
+    assert all(a["end"] == b["start"] for a, b in itertools.pairwise(windows))
+    for index in range(len(steps) - 1):  # each step's windows numbered 1..k
+        mine = [w for w in windows if w["step"] == index]
+        assert [w["window"] for w in mine] == list(range(1, len(mine) + 1))
+        decided = [w["decision"] for w in mine]
+        first = next(i for i, d in enumerate(decided) if d in ("advance", "complete"))
+        # Waiting until the evidence sufficed; then (a window may close while the next step
+        # is probed) never anything but the same conclusion or more waiting.
+        assert set(decided[:first]) <= {"wait"} and set(decided[first:]) <= {
+            "advance", "complete", "wait"}, decided
     # What the controller was doing when it died, as the event store showed it then.
     record_property("last_event_at_each_kill", kills)
     record_property("events", [n for n, _ in events])

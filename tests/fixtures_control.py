@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from control.contracts.config import Settings
 from control.contracts.digests import directory_digest
+from control.contracts.tickets import unverified_claims
 from tests.required import unavailable
 
 PG_URL_ENV = "LORAPLANE_TEST_PG_URL"
@@ -207,3 +208,8 @@ def close_registry(registry: object) -> None:
     engine = getattr(datastore, "engine", None)
     if engine is not None:
         engine.dispose()
+
+
+def ticket_claims(token: str) -> dict[str, Any]:
+    """A ticket's claims, unverified (the ticket answer names no arm)."""
+    return unverified_claims(token)

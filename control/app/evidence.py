@@ -16,12 +16,16 @@ given.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
+from uuid import UUID
+
+from eventsourcing.domain import Aggregate
 
 from control.domain import (
     CANARY,
     Adapter,
     Alias,
+    Combination,
     DomainError,
     IllegalTransition,
     Rollout,
@@ -30,8 +34,17 @@ from control.domain import (
 )
 from control.domain.evidence import BreakGlassTarget, StableBasis, stable_basis
 
-if TYPE_CHECKING:
-    from control.app.registry import Registry
+TAggregate = TypeVar("TAggregate", bound=Aggregate)
+
+
+class Registry(Protocol):
+    """What these checks read of the registry (``control.app.registry.Registry``), named here so
+    that this module does not import it back: the registry imports this one."""
+
+    def canary_combination(self, adapter: Adapter) -> Combination: ...
+    def _alias_or_none(self, name: str) -> Alias | None: ...
+    def _exists(self, aggregate_id: UUID) -> bool: ...
+    def _get(self, cls: type[TAggregate], aggregate_id: UUID, what: str) -> TAggregate: ...
 
 
 def stable_basis_of(reg: Registry, adapter: Adapter, route: Alias | None) -> StableBasis:

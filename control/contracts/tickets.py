@@ -274,6 +274,15 @@ class TicketVerifier:
         return claims
 
 
+def unverified_claims(token: str) -> dict[str, Any]:
+    """A ticket's claims, read WITHOUT verifying its signature: for tools and tests that hold
+    their own tickets and need the release a gateway resolved (a v4.public payload is signed,
+    not encrypted; the gateway's answer names no arm). Never a basis for serving anything:
+    hosts verify (:class:`TicketVerifier`)."""
+    payload = _b64url_decode(token.split(".")[2])
+    return dict(json.loads(payload[:-64]))  # the last 64 bytes: the Ed25519 signature
+
+
 def _raw_public_to_pem(raw: bytes) -> bytes:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from control.contracts.tickets import unverified_claims
 from control.ops.clients import TritonRefused, infer_with, post_feedback, request_ticket
 
 PROMPTS = ("Hello there", "What is the weather", "Tell me a story", "Name a colour",
@@ -55,7 +56,9 @@ class CanaryTraffic:
             with self._lock:
                 self.errors[f"ticket {status}"] += 1
             return
-        release = body.get("release")
+        # The answer names no arm (a tenant is not told its canary share); this tool counts
+        # what it saw per release from the ticket's own claims (signed, not encrypted).
+        release = unverified_claims(str(body["ticket"]))["release"]
         try:
             answer = infer_with(client, "http", self.prompt_for(release, n), body["ticket"],
                                 max_tokens=16)

@@ -121,8 +121,9 @@ class ProjectionContract:
         registry.grant("acme", "acme-chat", actor="op")
         registry.grant("globex", "globex-chat", actor="op")
         registry.grant("globex", "tiny-base", actor="op")
-        registry.advance(alpha, external=True, evaluation={"suite": "smoke"}, actor="alice")
-        registry.advance(beta, external=True, evaluation={"suite": "smoke"}, actor="gina")
+        smoke = {"suite": "smoke", "passed": True}
+        registry.advance(alpha, external=True, evaluation=smoke, actor="alice")
+        registry.advance(beta, external=True, evaluation=smoke, actor="gina")
         registry.record_signing_key("k1", "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo=",
                                     actor="op")
         return {"base": base, "alpha": alpha, "beta": beta}

@@ -91,7 +91,8 @@ class RouteCacheContract(WithRegistry):
 
         steps = [
             lambda: None,
-            lambda: registry.promote(world["v2"], actor="op"),  # canary graduates
+            lambda: registry.break_glass(world["v2"], to="stable", reason="test: graduate",
+                                         actor="op"),  # canary graduates (no rollout here)
             lambda: registry.rollback("chat", actor="op"),
             lambda: registry.revoke(world["v1"], "leak", actor="sec"),  # nothing servable
             lambda: registry.promote(world["g"], to="deprecated", actor="op"),

@@ -38,7 +38,13 @@ from control.gateway.server import FORBIDDEN, NO_SIGNING_KEY, UNAUTHORISED, make
 from control.gateway.ticket_office import TicketOffice
 from projections.route_cache import CachedRoutingView
 from projections.routing import RoutingView
-from tests.fixtures_control import Artifacts, OnPostgres, OnSQLite, WithRegistry
+from tests.fixtures_control import (
+    Artifacts,
+    OnPostgres,
+    OnSQLite,
+    WithRegistry,
+    ticket_claims,
+)
 
 EVAL = {"suite": "smoke", "accuracy": 0.9, "passed": True}
 IN_FORCE_WITHIN_S = 1.0  # what the product promises for every gateway
@@ -163,7 +169,7 @@ class CredentialContract(WithRegistry):
             assert new.startswith("lp_") and new != old
             assert await answer_within(ask, old, "chat", 401, start) == UNAUTHORISED
             status, body = await ask(new, "chat")
-            assert status == 200 and body["adapter_digest"] == world["alpha"]
+            assert status == 200 and ticket_claims(body["ticket"])["adapter"] == world["alpha"]
             assert (await ask(world["globex"], "tiny-base"))[0] == 200  # others untouched
             assert view.tenant_for_api_key(old) is None
             assert view.tenant_for_api_key(new) == "acme" and view.api_key_count("acme") == 1

@@ -94,8 +94,8 @@ class RegistryContract(WithRegistry):
         assert view.resolve("acme", "acme-chat") is None  # candidate: not servable either
         with pytest.raises(IllegalTransition, match="evaluation report"):
             registry.promote(digest, actor="alice")
-        registry.record_evaluation(digest, {"suite": "smoke", "accuracy": 0.9}, actor="eve",
-                                   external=True)
+        registry.record_evaluation(digest, {"suite": "smoke", "accuracy": 0.9, "passed": True},
+                                   actor="eve", external=True)
         assert registry.promote(digest, actor="alice") == "canary"
         route = view.resolve("acme", "acme-chat")
         assert route is not None and route.adapter_digest == digest and route.release

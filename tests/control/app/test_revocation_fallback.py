@@ -24,7 +24,13 @@ from control.gateway.server import FORBIDDEN, make_app
 from control.gateway.ticket_office import TicketOffice
 from projections.route_cache import CachedRoutingView
 from projections.routing import RoutingView
-from tests.fixtures_control import Artifacts, OnPostgres, OnSQLite, WithRegistry
+from tests.fixtures_control import (
+    Artifacts,
+    OnPostgres,
+    OnSQLite,
+    WithRegistry,
+    ticket_claims,
+)
 
 EVAL = {"suite": "smoke", "accuracy": 0.9, "passed": True}
 
@@ -50,7 +56,13 @@ class FallbackContract(WithRegistry):
                                     ("globex", "g-chat", "gamma")):
             digest = registry.register_adapter(artifacts.adapters[name], tenant=tenant,
                                                alias=alias, actor="op")
-            registry.advance(digest, evaluation=EVAL, external=True, actor="op")
+            if name == "beta":  # not the alias's first release: stable by a break-glass
+                registry.advance(digest, evaluation=EVAL, external=True, to="canary",
+                                 actor="op")
+                registry.break_glass(digest, to="stable", reason="fixture: beta replaces "
+                                     "alpha", actor="op")
+            else:
+                registry.advance(digest, evaluation=EVAL, external=True, actor="op")
             release = registry.adapter(digest).release
             assert release is not None
             out[name], out["r_" + name] = digest, release
@@ -107,7 +119,8 @@ class FallbackContract(WithRegistry):
         assert row is not None and (row.stable_release, row.fallback) == (
             world["r_alpha"], "stable")
         status, body = self._tickets(office, world["acme"], ("chat",))["chat"]
-        assert status == 200 and (body["release"], body["adapter_digest"]) == (
+        claims = ticket_claims(body["ticket"])
+        assert status == 200 and (claims["release"], claims["adapter"]) == (
             world["r_alpha"], world["alpha"])
         # ``second`` has no history to fall back on: nothing servable, refused.
         assert registry.alias("second").stable is None
@@ -131,8 +144,9 @@ class FallbackContract(WithRegistry):
         assert (release.adapter_digest, release.base_digest, release.tenant) == (
             None, world["base"], None)
         status, body = self._tickets(office, world["acme"], ("chat",))["chat"]
-        assert status == 200 and body["adapter_digest"] is None
-        assert body["release"] == release.digest
+        claims = ticket_claims(body["ticket"])
+        assert status == 200 and claims["adapter"] is None
+        assert claims["release"] == release.digest
         route = view.resolve("acme", "chat")
         assert route is not None and route.adapter_digest is None
 
@@ -157,7 +171,7 @@ class FallbackContract(WithRegistry):
                                                                "fallback": "base"})
         assert registry.alias("g-chat").last_fallback is None
         status, body = self._tickets(office, world["globex"], ("g-chat",))["g-chat"]
-        assert status == 200 and body["adapter_digest"] == world["gamma"]
+        assert status == 200 and ticket_claims(body["ticket"])["adapter"] == world["gamma"]
         fell = [e for e in audit_log(registry) if e.event_type == "AliasFellBack"]
         assert sorted(e.summary["alias"] for e in fell) == ["chat", "second"]
 

@@ -33,6 +33,7 @@ from tests.fixtures_control import (
     OnSQLite,
     WithRegistry,
     close_registry,
+    ticket_claims,
 )
 
 EVAL = {"suite": "smoke", "accuracy": 0.9, "passed": True}
@@ -79,8 +80,10 @@ class SessionPinContract(WithRegistry):
                             signer, SessionPins(registry, actor="gateway", clock=clock))
 
     def _release_beta(self, registry: Registry, world: dict[str, str]) -> str:
-        registry.advance(world["beta"], external=True, evaluation=EVAL,
-                         actor="op")  # stable: the alias moves
+        registry.advance(world["beta"], external=True, evaluation=EVAL, to="canary",
+                         actor="op")
+        registry.break_glass(world["beta"], to="stable", reason="fixture: beta replaces alpha",
+                             actor="op")  # stable: the alias moves
         release = registry.adapter(world["beta"]).release
         assert release is not None and registry.alias("chat").stable == release
         return release
@@ -353,7 +356,7 @@ class SessionPinContract(WithRegistry):
                                                                "session": session},
                                           headers=auth("acme"))
                     assert r.status == 200
-                    return str((await r.json())["release"])
+                    return str(ticket_claims((await r.json())["ticket"])["release"])
 
                 assert await ticket("conv") == world["r_alpha"]
                 r_beta.append(self._release_beta(registry, world))

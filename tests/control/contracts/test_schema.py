@@ -389,7 +389,8 @@ class SchemaContract:
                                           alias="acme-chat", actor="alice")
         registry.grant("acme", "acme-chat", actor="op")
         registry.grant("globex", "tiny-base", actor="op")
-        registry.advance(alpha, external=True, evaluation={"suite": "smoke"}, actor="alice")
+        registry.advance(alpha, external=True, evaluation={"suite": "smoke", "passed": True},
+                         actor="alice")
         # This registry does not follow and no follower runs: recorded, not yet visible.
         with pytest.raises(NotYetVisible):
             registry.revoke(alpha, "test", actor="sec", wait_s=0)

@@ -39,7 +39,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from backend.serving.admission import (
@@ -435,7 +435,9 @@ class LoraService:
             lease.release()
             raise
         try:
-            self._write_running(self._entry(rid, claims, now))
+            self._write_running(replace(self._entry(rid, claims, now),
+                                        max_tokens=gen.max_tokens, temperature=gen.temperature,
+                                        top_p=gen.top_p, seed=gen.seed))
         except BaseException:
             lease.release()  # nothing may stay referenced by a row that was never written
             raise

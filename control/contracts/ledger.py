@@ -93,6 +93,13 @@ request_ledger = sa.Table(
     # ``adapter_digest`` is what the verified ticket named; the two differ only on an
     # identity_mismatch row, and the incident view searches both.
     sa.Column("served_digest", sa.String(71), nullable=True),
+    # Schema version 6: the sampling values the engine generated with, after the release's
+    # inference defaults filled what the request left out (None: the row was refused before its
+    # values were checked, or was written before version 6; ``seed`` None: a random seed).
+    sa.Column("max_tokens", sa.Integer, nullable=True),
+    sa.Column("temperature", sa.Float, nullable=True),
+    sa.Column("top_p", sa.Float, nullable=True),
+    sa.Column("seed", sa.BigInteger, nullable=True),
     sa.Index("ix_ledger_adapter_time", "adapter_digest", "admitted_at"),
     sa.Index("ix_ledger_time", "admitted_at"),
     sa.Index("ix_ledger_release_time", "release_digest", "admitted_at"),
@@ -172,6 +179,10 @@ class LedgerEntry:
     reason: str | None = None
     release_digest: str | None = None
     served_digest: str | None = None
+    max_tokens: int | None = None  # the sampling values used (schema version 6)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -194,7 +205,10 @@ def _ledger_version(insp: sa.Inspector) -> int:
         return LEDGER_VERSION
     if insp.has_table(request_feedback.name):
         rated = {c["name"] for c in insp.get_columns(request_feedback.name)}
-        return 5 if "release_digest" in rated else 4
+        if "release_digest" not in rated:
+            return 4
+        columns = {c["name"] for c in insp.get_columns(request_ledger.name)}
+        return 6 if "max_tokens" in columns else 5
     columns = {c["name"] for c in insp.get_columns(request_ledger.name)}
     if "served_digest" in columns:
         return 3
@@ -228,10 +242,16 @@ def _ledger_4_to_5(conn: Connection) -> None:
     add_column(conn, request_feedback.c.release_digest)
 
 
-LEDGER_VERSION = 5
+def _ledger_5_to_6(conn: Connection) -> None:
+    # Rows already held keep NULL: what they were sampled with was not recorded.
+    for column in ("max_tokens", "temperature", "top_p", "seed"):
+        add_column(conn, request_ledger.c[column])
+
+
+LEDGER_VERSION = 6
 LEDGER = declare(Component("ledger", LEDGER_VERSION, metadata, _ledger_version,
                            steps={1: _ledger_1_to_2, 2: _ledger_2_to_3, 3: _ledger_3_to_4,
-                                  4: _ledger_4_to_5}))
+                                  4: _ledger_4_to_5, 5: _ledger_5_to_6}))
 
 
 class LedgerConflict(Exception):

@@ -92,6 +92,7 @@ class FeedbackContract:
         ledger.complete([Completion("acme-1", Outcome.OK, 3, 4)], now=11.0)
         with engine.begin() as conn:  # the ledger as version 3 left it
             request_feedback.drop(conn)
+            _drop_version_6_columns(conn)
             conn.execute(schema.versions.update().where(
                 schema.versions.c.component == "ledger").values(version=3))
         with pytest.raises(SchemaOutdated, match="version 3"):
@@ -251,6 +252,7 @@ class FeedbackContract:
             conn.execute(sa.text("INSERT INTO request_feedback VALUES "
                                  "('old-1', 'globex', :f, 1.0), ('old-2', 'acme', :t, 1.0)"),
                          {"f": False, "t": True})
+            _drop_version_6_columns(conn)
             conn.execute(schema.versions.update().where(
                 schema.versions.c.component == "ledger").values(version=4))
         found = {s.component: s for s in status(engine, (LEDGER,))}["ledger"]
@@ -266,9 +268,9 @@ class FeedbackContract:
                                         "upgrade"], env={"LORAPLANE_DB_URL": settings.db_url})
         assert done.exit_code == 0, done.output
         changes = {c["component"]: c for c in json.loads(done.stdout)}
-        assert LEDGER.latest == 5
+        assert LEDGER.latest == 6
         assert (changes["ledger"]["action"], status(engine, (LEDGER,))[0].found) == (
-            "upgraded", 5)
+            "upgraded", 6)
         again = Ledger(engine)
         kept = again.rating("old-1")
         assert kept is not None and kept.release_digest is None and kept.success is False
@@ -277,6 +279,12 @@ class FeedbackContract:
         self._served(again, "new-1", "acme")
         again.rate("new-1", "acme", True, owner_of=owner_of)
         assert again.release_window(R_T, A, 150.0, 300.0).rated == 1
+
+
+def _drop_version_6_columns(conn: sa.Connection) -> None:
+    """The request ledger as it stood before version 6 (no sampling values)."""
+    for column in ("max_tokens", "temperature", "top_p", "seed"):
+        conn.exec_driver_sql(f"ALTER TABLE request_ledger DROP COLUMN {column}")
 
 
 class TestFeedbackSQLite(OnSQLite, FeedbackContract):

@@ -15,13 +15,15 @@ from __future__ import annotations
 import hmac
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from control.contracts.ledger import request_ledger as t
 
@@ -33,6 +35,18 @@ TICKET_OUTCOMES = {200: "issued", 400: "bad_request", 401: "unauthorised", 403: 
 
 
 # --- gateway metrics --------------------------------------------------------------------------
+
+
+class _GaugeSource(Collector):
+    """Gauges whose values a callable gives at scrape time."""
+
+    def __init__(self, source: Callable[[], Mapping[str, float]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for name, value in sorted(self.source().items()):
+            yield GaugeMetricFamily(name, "exported by the process this gateway runs in",
+                                    value=value)
 
 
 class GatewayMetrics:
@@ -53,6 +67,12 @@ class GatewayMetrics:
                               "routes, by kind (prompt, completion).", ["kind"], registry=r)
         self.upstream_errors = Counter("loraplane_gateway_upstream_errors", "Triton answers "
                                        "that were errors, by kind.", ["kind"], registry=r)
+
+    def add_gauges(self, source: Callable[[], Mapping[str, float]]) -> None:
+        """Export ``source()``'s values (metric name -> value) as gauges, read at each scrape:
+        how a process running beside the gateway (the rollout controller's liveness) is seen
+        on this ``/metrics`` without the gateway importing it."""
+        self.registry.register(_GaugeSource(source))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

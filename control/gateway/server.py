@@ -221,10 +221,15 @@ def make_app(
     triton_urls: list[str] | None = None,
     metrics: GatewayMetrics | None = None,
     ledger: Ledger | None = None,
+    gauges: Callable[[], Mapping[str, float]] | None = None,
 ) -> web.Application:
     """The gateway: tickets, feedback, health, ``/metrics``, ``/v1/stats`` and, given Triton URLs
-    (host:port), the OpenAI-compatible routes of :mod:`control.gateway.openai_api`."""
+    (host:port), the OpenAI-compatible routes of :mod:`control.gateway.openai_api`. ``gauges``:
+    values of the process the gateway runs in, exported on ``/metrics`` too (``serve`` passes the
+    rollout controller's liveness)."""
     metrics = metrics or GatewayMetrics()
+    if gauges is not None:
+        metrics.add_gauges(gauges)
     # Routes read their bodies through control.gateway.bodies, each with its own limit;
     # client_max_size bounds only request.read()/post(), which no route uses: set it to the
     # largest route limit so that it never contradicts one.

@@ -75,7 +75,7 @@ from control.ops.front_door import (
     find_haproxy,
     local_door,
 )
-from control.ops.rollout_controller import RolloutController
+from control.ops.rollout_controller import RolloutController, liveness_metrics
 from control.ops.triton_access import TOKEN_EXPOSED_FIX, command_line_exposure
 from control.ops.triton_server import (
     MODEL_REPOSITORY,
@@ -489,7 +489,10 @@ class Deployment:
             loop = new_event_loop()
             self._loop = loop
             asyncio.set_event_loop(loop)
-            runner = web.AppRunner(make_app(office, triton_urls=triton_urls), access_log=None)
+            # The controller's liveness on this gateway's /metrics, where it runs here.
+            gauges = liveness_metrics if self.rollout_controller else None
+            runner = web.AppRunner(make_app(office, triton_urls=triton_urls, gauges=gauges),
+                                   access_log=None)
             try:
                 loop.run_until_complete(runner.setup())
                 site = web.TCPSite(runner, self.bind, self.ports.gateway)

@@ -1,58 +1,61 @@
 """The multi-LoRA serving engine: many adapters on one shared base, in one mixed batch.
 
-Resident adapters live in stacked slots (``backend.serving.slots``): every ``nn.Linear`` an adapter
-may
-target (``backend.serving.memory.TARGET_MODULES``) is wrapped, when the engine is built, by a
-``SlottedLinear`` holding A/B for all slots; each row of a batch names its slot, slot 0 being the
-all-zero base slot. How many slots, and what they cost, is the memory plan's
-(``backend.serving.memory``):
-a configuration that cannot hold one adapter of the maximum rank is refused before the base
-weights are read. The per-row delta runs the segment or the gather path
-(``backend.serving.lora_ops``), chosen per batch. One forward pass per decoding step serves every
-row.
+Resident adapters live in stacked slots (``backend.serving.slots``): every ``nn.Linear`` an
+adapter may target is wrapped, when the engine is built, by a ``SlottedLinear`` holding A/B for
+all slots; each row of a batch names its slot, slot 0 being the all-zero base slot. How many
+slots, and what they cost, is the memory plan's (``backend.serving.memory``): a configuration
+that cannot hold one adapter of the maximum rank is refused before the base weights are read.
+The per-row delta runs the segment or the gather path (``backend.serving.lora_ops``), chosen per
+batch; one forward pass per decoding step serves every row.
 
-Rows join and leave between decode steps (``prefill``, ``merge``, ``retain``, ``advance``): that is
-what the continuous-batching scheduler (``backend.serving.scheduler``) drives; ``generate`` drives
-the same
-steps for one fixed batch.
+Rows join and leave between decode steps (``prefill``, ``merge``, ``retain``, ``advance``; the
+KV bookkeeping is ``backend.serving.batch_ops``): the continuous-batching scheduler
+(``backend.serving.scheduler``) drives them; ``generate`` drives the same steps for one batch.
 
-Prompt format (the one the reference kit is trained with, see ``control.ops.kit``): the raw prompt
-text
-tokenized without special tokens (text spelling one stays plain text), with the tokenizer's bos
-token prepended; the continuation
-follows directly and stops at eos or ``max_tokens``.
-
-The engine trusts its caller: adapter directories arrive already verified against their digest.
-It still validates every tensor against the base, because a verified file can still be wrong, and
-refuses any config the adapter format (``control.contracts.adapter_format``, the rules registration
-applies too) does not allow, because an adapter can reach the engine without registration.
+Prompt format (the reference kit's, ``control.ops.kit``): the raw prompt tokenized without
+special tokens (text spelling one stays plain text), the tokenizer's bos prepended; the
+continuation follows and stops at eos or ``max_tokens``. Adapter files are parsed and checked
+against the base by ``backend.serving.adapter_files``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
 from collections.abc import Sequence as Sequence_
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load as safetensors_load
-from safetensors.torch import load_file
-from torch import nn
 from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM, PreTrainedConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from backend.serving.adapter_files import (
+    AdapterSource,
+    HostAdapter,
+    PreparedAdapter,
+    prepared,
+    read_config,
+    read_tensors,
+    validated_pairs,
+)
+from backend.serving.batch_ops import cache_tensors, merged, selected
+from backend.serving.engine_types import (
+    AdapterBusyError,
+    AdapterLoadError,
+    DecodeBatch,
+    EngineError,
+    GenerationRequest,
+    GenerationResult,
+    InvalidRequestError,
+    Sequence,
+    UnknownAdapterError,
+)
 from backend.serving.fingerprint import CHECK_EVERY as FINGERPRINT_EVERY
 from backend.serving.fingerprint import WEIGHTS_CHANGED, BankFingerprints
 from backend.serving.lease import Lease, Violations
 from backend.serving.lora_ops import SlotBatch
 from backend.serving.memory import (
-    TARGET_MODULES,
     AdapterBudget,
     BaseShapes,
     MemoryPlan,
@@ -61,172 +64,21 @@ from backend.serving.memory import (
     serving_dtype,
 )
 from backend.serving.sampling import InvalidParameter, check_sampling, sample
-from backend.serving.slots import SlotContext, SlotIdentity, SlotsFull, SlotTable, SlottedLinear
-from control.contracts.adapter_format import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    AdapterFormatError,
-    LoraConfig,
-    lora_pairs,
+from backend.serving.slots import (
+    SlotContext,
+    SlotIdentity,
+    SlotsFull,
+    SlotTable,
+    SlottedLinear,
+    wrap_targets,
 )
 from control.contracts.config import MAX_RANK_ENV
 
-# An adapter directory, or its files in memory (relative path -> bytes).
-AdapterSource = Path | Mapping[str, bytes]
 log = logging.getLogger("loraplane.engine")
-
-
-class EngineError(Exception):
-    """Base class of the engine's errors."""
-
-
-class AdapterLoadError(EngineError):
-    """An adapter cannot be served on this base; nothing of it stays resident."""
-
-
-class UnknownAdapterError(EngineError, LookupError):
-    """A request or an unload names an adapter that is not resident."""
-
-
-class InvalidRequestError(EngineError, ValueError):
-    """A generation request is malformed (limits, sampling parameters)."""
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One prompt to continue, with its adapter (by digest) or ``None`` for the bare base."""
-
-    prompt: str
-    adapter: str | None
-    max_tokens: int = 16
-    temperature: float = 0.0  # 0 -> greedy
-    top_p: float = 1.0
-    seed: int | None = None  # per request, for reproducible sampling
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """The continuation of one request.
-
-    ``text`` excludes the prompt and the eos token; ``token_ids`` are all generated tokens,
-    including the eos that stopped generation, if any; ``tokens_out == len(token_ids)``.
-
-    ``adapter_digest`` is read from the slot that computed the tokens (None: the all-zero base
-    slot), never from the request: it is the evidence of which adapter answered. ``failure``
-    says why the row failed alone, if it did (``numerical``, ``stale_slot``).
-    """
-
-    text: str
-    token_ids: list[int]
-    tokens_in: int
-    tokens_out: int
-    adapter_digest: str | None = None
-    failure: str | None = None
-
-
-
-class AdapterBusyError(EngineError):
-    """An adapter still serves running sequences; it cannot be unloaded yet."""
-
-
-@dataclass(frozen=True)
-class HostAdapter:
-    """One adapter parsed and validated on the host, ready to be placed in a slot."""
-
-    rank: int
-    scaling: float
-    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> (A [rank, in], B [out, rank])
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the host tensors (the host tier's accounting)."""
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
-                   for a, b in self.pairs.values())
-
-
-@dataclass(frozen=True)
-class PreparedAdapter:
-    """An adapter in the slots' dtype and layout, ready to be copied into a free slot.
-
-    Per module: A transposed, ``[in, rank]``, and B transposed with the adapter's scaling folded
-    in, ``[rank, out]``; on a CUDA host, in pinned memory, so the copy into the slot runs
-    asynchronously. Made by :meth:`Engine.prepare` outside every lock: the conversion work is
-    done while decoding goes on, and placing holds the engine's lock only for the copies.
-    """
-
-    rank: int
-    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> (A^T [in, r], B^T [r, out])
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the host tensors (the host tier's accounting)."""
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
-                   for a, b in self.pairs.values())
-
-
-@dataclass
-class Sequence:
-    """One request being generated: its prompt, slot and the tokens produced so far."""
-
-    request: GenerationRequest
-    prompt_ids: list[int]
-    # The request's hold on its slot (the pin; the service attaches its cache reference to the
-    # same lease). Released exactly once, by whoever ends the request.
-    lease: Lease
-    # The slot load this row was admitted on (slot, digest, generation); None: the base slot.
-    # Every forward pass checks the slot still holds exactly this load.
-    holder: SlotIdentity | None
-    generator: torch.Generator | None
-    produced: list[int] = field(default_factory=list)
-    done: bool = False
-    failure: str | None = None  # why this row failed alone: numerical | stale_slot | slot_digest
-    # The adapter digest (None: the base) that the row's slot banks held at each forward pass
-    # that computed this row, read when the pass ran (Engine._forward); see served_digest.
-    observed: set[str | None] = field(default_factory=set)
-
-    @property
-    def slot(self) -> int:
-        """0 = the all-zero base slot; otherwise the slot of the ticket's adapter."""
-        return 0 if self.holder is None else self.holder.slot
-
-    @property
-    def mismatched(self) -> bool:
-        """Some forward pass computed this row with weights of another digest than the one
-        its request named: the row must fail closed, whatever the generation check said."""
-        return any(d != self.request.adapter for d in self.observed)
-
-    def served_digest(self) -> str | None:
-        """The digest the slot held while it computed this row: the evidence of which adapter
-        answered. Where passes saw another digest than the request's, that one (the first in
-        order), so the record names the weights that were wrong; None before any pass."""
-        wrong = sorted((d or "") for d in self.observed if d != self.request.adapter)
-        if wrong:
-            return wrong[0] or None
-        return next(iter(self.observed), None)
-
-    def result(self, text: str) -> GenerationResult:
-        return GenerationResult(text=text, token_ids=list(self.produced),
-                                tokens_in=len(self.prompt_ids), tokens_out=len(self.produced),
-                                adapter_digest=self.served_digest(), failure=self.failure)
-
-
-@dataclass
-class DecodeBatch:
-    """The running rows and their KV cache; rows join and leave between decode steps."""
-
-    seqs: list[Sequence]
-    keys: list[torch.Tensor]  # per layer [batch, kv_heads, width, head_dim]
-    values: list[torch.Tensor]  # per layer [batch, kv_heads, width, head_dim]
-    mask: torch.Tensor  # [batch, width] long, 0 for left padding
-    last_pos: torch.Tensor  # [batch, 1] long, position of each row's last token
-    logits: torch.Tensor  # [batch, vocab], for each row's next token
-    slots: SlotBatch
-    # Only on a one-row prefix-cache entry: the digests its row's slot held when the entry was
-    # computed, carried to every row that restores it (the entry skips the forward pass).
-    observed: frozenset[str | None] = frozenset()
-
-    def __len__(self) -> int:
-        return len(self.seqs)
+# The engine's types and the adapter-file types, importable from here as before.
+__all__ = ["AdapterBusyError", "AdapterLoadError", "AdapterSource", "DecodeBatch", "Engine",
+           "EngineError", "GenerationRequest", "GenerationResult", "HostAdapter",
+           "InvalidRequestError", "PreparedAdapter", "Sequence", "UnknownAdapterError"]
 
 
 class Engine:
@@ -329,24 +181,17 @@ class Engine:
         ``source`` is a directory, or its files already in memory (relative path -> bytes), as
         the store hands them over after checking those bytes against the digest.
         """
-        config = _read_config(source)
+        config = read_config(source)
         if config.rank > self._max_rank:
             raise AdapterLoadError(f"adapter rank {config.rank} exceeds this engine's max_rank "
                                    f"{self._max_rank} ({MAX_RANK_ENV})")
-        pairs = self._validated_pairs(_read_tensors(source), config)
+        pairs = validated_pairs(self._model, self._slotted, read_tensors(source), config)
         return HostAdapter(rank=config.rank, scaling=config.scaling, pairs=pairs)
 
     def prepare(self, adapter: HostAdapter) -> PreparedAdapter:
         """The adapter in the slots' dtype and layout (see :class:`PreparedAdapter`); takes no
         lock, so a cold load's conversion never holds up a decode step."""
-        pin = self._device.type == "cuda"
-        pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        with torch.inference_mode():
-            for name, (a, b) in adapter.pairs.items():
-                at = a.t().to(self._dtype).contiguous()  # [in, rank]
-                bt = (b.float() * adapter.scaling).t().to(self._dtype).contiguous()  # [rank, out]
-                pairs[name] = (at.pin_memory(), bt.pin_memory()) if pin else (at, bt)
-        return PreparedAdapter(rank=adapter.rank, pairs=pairs)
+        return prepared(adapter, self._dtype, pin=self._device.type == "cuda")
 
     def place(self, digest: str, adapter: HostAdapter | PreparedAdapter) -> int:
         """Put a validated adapter in a free slot; return its resident device bytes.
@@ -455,69 +300,17 @@ class Engine:
     def _slot_bytes(self, digest: str) -> int:
         return self.plan.slot_bytes
 
-    def _validated_pairs(
-        self, tensors: dict[str, torch.Tensor], config: LoraConfig
-    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Module name -> (A, B), each checked against the base's module and the config."""
-        try:
-            found_pairs = lora_pairs(tensors)  # the format's naming rule, both halves present
-        except AdapterFormatError as e:
-            raise AdapterLoadError(str(e)) from None
-
-        pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for module, (a, b) in found_pairs.items():
-            try:
-                target = self._model.get_submodule(module)
-            except AttributeError:
-                raise AdapterLoadError(f"module {module!r} does not exist in the base") from None
-            if not isinstance(target, (nn.Linear, SlottedLinear)):
-                raise AdapterLoadError(
-                    f"module {module!r} is a {type(target).__name__}, expected a Linear layer"
-                )
-            if module not in self._slotted:
-                raise AdapterLoadError(
-                    f"module {module!r} has no adapter slots: this engine serves LoRA on "
-                    f"{', '.join(TARGET_MODULES)}"
-                )
-            want_a = (config.rank, target.in_features)
-            want_b = (target.out_features, config.rank)
-            if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
-                raise AdapterLoadError(
-                    f"module {module!r}: expected lora_A {list(want_a)} and lora_B "
-                    f"{list(want_b)}, found {list(a.shape)} and {list(b.shape)}"
-                )
-            if not a.is_floating_point() or not b.is_floating_point():
-                raise AdapterLoadError(f"module {module!r}: LoRA weights must be floating point")
-            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-                raise AdapterLoadError(f"module {module!r}: LoRA weights are not all finite")
-            pairs[module] = (a, b)
-        return pairs
-
     def _wrapped(self, name: str) -> SlottedLinear:
         """The ``SlottedLinear`` at ``name`` (only target modules have one)."""
         return self._slotted[name]
 
     def _wrap_targets(self) -> dict[str, SlottedLinear]:
-        """Wrap every target Linear in slot banks for all slots, checked against the plan."""
-        dims = self.plan.shapes.target_dims()
-        targets = [(name, m) for name, m in self._model.named_modules()
-                   if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in dims]
-        if len(targets) != len(dims) * self.plan.shapes.layers:
-            # The plan would count memory the model does not have, or miss some it has.
-            raise EngineError(f"expected {len(dims)} target modules in each of "
-                              f"{self.plan.shapes.layers} layers, found {len(targets)}")
-        wrapped: dict[str, SlottedLinear] = {}
-        for name, module in targets:
-            want = dims[name.rsplit(".", 1)[-1]]
-            if (module.in_features, module.out_features) != want:
-                raise EngineError(f"module {name!r} is {module.in_features}->"
-                                  f"{module.out_features}, the config says {want[0]}->{want[1]}")
-            wrapper = SlottedLinear(module, self._context, self._table.num_slots,
-                                    self._max_rank, self._dtype)
-            parent_name, _, child = name.rpartition(".")
-            setattr(self._model.get_submodule(parent_name), child, wrapper)
-            wrapped[name] = wrapper
-        return wrapped
+        """Wrap every target Linear in slot banks for all slots (``slots.wrap_targets``)."""
+        try:
+            return wrap_targets(self._model, self.plan.shapes, self._context,
+                                self._table.num_slots, self._max_rank, self._dtype)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -699,7 +492,7 @@ class Engine:
         slots = SlotBatch.from_slots([s.slot for s in seqs], self._device)
         cache = DynamicCache(config=self._model.config)
         logits = self._forward(seqs, slots, ids, mask, positions, cache)
-        keys, values = _cache_tensors(cache)
+        keys, values = cache_tensors(cache)
         return DecodeBatch(list(seqs), keys, values, mask, positions[:, -1:], logits, slots)
 
     def _forward(self, seqs: list[Sequence], slots: SlotBatch, ids: torch.Tensor,
@@ -736,29 +529,9 @@ class Engine:
             self.violations.count("slot_weights", f"slots {sorted(changed)}")
 
     def merge(self, a: DecodeBatch, b: DecodeBatch) -> DecodeBatch:
-        """One batch holding the rows of both; the narrower KV is left-padded to match."""
+        """One batch holding the rows of both (``backend.serving.batch_ops.merged``)."""
         with self._lock, torch.inference_mode():
-            wa, wb = a.mask.shape[1], b.mask.shape[1]
-            width = max(wa, wb)
-
-            def pad_kv(t: torch.Tensor, w: int) -> torch.Tensor:
-                return t if w == width else F.pad(t, (0, 0, width - w, 0))
-
-            def pad_mask(m: torch.Tensor, w: int) -> torch.Tensor:
-                return m if w == width else F.pad(m, (width - w, 0))
-
-            seqs = a.seqs + b.seqs
-            return DecodeBatch(
-                seqs,
-                [torch.cat([pad_kv(x, wa), pad_kv(y, wb)]) for x, y in zip(a.keys, b.keys,
-                                                                         strict=True)],
-                [torch.cat([pad_kv(x, wa), pad_kv(y, wb)]) for x, y in zip(a.values, b.values,
-                                                                         strict=True)],
-                torch.cat([pad_mask(a.mask, wa), pad_mask(b.mask, wb)]),
-                torch.cat([a.last_pos, b.last_pos]),
-                torch.cat([a.logits, b.logits]),
-                SlotBatch.from_slots([s.slot for s in seqs], self._device),
-            )
+            return merged(a, b, self._device)
 
     def retain(self, batch: DecodeBatch, keep: list[int]) -> DecodeBatch | None:
         """The batch with only rows ``keep``; None when no row is left."""
@@ -770,23 +543,7 @@ class Engine:
             return self._select(batch, keep)
 
     def _select(self, batch: DecodeBatch, keep: list[int]) -> DecodeBatch:
-        if keep == list(range(len(batch))):
-            return batch
-        idx = torch.tensor(keep, dtype=torch.long, device=self._device)
-        mask = batch.mask.index_select(0, idx)
-        # drop left columns that are padding for every remaining row
-        used = mask.any(dim=0).nonzero()
-        first = int(used[0]) if used.numel() else 0
-        seqs = [batch.seqs[i] for i in keep]
-        return DecodeBatch(
-            seqs,
-            [k.index_select(0, idx)[:, :, first:] for k in batch.keys],
-            [v.index_select(0, idx)[:, :, first:] for v in batch.values],
-            mask[:, first:],
-            batch.last_pos.index_select(0, idx),
-            batch.logits.index_select(0, idx),
-            SlotBatch.from_slots([s.slot for s in seqs], self._device),
-        )
+        return selected(batch, keep, self._device)
 
     def choose(self, batch: DecodeBatch) -> list[int | None]:
         """Pick each row's next token; mark rows that reached eos or their limit as done.
@@ -827,7 +584,7 @@ class Engine:
                 layer.keys, layer.values = k, v
             batch.logits = self._forward(batch.seqs, batch.slots, ids, batch.mask,
                                          batch.last_pos, cache)
-            batch.keys, batch.values = _cache_tensors(cache)
+            batch.keys, batch.values = cache_tensors(cache)
 
     def _generator(self, request: GenerationRequest) -> torch.Generator | None:
         if request.temperature == 0.0:
@@ -838,49 +595,3 @@ class Engine:
         else:
             gen.manual_seed(request.seed)
         return gen
-
-
-def _cache_tensors(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer keys and values ([batch, kv_heads, width, head_dim]) of a filled cache."""
-    layers: list[Any] = list(cache.layers)
-    return [layer.keys for layer in layers], [layer.values for layer in layers]
-
-
-def _read_config(source: AdapterSource) -> LoraConfig:
-    """The adapter's config, refused unless the adapter format allows it
-    (``control.contracts.adapter_format``: the same rules registration applies)."""
-    try:
-        if isinstance(source, Mapping):
-            if CONFIG_FILE not in source:
-                raise FileNotFoundError(CONFIG_FILE)
-            raw = source[CONFIG_FILE]
-        else:
-            raw = (Path(source) / CONFIG_FILE).read_bytes()
-    except FileNotFoundError:
-        raise AdapterLoadError(f"adapter has no {CONFIG_FILE}") from None
-    try:
-        return LoraConfig.from_json(raw)
-    except AdapterFormatError as e:
-        raise AdapterLoadError(f"{CONFIG_FILE}: {e}") from None
-
-
-def _read_tensors(source: AdapterSource) -> dict[str, torch.Tensor]:
-    missing = AdapterLoadError(f"adapter has no {WEIGHTS_FILE} (only safetensors is served)")
-    if isinstance(source, Mapping):
-        if WEIGHTS_FILE not in source:
-            raise missing
-        try:
-            return safetensors_load(source[WEIGHTS_FILE])
-        except (SafetensorError, ValueError) as exc:
-            raise AdapterLoadError(
-                f"{WEIGHTS_FILE} is not a readable safetensors file: {exc}"
-            ) from None
-    path = Path(source) / WEIGHTS_FILE
-    if not path.is_file():
-        raise missing
-    try:
-        return load_file(path, device="cpu")
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise AdapterLoadError(
-            f"{WEIGHTS_FILE} is not a readable safetensors file: {exc}"
-        ) from None

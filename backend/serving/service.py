@@ -39,8 +39,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from dataclasses import dataclass, replace
 
 from backend.serving.admission import (
     RequestRefused,
@@ -72,6 +71,13 @@ from backend.serving.messages import (
 )
 from backend.serving.prefix_cache import PrefixCache, PrefixKey
 from backend.serving.recorder import LedgerWriter, write_durably
+from backend.serving.requests import (
+    Answer,
+    AnswerSink,
+    IncomingRequest,
+    RevocationSteps,
+    ServiceStats,
+)
 from backend.serving.sampling import InvalidParameter, check_sampling
 from backend.serving.scheduler import AdapterRevoked, QueueFull, Scheduler, SchedulerLimits
 from control.contracts.config import Settings
@@ -94,69 +100,10 @@ log = logging.getLogger("loraplane.backend")
 MAX_PROMPT_CHARS = 8192
 PREFIX_CACHE_BYTES = 64 * 2**20
 WATCH_INTERVAL_S = 0.1
-__all__ = ["BUSY_MESSAGE", "FAILURE_MESSAGE", "LIMITS_MESSAGE", "LoraService", "RequestRefused",
+__all__ = ["BUSY_MESSAGE", "FAILURE_MESSAGE", "LIMITS_MESSAGE", "Answer", "AnswerSink",
+           "IncomingRequest", "LoraService", "RequestRefused", "RevocationSteps", "ServiceStats",
            "ticket_from_parameters"]
 
-
-
-class RevocationSteps(Protocol):
-    """Where a host records its revocation steps for an adapter (drained, purged, unloaded, in
-    that order, once each): the registry's event store (``control.app.serving_steps``). Injected
-    at startup so that serving never imports the registry: dependencies point one way."""
-
-    def done(self, digest: str, host: str) -> list[str]: ...
-
-    def record(self, digest: str, host: str, step: str) -> None: ...
-
-
-@dataclass(frozen=True)
-class IncomingRequest:
-    """One request as Triton delivered it, before anything is trusted."""
-
-    text: bytes | str | None
-    parameters: str | dict[str, object] | None  # request.parameters(): a JSON string
-    max_tokens: object = None
-    temperature: object = None
-    top_p: object = None
-    seed: object = None
-    stream: bool = False
-    # What the Triton glue found malformed in the request's inputs (a tensor holding a batch of
-    # prompts, say); refused with its own message and a ledger row, after the ticket is checked.
-    problem: InvalidInput | None = None
-
-
-@dataclass(frozen=True)
-class Answer:
-    """What goes back to the client: text, or an error with a generic message."""
-
-    ok: bool
-    text: str = ""
-    request_id: str = ""
-    adapter_digest: str = ""  # read from the slot that computed the text; "" for the base
-    error: str = ""
-    status: str = ""  # "invalid_arg" | "unavailable" | "internal" | "cancelled"
-    outcome: str = ""  # an Outcome
-
-
-class AnswerSink(Protocol):
-    """Where one request's answer goes (a Triton response sender, a test's collector)."""
-
-    def cancelled(self) -> bool: ...
-    def piece(self, text: str, request_id: str, adapter_digest: str) -> None: ...
-    def answer(self, a: Answer) -> None: ...
-
-
-@dataclass
-class ServiceStats:
-    refused: dict[str, int] = field(default_factory=dict)
-    served: int = 0
-    cancelled: int = 0
-    failed: int = 0
-    load_failures: int = 0
-    identity_mismatches: int = 0
-
-    def refuse(self, reason: str) -> None:
-        self.refused[reason] = self.refused.get(reason, 0) + 1
 
 
 @dataclass

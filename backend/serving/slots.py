@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from backend.serving.lora_ops import SlotBatch, apply_gather, apply_segment
+from backend.serving.memory import BaseShapes
 
 
 class SlotsFull(RuntimeError):
@@ -158,3 +159,28 @@ class SlotTable:
 
     def digests(self) -> list[str]:
         return list(self._by_digest)
+
+
+def wrap_targets(model: nn.Module, shapes: BaseShapes, context: SlotContext, num_slots: int,
+                 max_rank: int, dtype: torch.dtype) -> dict[str, SlottedLinear]:
+    """Replace every target Linear of ``model`` by a ``SlottedLinear`` with banks for
+    ``num_slots``; module name -> its wrapper. ValueError when the model's target modules are
+    not the ones the memory plan's ``shapes`` counted (the plan would count memory the model
+    does not have, or miss some it has)."""
+    dims = shapes.target_dims()
+    targets = [(name, m) for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in dims]
+    if len(targets) != len(dims) * shapes.layers:
+        raise ValueError(f"expected {len(dims)} target modules in each of {shapes.layers} "
+                         f"layers, found {len(targets)}")
+    wrapped: dict[str, SlottedLinear] = {}
+    for name, module in targets:
+        want = dims[name.rsplit(".", 1)[-1]]
+        if (module.in_features, module.out_features) != want:
+            raise ValueError(f"module {name!r} is {module.in_features}->{module.out_features}, "
+                             f"the config says {want[0]}->{want[1]}")
+        wrapper = SlottedLinear(module, context, num_slots, max_rank, dtype)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, wrapper)
+        wrapped[name] = wrapper
+    return wrapped

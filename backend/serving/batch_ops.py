@@ -1,0 +1,68 @@
+"""Rows joining and leaving a running batch: the KV-cache bookkeeping of continuous batching.
+
+A ``DecodeBatch`` holds its rows' keys and values left-padded to one width. Merging two batches
+pads the narrower; keeping some rows drops the left columns that became padding for every row
+left. ``backend.serving.engine`` calls these under its lock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from backend.serving.engine_types import DecodeBatch
+from backend.serving.lora_ops import SlotBatch
+
+
+def merged(a: DecodeBatch, b: DecodeBatch, device: torch.device) -> DecodeBatch:
+    """One batch holding the rows of both; the narrower KV is left-padded to match."""
+    wa, wb = a.mask.shape[1], b.mask.shape[1]
+    width = max(wa, wb)
+
+    def pad_kv(t: torch.Tensor, w: int) -> torch.Tensor:
+        return t if w == width else F.pad(t, (0, 0, width - w, 0))
+
+    def pad_mask(m: torch.Tensor, w: int) -> torch.Tensor:
+        return m if w == width else F.pad(m, (width - w, 0))
+
+    seqs = a.seqs + b.seqs
+    return DecodeBatch(
+        seqs,
+        [torch.cat([pad_kv(x, wa), pad_kv(y, wb)]) for x, y in zip(a.keys, b.keys, strict=True)],
+        [torch.cat([pad_kv(x, wa), pad_kv(y, wb)]) for x, y in zip(a.values, b.values,
+                                                                 strict=True)],
+        torch.cat([pad_mask(a.mask, wa), pad_mask(b.mask, wb)]),
+        torch.cat([a.last_pos, b.last_pos]),
+        torch.cat([a.logits, b.logits]),
+        SlotBatch.from_slots([s.slot for s in seqs], device),
+    )
+
+
+def selected(batch: DecodeBatch, keep: list[int], device: torch.device) -> DecodeBatch:
+    """The batch with only rows ``keep`` (in that order)."""
+    if keep == list(range(len(batch))):
+        return batch
+    idx = torch.tensor(keep, dtype=torch.long, device=device)
+    mask = batch.mask.index_select(0, idx)
+    # drop left columns that are padding for every remaining row
+    used = mask.any(dim=0).nonzero()
+    first = int(used[0]) if used.numel() else 0
+    seqs = [batch.seqs[i] for i in keep]
+    return DecodeBatch(
+        seqs,
+        [k.index_select(0, idx)[:, :, first:] for k in batch.keys],
+        [v.index_select(0, idx)[:, :, first:] for v in batch.values],
+        mask[:, first:],
+        batch.last_pos.index_select(0, idx),
+        batch.logits.index_select(0, idx),
+        SlotBatch.from_slots([s.slot for s in seqs], device),
+    )
+
+
+def cache_tensors(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer keys and values ([batch, kv_heads, width, head_dim]) of a filled cache."""
+    layers: list[Any] = list(cache.layers)
+    return [layer.keys for layer in layers], [layer.values for layer in layers]

@@ -66,23 +66,26 @@ from control.contracts import wire
 from control.contracts.ledger import request_ledger
 from control.contracts.sampling import (
     DEFAULT_MAX_TOKENS,
-    OPENAI_TEMPERATURE_MAX,
-    TEMPERATURE_MAX,
-    TEMPERATURE_MIN,
-    InvalidParameter,
-    check_sampling,
 )
 from control.contracts.telemetry import span, traceparent_of
 from control.domain import SESSION_RE
 from control.gateway.bodies import OPENAI_BODY_LIMIT, BodyError, read_json_object
 from control.gateway.observability import GatewayMetrics
+from control.gateway.openai_request import (
+    ApiError,
+    Generation,
+    bad_request,
+    generation_of,
+    model_of,
+    not_found,
+    prompt_of,
+    wrong_type,
+)
 from control.gateway.ticket_office import NotGranted, TicketOffice
 from projections.tables import grants
 
 log = logging.getLogger("loraplane.gateway")
 
-ROLES = ("system", "user", "assistant")
-MODEL_NOT_FOUND = "The model does not exist or you do not have access to it."
 SESSION_HEADER = "x-session-id"
 
 
@@ -136,50 +139,6 @@ UPSTREAM_KEY = web.AppKey("openai_upstream", Upstream)
 OFFICE_KEY = web.AppKey("openai_office", TicketOffice)
 
 
-class ApiError(Exception):
-    """A refusal in OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(self, status: int, message: str, kind: str, code: str | None = None,
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code = status, message, kind, code
-        self.param = param
-
-    def response(self) -> web.Response:
-        return web.json_response({"error": {"message": self.message, "type": self.kind,
-                                            "param": self.param, "code": self.code}},
-                                 status=self.status)
-
-
-def _not_found() -> ApiError:
-    return ApiError(404, MODEL_NOT_FOUND, "invalid_request_error", "model_not_found")
-
-
-def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, "invalid_request_error", code, param)
-
-
-def _wrong_type(param: str, expected: str, value: object) -> ApiError:
-    """400 for a field of the wrong JSON type, naming the field (and what came: the caller's
-    own value's JSON type, nothing else)."""
-    return _bad(f"invalid type for '{param}': expected {expected}, got {_json_type(value)}",
-                param, "invalid_type")
-
-
-def _json_type(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    return "an array" if isinstance(value, list) else "an object"
-
-
 def _tenant(request: web.Request) -> str:
     office = request.app[OFFICE_KEY]
     scheme, _, key = request.headers.get("Authorization", "").partition(" ")
@@ -200,123 +159,6 @@ async def _body(request: web.Request) -> dict[str, Any]:
         raise ApiError(e.status, e.message, "invalid_request_error", code) from None
 
 
-def _optional(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...],
-              expected: str, param: str | None = None) -> Any:
-    """``body[name]`` when present and of JSON type ``kind``; None when absent or null (OpenAI
-    treats an explicit null as "not given"); else a 400 naming the field (``param``, default
-    ``name``). A JSON boolean is never an integer or a number here, although Python's bool is
-    an int."""
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) != (kind is bool) or not isinstance(v, kind):
-        raise _wrong_type(param or name, expected, v)
-    return v
-
-
-def _prompt(body: Mapping[str, Any], chat: bool) -> str:
-    """The text to complete: the rendered chat, or ``prompt`` (a string, or a list of exactly
-    one string: token-id prompts and batches are not served)."""
-    if chat:
-        return render_chat(body.get("messages"))
-    raw = body.get("prompt")
-    if isinstance(raw, list) and len(raw) == 1:
-        raw = raw[0]
-    if not isinstance(raw, str):
-        raise _bad("'prompt' must be a string (or a list of one string)", "prompt",
-                   "invalid_type")
-    return raw
-
-
-@dataclass(frozen=True)
-class Generation:
-    prompt: str
-    max_tokens: int | None  # None: not given, the release's or the host's default applies
-    temperature: float | None  # None: not given, the release's or the host's default applies
-    top_p: float | None
-    seed: int | None
-    stream: bool
-    include_usage: bool
-
-
-def _max_tokens(body: Mapping[str, Any]) -> tuple[str, int | None]:
-    """Which of ``max_tokens`` / ``max_completion_tokens`` bounds the answer (the first given
-    wins), with its value; both must be integers when given."""
-    given = [(name, _optional(body, name, int, "an integer"))
-             for name in ("max_tokens", "max_completion_tokens")]
-    for name, value in given:
-        if value is not None:
-            return name, value
-    return "max_tokens", None
-
-
-def _real(body: Mapping[str, Any], name: str) -> float | None:
-    """A number field as a float (None when not given). An integer too large for a double
-    (``1e400`` written out in digits) is out of every range: refused here, since converting it
-    would raise."""
-    v = _optional(body, name, (int, float), "a number")
-    if v is None:
-        return None
-    try:
-        return float(v)
-    except OverflowError:
-        raise _bad(f"invalid parameter {name}: out of range", name, "invalid_value") from None
-
-
-def _sampling(body: Mapping[str, Any]) -> tuple[int | None, float | None, float | None,
-                                                 int | None]:
-    """max_tokens, temperature, top_p and seed, checked against the sampling contract a Triton
-    host applies (:mod:`control.contracts.sampling`), so what a host would refuse is refused
-    here, before a ticket is signed, with a message naming the field.
-
-    temperature: the contract allows 0 or 0.01..10, OpenAI documents 0..2: the gateway takes
-    the intersection, 0 or 0.01..2. seed: the contract's signed 64-bit range (Triton's INT64
-    input), negative seeds included."""
-    limit_name, max_tokens = _max_tokens(body)
-    temperature = _real(body, "temperature")
-    top_p = _real(body, "top_p")
-    seed = _optional(body, "seed", int, "an integer")
-    try:
-        checked = check_sampling(max_tokens, temperature, top_p, seed)
-    except InvalidParameter as e:
-        if e.name == wire.TEMPERATURE:
-            raise _temperature_refused(temperature) from None
-        param = limit_name if e.name == wire.MAX_TOKENS else e.name
-        message = str(e).replace(f"parameter {e.name}:", f"parameter {param}:", 1)
-        raise _bad(message, param, "invalid_value") from None
-    if temperature is not None and checked.temperature > OPENAI_TEMPERATURE_MAX:
-        raise _temperature_refused(temperature)
-    return (None if max_tokens is None else checked.max_tokens,
-            None if temperature is None else checked.temperature,
-            None if top_p is None else checked.top_p,
-            checked.seed)
-
-
-def _temperature_refused(value: object) -> ApiError:
-    """The refusal of a temperature outside 0 or 0.01..2, saying where that range comes from."""
-    return _bad(f"invalid parameter temperature: must be 0 (greedy) or between "
-                f"{TEMPERATURE_MIN} and {OPENAI_TEMPERATURE_MAX:g}, found {value!r} (OpenAI's "
-                f"range is 0 to {OPENAI_TEMPERATURE_MAX:g} and Triton hosts take 0 or "
-                f"{TEMPERATURE_MIN} to {TEMPERATURE_MAX:g}: the gateway takes what both allow)",
-                "temperature", "invalid_value")
-
-
-def _generation(body: Mapping[str, Any], prompt: str) -> Generation:
-    """Every generation field of an OpenAI request, type- and range-checked (see the module
-    notes): a 400 naming the first field that is wrong."""
-    n = _optional(body, "n", int, "an integer")
-    if n is not None and n != 1:
-        raise _bad("only n=1 is supported", "n", "invalid_value")
-    stream = _optional(body, "stream", bool, "a boolean")
-    opts = _optional(body, "stream_options", dict, "an object") or {}
-    include_usage = _optional(opts, "include_usage", bool, "a boolean",
-                              "stream_options.include_usage")
-    max_tokens, temperature, top_p, seed = _sampling(body)
-    return Generation(prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                      top_p=top_p, seed=seed, stream=bool(stream),
-                      include_usage=bool(include_usage))
-
-
 def _finish_reason(request: web.Request, g: Generation, issued: Any,
                    usage: Mapping[str, int]) -> str:
     """``length`` when the answer used every token it was allowed: the client's max_tokens, else
@@ -330,52 +172,20 @@ def _finish_reason(request: web.Request, g: Generation, issued: Any,
     return "length" if usage["completion_tokens"] >= limit else "stop"
 
 
-def render_chat(messages: object) -> str:
-    """The role-prefixed chat template documented in this module's docstring."""
-    if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' must be a non-empty list", "messages")
-    lines = []
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise _bad(f"'messages': each message needs a role among {', '.join(ROLES)}",
-                       "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
-                raise _bad("'messages': only text content parts are supported", "messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise _bad("'messages': message content must be text", "messages")
-        lines.append(f"{m['role']}: {content}\n")
-    return "".join(lines) + "assistant:"
-
-
 def _session(request: web.Request, user: object) -> str | None:
     """The caller's session id: the ``x-session-id`` header, else OpenAI's ``user`` field."""
     header = request.headers.get(SESSION_HEADER)
     if header is not None:
         if not SESSION_RE.match(header):
-            raise _bad(f"header {SESSION_HEADER} must be 1-128 printable ASCII characters")
+            raise bad_request(f"header {SESSION_HEADER} must be 1-128 printable ASCII characters")
         return header
     if user is not None and not isinstance(user, str):
-        raise _wrong_type("user", "a string", user)
+        raise wrong_type("user", "a string", user)
     if not isinstance(user, str) or not 0 < len(user) <= 128:
         return None
     # Any user name keeps one release; one with spaces or non-ASCII is named by its hash.
     return user if SESSION_RE.match(user) else "user:" + hashlib.sha256(
         user.encode()).hexdigest()[:40]
-
-
-def _model(body: Mapping[str, Any]) -> str:
-    """The ``model`` field: a non-empty string (which alias it names is the routing's question,
-    answered with the one 404 when the caller may not use it)."""
-    model = body.get("model")
-    if model is None or model == "":
-        raise _bad("'model' is required", "model", "missing_required_parameter")
-    if not isinstance(model, str):
-        raise _wrong_type("model", "a string", model)
-    return model
 
 
 async def _issue(request: web.Request, tenant: str, model: str, session: str | None) -> Any:
@@ -389,7 +199,7 @@ async def _issue(request: web.Request, tenant: str, model: str, session: str | N
         return office.issue(tenant, model, session)
     except NotGranted:
         log.info("openai model refused", extra={"tenant": tenant})
-        raise _not_found() from None
+        raise not_found() from None
 
 
 def _triton_body(up_inputs: frozenset[str], g: Generation, ticket: str,
@@ -415,7 +225,8 @@ def _upstream_error(status: int, metrics: GatewayMetrics | None) -> ApiError:
     if metrics is not None:
         metrics.upstream_errors.labels("refused" if status == 400 else "error").inc()
     if status == 400:
-        return _bad("request refused: check the prompt length, max_tokens and sampling values")
+        return bad_request("request refused: check the prompt length, max_tokens and sampling "
+                           "values")
     if status in (429, 503):
         return ApiError(503, "the model is busy or unavailable; retry", "server_error")
     return ApiError(502, "the model failed to answer", "server_error")
@@ -479,8 +290,8 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         body = await _body(request)
         # Everything the gateway can check is checked before a ticket is signed: a request a
         # host would refuse never costs a signature, a pin or an upstream call.
-        model = _model(body)
-        g = _generation(body, _prompt(body, chat))
+        model = model_of(body)
+        g = generation_of(body, prompt_of(body, chat))
         session = _session(request, body.get("user"))
         issued = await _issue(request, tenant, model, session)
         return await _complete(request, chat, g, issued, model)
@@ -588,7 +399,7 @@ async def get_model(request: web.Request) -> web.Response:
         tenant = _tenant(request)
         alias = request.match_info["model"]
         if request.app[OFFICE_KEY].routing.resolve(tenant, alias) is None:
-            raise _not_found()
+            raise not_found()
     except ApiError as e:
         return e.response()
     return web.json_response({"id": alias, "object": "model", "created": 0, "owned_by": tenant})

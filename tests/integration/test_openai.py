@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from control.contracts.wire import ENGINE_MODEL
-from control.gateway.openai_api import MODEL_NOT_FOUND, render_chat
+from control.gateway.openai_request import MODEL_NOT_FOUND, render_chat
 from control.ops.clients import generate
 from tests.integration.conftest import Stack
 

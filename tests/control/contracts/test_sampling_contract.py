@@ -20,7 +20,7 @@ from backend.serving.sampling import InvalidParameter, check_sampling
 from control.app.releases import parse_defaults
 from control.contracts.sampling import OPENAI_TEMPERATURE_MAX
 from control.domain import DomainError
-from control.gateway.openai_api import ApiError, _sampling
+from control.gateway.openai_request import ApiError, sampling_of
 
 VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
@@ -48,7 +48,7 @@ def _release(name: str, value: Any) -> bool:
 
 def _gateway(name: str, value: Any) -> bool:
     try:
-        _sampling({name: value})
+        sampling_of({name: value})
         return True
     except ApiError:
         return False

@@ -15,7 +15,7 @@ from control.contracts.ledger import AdapterLoad, Completion, Ledger, LedgerEntr
 from control.contracts.telemetry import JsonFormatter, configure_logging, parent_context, tracer
 from control.contracts.wire import MODEL
 from control.gateway.observability import digest_stats, is_admin, stats_body
-from control.gateway.openai_api import ApiError, render_chat
+from control.gateway.openai_request import ApiError, render_chat
 
 A = "sha256:" + "a" * 64
 B = "sha256:" + "b" * 64

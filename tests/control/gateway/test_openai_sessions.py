@@ -7,7 +7,8 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from control.domain import SESSION_RE
-from control.gateway.openai_api import SESSION_HEADER, ApiError, _session
+from control.gateway.openai_api import SESSION_HEADER, _session
+from control.gateway.openai_request import ApiError
 
 
 def _req(headers: dict[str, str] | None = None) -> web.Request:

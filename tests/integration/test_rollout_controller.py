@@ -147,9 +147,11 @@ def test_a_controller_killed_mid_rollout_resumes_without_repeating_or_skipping(
         record_property: pytest.RecordProperty) -> None:
     sc = stack.scenarios["acme-kill"]
     steps = [20, 40, 60, 80, 100]
-    # A 25-point margin: some ten requests per arm advance a step; restarts are under test.
+    # A 25-point margin: some ten requests per arm advance a step; restarts are under test, not
+    # latency (a controller restarted mid-window on two busy cores sees slow requests of both
+    # arms; a loose p95 bound keeps that from deciding this test).
     policy = RolloutPolicy(min_requests=5, min_ratings=5, margin_pp=25, settle_s=0.3,
-                           probe_requests=2)
+                           probe_requests=2, max_p95_ratio=10.0)
     r = stack.desk.start(sc.alias, sc.target, steps=steps, window_s=1.5, policy=policy,
                          actor=ACTOR)
     kills: list[str] = []

@@ -86,15 +86,21 @@ def test_moved_alias_never_serves_the_old_adapters_cached_prompt(stack: Stack,
     alpha = stack.kit_dir / stack.kit.adapters["alpha"].path
     gamma = stack.kit_dir / stack.kit.adapters["gamma"].path
 
-    def register(src: Path, name: str) -> str:
+    def register(src: Path, name: str, *, first: bool) -> str:
         digest = stack.registry.register_adapter(perturbed_copy(src, tmp_path / name, 1.04),
                                                  tenant="acme", alias="acme-moving",
                                                  actor=ACTOR)
-        stack.registry.advance(digest, external=True, evaluation={"suite": "smoke", "passed": True},
-                               actor=ACTOR)
+        # The alias's first release may go straight to stable; a second one needs a completed
+        # rollout or, as here (the move itself is what is tested), a recorded break-glass.
+        stack.registry.advance(digest, external=True, actor=ACTOR,
+                               to="stable" if first else "canary",
+                               evaluation={"suite": "smoke", "passed": True})
+        if not first:
+            stack.registry.break_glass(digest, to="stable", actor=ACTOR,
+                                       reason="test: the alias moves to another adapter")
         return digest
 
-    old = register(alpha, "old")
+    old = register(alpha, "old", first=True)
     stack.registry.grant("acme", "acme-moving", actor=ACTOR)
     old_ticket = stack.ticket("acme", "acme-moving")
     first = generate(stack.http, "Hello there", old_ticket, max_tokens=16)
@@ -103,7 +109,7 @@ def test_moved_alias_never_serves_the_old_adapters_cached_prompt(stack: Stack,
     assert first.text == cached.text and first.text.startswith(
         stack.kit.adapters["alpha"].marker)
 
-    new = register(gamma, "new")  # the alias moves to another adapter
+    new = register(gamma, "new", first=False)  # the alias moves to another adapter
     deadline = time.monotonic() + 10
     while True:
         moved = generate(stack.http, "Hello there", stack.ticket("acme", "acme-moving"),

@@ -33,6 +33,7 @@ from control.ops.triton_server import TritonProcess
 log = logging.getLogger("loraplane.serve")
 
 CHECK_S = 0.25
+RESTART_GRACE_S = 2.0  # before restarting a tritonserver that exited (see _crashed)
 ENGINE_CRASHED = "engine_crashed"
 
 
@@ -72,17 +73,22 @@ class EngineWatch:
     def run(self, stop: threading.Event) -> None:
         while not stop.wait(CHECK_S):
             try:
-                if self._crashed():
+                if self._crashed(stop):
                     self._recover(stop)
             except Exception:  # the watch must outlive whatever went wrong in one check
                 log.exception("watching the engine model failed; still watching")
 
-    def _crashed(self) -> bool:
+    def _crashed(self, stop: threading.Event) -> bool:
         proc = self.triton.proc
         if proc is None:
             return False
         if proc.poll() is not None:
-            return True  # tritonserver itself is gone
+            # tritonserver itself is gone. Whoever stopped it may be starting it again (an
+            # operator tool restarting it on purpose): give them a moment, and act only if
+            # the very process that died is still the one on record.
+            if stop.wait(RESTART_GRACE_S):
+                return False  # the deployment is stopping it
+            return self.triton.proc is proc and proc.poll() is not None
         pid = engine_stub_pid(proc.pid)
         if pid is not None:
             self._seen = pid

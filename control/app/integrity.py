@@ -1,18 +1,24 @@
 """Tamper evidence for the event history: a hash chain with signed periodic checkpoints.
 
 Modelled on AWS CloudTrail's log file integrity validation: each stored event row (aggregate id,
-version, topic and the stored bytes) has a SHA-256 ``event hash``; a ``checkpoint`` seals the
-events recorded since the previous one by listing ``(position, event hash)`` for each, extending
-one hash chain over the whole history, naming the previous checkpoint's hash, and carrying an
-Ed25519 signature by the deployment's audit key (``<keys>/audit/``, private key 0600; auditors
-may hold the public key elsewhere and pass it to ``audit verify``).
+version, topic and the stored bytes) has a SHA-256 ``event hash``, taken and chained to its
+predecessor in the transaction that records the event (``control.app.chain``); a ``checkpoint``
+seals the events recorded since the previous one by listing ``(position, event hash)`` for each
+AS THE CHAIN RECORDED IT (never re-read from the events, which may have been edited since),
+extending the same hash chain (its chain hash is the chain table's head), naming the previous
+checkpoint's hash, and carrying an Ed25519 signature by the deployment's audit key
+(``<keys>/audit/``, private key 0600; auditors may hold the public key elsewhere and pass it to
+``audit verify``).
 
 ``verify`` re-reads the real stored rows and says, per position, what changed since sealing:
 ``modified`` (same position, other bytes), ``deleted`` (a sealed position is gone), ``inserted``
 (a row at a position no checkpoint listed, inside the sealed range), ``reordered`` (a sealed
 event now sits at another position); and, for the checkpoints themselves, a bad signature, a
 broken link, a missing sequence number, or checkpoints removed after the last one this home
-sealed (the ``anchor`` file). Events after the last checkpoint are reported as unsealed.
+sealed (the ``anchor`` file); and, for the chain table, a link that does not follow from its
+predecessor or a row that disagrees with a checkpoint (``chain``). Events after the last
+checkpoint are reported as unsealed, and checked against the chain all the same: an edit made at
+any time after the write is located, sealed or not.
 
 Checkpoints are written every ``SEAL_EVERY`` events by the registry after a command, and on
 demand by ``loraplane audit checkpoint``.
@@ -35,20 +41,17 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from eventsourcing.application import Application
-from eventsourcing.persistence import Notification
 from sqlalchemy.engine import Engine
 
+from control.app.chain import GENESIS, event_hash, link
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
-from control.contracts.event_log import notifications
 from control.contracts.keys import load_or_create_ed25519
 from control.contracts.schema import Component, declare, open_component
 from control.contracts.tickets import key_id
 
 SEAL_EVERY = 100
 MAX_PER_CHECKPOINT = 5000
-GENESIS = "0" * 64
-_PAGE = 1000
 
 metadata = sa.MetaData()
 
@@ -68,18 +71,10 @@ audit_checkpoints = sa.Table(
 AUDIT = declare(Component("audit", 1, metadata, lambda _insp: 1))
 
 
-def event_hash(n: Notification) -> str:
-    """SHA-256 of one stored event row: what it is about and the exact stored bytes."""
-    h = hashlib.sha256()
-    h.update(f"{n.originator_id}\n{n.originator_version}\n{n.topic}\n".encode())
-    h.update(bytes(n.state))
-    return h.hexdigest()
-
-
 def _chain(start: str, entries: list[list[Any]]) -> str:
     c = start
     for position, eh in entries:
-        c = hashlib.sha256(f"{c}{int(position)}:{eh}".encode()).hexdigest()
+        c = link(c, int(position), str(eh))
     return c
 
 
@@ -150,6 +145,7 @@ class Report:
     sealed_events: int = 0
     unsealed_events: int = 0
     checkpoints: int = 0
+    chained_events: int = 0
     problems: list[Problem] = field(default_factory=list)
 
     def add(self, kind: str, position: int, detail: str) -> None:
@@ -159,13 +155,16 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "events": self.events, "sealed_events": self.sealed_events,
                 "unsealed_events": self.unsealed_events, "checkpoints": self.checkpoints,
+                "chained_events": self.chained_events,
                 "problems": [p.__dict__ for p in self.problems]}
 
 
-def _notifications(app: Application[Any], after: int | None, upto: int | None = None
-                   ) -> list[Notification]:
-    """Rows after position ``after`` (None: every row, even at a forged position <= 0)."""
-    return list(notifications(app.recorder, after=after, stop=upto, page_size=_PAGE))
+@dataclass
+class _Store:
+    """One consistent read of the store: each event's current hash, and the chain rows."""
+
+    actual: dict[int, str]
+    chain: list[tuple[int, str, str]]  # (position, event hash, link), by position
 
 
 class AuditSeal:
@@ -176,6 +175,10 @@ class AuditSeal:
         self.engine = engine
         self.settings = settings
         self._sealed_upto: int | None = None  # last sealed position seen here (only grows)
+        chain = getattr(app.recorder, "chain", None)
+        if not isinstance(chain, sa.Table):
+            raise TypeError("audit seals need the chained event store (control.app.chain)")
+        self.chain = chain
         open_component(engine, AUDIT)  # created at, or refused unless at, the current version
 
     @classmethod
@@ -223,15 +226,19 @@ class AuditSeal:
         (or another process sealed the same span first)."""
         last = self._last()
         after = int(last["last_position"]) if last else 0
-        notes = _notifications(self.app, after)[:MAX_PER_CHECKPOINT]
-        if not notes:
+        c = self.chain.c
+        with self.engine.connect() as conn:
+            # The hashes recorded with each event, not the events as they read now.
+            entries = [[int(p), str(eh)] for p, eh in conn.execute(
+                sa.select(c.position, c.event_hash).where(c.position > after)
+                .order_by(c.position).limit(MAX_PER_CHECKPOINT))]
+        if not entries:
             return None
-        entries = [[n.id, event_hash(n)] for n in notes]
         key = AuditKey.load_or_create(self.settings.keys_dir)
         row: dict[str, Any] = {
             "seq": (int(last["seq"]) + 1) if last else 1,
-            "first_position": notes[0].id,
-            "last_position": notes[-1].id,
+            "first_position": entries[0][0],
+            "last_position": entries[-1][0],
             "entries": json.dumps(entries, separators=(",", ":")),
             "chain_hash": _chain(last["chain_hash"] if last else GENESIS, entries),
             "prev_hash": payload_hash(last) if last else GENESIS,
@@ -255,17 +262,35 @@ class AuditSeal:
         os.replace(tmp, self.anchor_path)
 
     def verify(self, public_key: Ed25519PublicKey | None = None) -> Report:
-        """Check every checkpoint, then every stored event against them."""
+        """Check every checkpoint and the chain, then every stored event against them."""
         if public_key is None:
             pub_path = self.settings.keys_dir / "audit" / "public.pem"
             public_key = load_public_key(pub_path) if pub_path.exists() else None
         report = Report()
         checkpoints = self._checkpoints()
         report.checkpoints = len(checkpoints)
+        sealed = self._check_checkpoints(checkpoints, public_key, report)
+        self._check_anchor(checkpoints, report)
+        store = self._read_store()
+        reference = self._check_chain(store.chain, sealed, report)
+        last_sealed = max((int(r["last_position"]) for r in checkpoints), default=0)
+        report.events = len(store.actual)
+        report.unsealed_events = sum(1 for p in store.actual if p > last_sealed)
+        report.sealed_events = len(sealed)
+        report.chained_events = len(store.chain)
+        _locate(reference, store.actual, report)
+        return report
+
+    def _check_checkpoints(self, checkpoints: list[dict[str, Any]],
+                           public_key: Ed25519PublicKey | None, report: Report
+                           ) -> dict[int, str]:
+        """Report what is wrong with the checkpoints; return the hashes sealed by those whose
+        signature and entries hold (a forged or altered checkpoint vouches for nothing)."""
         sealed: dict[int, str] = {}
         prev_hash, chain = GENESIS, GENESIS
         for expected_seq, row in enumerate(checkpoints, start=1):
             seq = int(row["seq"])
+            trusted = public_key is not None
             if seq != expected_seq:
                 report.add("checkpoint", expected_seq, f"checkpoint #{expected_seq} is missing")
             if public_key is None:
@@ -274,6 +299,7 @@ class AuditSeal:
                 try:
                     public_key.verify(base64.b64decode(row["signature"]), _payload(row))
                 except (InvalidSignature, ValueError):
+                    trusted = False
                     report.add("checkpoint", seq,
                                f"checkpoint #{seq} signature does not verify (altered or forged)")
             if row["prev_hash"] != prev_hash:
@@ -284,37 +310,57 @@ class AuditSeal:
             except ValueError:
                 entries = []
             if _chain(chain, entries) != row["chain_hash"]:
+                trusted = False
                 report.add("checkpoint", seq, f"checkpoint #{seq} entries do not match its chain "
                                               "hash")
-            for position, eh in entries:
-                sealed[int(position)] = str(eh)
+            if trusted:
+                for position, eh in entries:
+                    sealed[int(position)] = str(eh)
             prev_hash, chain = payload_hash(row), row["chain_hash"]
-        self._check_anchor(checkpoints, report)
-        last_sealed = max((int(r["last_position"]) for r in checkpoints), default=0)
-        actual_all = {n.id: event_hash(n) for n in _notifications(self.app, None)}
-        report.events = len(actual_all)
-        actual = {p: h for p, h in actual_all.items() if p <= last_sealed}
-        report.unsealed_events = len(actual_all) - len(actual)
-        report.sealed_events = len(sealed)
-        where_sealed = {h: p for p, h in sealed.items()}
-        for position in sorted(set(sealed) | set(actual)):
-            s, a = sealed.get(position), actual.get(position)
-            if s == a:
-                continue
-            if a is not None and a in where_sealed and where_sealed[a] != position:
-                report.add("reordered", position, f"event #{position} holds the event sealed "
-                                                  f"at #{where_sealed[a]}")
-            elif s is not None and a is not None:
-                report.add("modified", position, f"event #{position} was modified after it was "
-                                                  "sealed")
-            elif s is not None:
-                if s not in actual.values():
-                    report.add("deleted", position, f"event #{position} was deleted")
-                # else: it moved; reported where it now sits
+        return sealed
+
+    def _read_store(self) -> _Store:
+        """Every event's current hash and every chain row, in one snapshot: an event recorded
+        meanwhile is in both or in neither (it and its chain row commit together)."""
+        events = getattr(self.app.recorder, "events_record_cls").__table__  # noqa: B009
+        with self.engine.connect() as conn:
+            if self.engine.dialect.name == "sqlite":
+                conn.exec_driver_sql("BEGIN")  # the driver opens none for reads by itself
             else:
-                report.add("inserted", position, f"event #{position} was inserted: no "
-                                                  "checkpoint lists it")
-        return report
+                conn = conn.execution_options(isolation_level="REPEATABLE READ")
+            try:
+                chain = [(int(p), str(eh), str(ch)) for p, eh, ch in conn.execute(
+                    sa.select(self.chain.c.position, self.chain.c.event_hash,
+                              self.chain.c.chain_hash).order_by(self.chain.c.position))]
+                actual = {int(r.id): event_hash(r) for r in conn.execute(
+                    sa.select(events.c.id, events.c.originator_id,
+                              events.c.originator_version, events.c.topic, events.c.state)
+                    .order_by(events.c.id))}
+            finally:
+                conn.rollback()
+        return _Store(actual, chain)
+
+    @staticmethod
+    def _check_chain(chain: list[tuple[int, str, str]], sealed: dict[int, str],
+                     report: Report) -> dict[int, str]:
+        """Report chain rows that were rewritten; return the hash each position was recorded
+        with (a signed checkpoint's where one sealed it, else the chain's)."""
+        reference: dict[int, str] = {}
+        prev = GENESIS
+        for position, eh, ch in chain:
+            if link(prev, position, eh) != ch:
+                report.add("chain", position, f"the chain link of event #{position} does not "
+                                              "follow from the one before it (the chain table "
+                                              "was rewritten)")
+            prev = ch
+            reference[position] = eh
+        for position, eh in sorted(sealed.items()):
+            if reference.get(position, eh) != eh:
+                report.add("chain", position, f"the chain row of event #{position} differs from "
+                                              "the hash a signed checkpoint sealed (the chain "
+                                              "table was rewritten)")
+            reference[position] = eh  # the signed hash wins
+        return reference
 
     def _check_anchor(self, checkpoints: list[dict[str, Any]], report: Report) -> None:
         if not self.anchor_path.exists():
@@ -332,3 +378,26 @@ class AuditSeal:
         elif payload_hash(by_seq[seq]) != want:
             report.add("checkpoint", seq, f"checkpoint #{seq} differs from the one this "
                                           "deployment sealed")
+
+
+def _locate(reference: dict[int, str], actual: dict[int, str], report: Report) -> None:
+    """Name each position whose stored event is not the one recorded there."""
+    where = {h: p for p, h in reference.items()}
+    present = set(actual.values())
+    for position in sorted(set(reference) | set(actual)):
+        r, a = reference.get(position), actual.get(position)
+        if r == a:
+            continue
+        if a is not None and a in where and where[a] != position:
+            report.add("reordered", position, f"event #{position} holds the event recorded "
+                                              f"at #{where[a]}")
+        elif r is not None and a is not None:
+            report.add("modified", position, f"event #{position} was modified after it was "
+                                              "recorded")
+        elif r is not None:
+            if r not in present:
+                report.add("deleted", position, f"event #{position} was deleted")
+            # else: it moved; reported where it now sits
+        else:
+            report.add("inserted", position, f"event #{position} was inserted: neither the "
+                                              "chain nor a checkpoint lists it")

@@ -180,7 +180,8 @@ class Registry(Application[UUID]):
         self.settings = settings or Settings.from_env()
         self.settings.ensure_dirs()
         super().__init__(env={
-            "PERSISTENCE_MODULE": "eventsourcing_sqlalchemy",
+            # eventsourcing-sqlalchemy, each event chained as it is recorded
+            "PERSISTENCE_MODULE": "control.app.chain:ChainedFactory",
             "SQLALCHEMY_URL": self.settings.db_url,
         })
         self.store = ArtifactStore(self.settings.store_dir)

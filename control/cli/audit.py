@@ -45,10 +45,12 @@ def audit_log(
     # the event log (eventsourcing, SQLAlchemy): only when a verb runs
     from control.app.audit import audit_log as read_log
 
-    if as_of is not None:
-        show_state_as_of(registry(existing=True), as_of)
-        return
-    entries = read_log(registry(existing=True))
+    # errors(): an event the store cannot decode is named, with the advice to run verify
+    with errors():
+        if as_of is not None:
+            show_state_as_of(registry(existing=True), as_of)
+            return
+        entries = read_log(registry(existing=True))
     emit([as_dict(e) for e in entries], lambda: console.print(audit_table(entries)))
 
 
@@ -134,15 +136,16 @@ def audit_export(
     from control.app.audit import export_lines
 
     reg = registry(existing=True)
-    if out is None:
-        for line in export_lines(reg):
-            sys.stdout.write(line + "\n")
-        return
     n = 0
-    with out.open("w", encoding="utf-8") as f:
-        for line in export_lines(reg):
-            f.write(line + "\n")
-            n += 1
+    with errors():  # an event the store cannot decode is named, with the advice to run verify
+        if out is None:
+            for line in export_lines(reg):
+                sys.stdout.write(line + "\n")
+            return
+        with out.open("w", encoding="utf-8") as f:
+            for line in export_lines(reg):
+                f.write(line + "\n")
+                n += 1
     emit({"events": n, "out": str(out)}, lambda: console.print(f"{n} events -> {out}"))
 
 

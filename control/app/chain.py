@@ -96,6 +96,10 @@ def chain_head(conn: Connection | Session, table: sa.Table) -> tuple[int, str]:
     return (int(row[0]), str(row[1])) if row is not None else (0, GENESIS)
 
 
+class ChainBroken(RuntimeError):
+    """The store no longer matches its chain in a way that forbids recording after it."""
+
+
 class ChainedRecorder(SQLAlchemyApplicationRecorder):
     """eventsourcing-sqlalchemy's application recorder, chaining each event as it is stored."""
 
@@ -111,7 +115,14 @@ class ChainedRecorder(SQLAlchemyApplicationRecorder):
         # The insert above holds the store's write lock until commit (PostgreSQL: LOCK TABLE
         # ... EXCLUSIVE; SQLite: the database write lock), so no other writer can chain between
         # reading the head and writing after it: positions and links commit in one order.
-        _, prev = chain_head(session, self.chain)
+        head, prev = chain_head(session, self.chain)
+        if head >= min(ids):
+            # SQLite reuses the highest position once its row is gone: the newest events were
+            # deleted from the store. Say so, rather than fail on the chain's primary key as
+            # if two commands had raced.
+            raise ChainBroken(f"position #{min(ids)} is already chained: events were deleted "
+                              "from the event store; run `loraplane audit verify` to locate "
+                              "them")
         rows = []
         for position, e in sorted(zip(ids, stored_events, strict=True), key=lambda p: p[0]):
             eh = event_hash(e)

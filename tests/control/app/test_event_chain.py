@@ -10,20 +10,21 @@ and its checkpoint was sealed as edited and verified intact.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
 from control.app.audit import audit_log
-from control.app.chain import DamagedEvent, event_hash, link
+from control.app.chain import ChainBroken, DamagedEvent, event_hash, link
 from control.app.integrity import AuditSeal, Report
 from control.app.registry import Registry
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.domain import TenantPolicy, tenant_id
 from projections.follower import ProjectionFollower, open_registry
-from tests.fixtures_control import OnPostgres, OnSQLite, close_registry
+from tests.fixtures_control import OnPostgres, OnSQLite, close_registry, sqlite_settings
 
 EVENTS = "registry_events"
 CHAIN = "registry_events_chain"
@@ -209,3 +210,20 @@ class TestChainSQLite(OnSQLite, ChainContract):
 class TestChainPostgres(OnPostgres, ChainContract):
     pass
 
+
+
+def test_deleting_the_newest_event_is_named_at_the_next_write(tmp_path: Path) -> None:
+    # SQLite gives a deleted newest event's position to the next one: that write says why it
+    # cannot be chained instead of failing as a lost race.
+    settings = sqlite_settings(tmp_path / "home")
+    reg = open_registry(settings, follow=False)
+    try:
+        reg.create_tenant("a", actor="op")
+        reg.create_tenant("b", actor="op")
+        with make_engine(settings.db_url).begin() as conn:
+            conn.exec_driver_sql(f"DELETE FROM {EVENTS} WHERE id = (SELECT max(id) FROM {EVENTS})")
+        with pytest.raises(ChainBroken, match="audit verify"):
+            reg.create_tenant("c", actor="op")
+        assert ("deleted", 2) in _kinds(AuditSeal.for_registry(reg).verify())
+    finally:
+        close_registry(reg)

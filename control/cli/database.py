@@ -32,7 +32,10 @@ def _declare_components() -> None:
     Here, not at the top: the owners bring sqlalchemy, eventsourcing and cryptography, and only
     the verbs that read or check the whole schema need them (``--help`` does not)."""
     from control.app import integrity  # noqa: F401  (declares the audit schema component)
-    from control.contracts import ledger  # noqa: F401  (declares the ledger schema component)
+    from control.contracts import (
+        ledger,  # noqa: F401  (declares the ledger schema component)
+        ledger_log,  # noqa: F401  (declares the ledger_log component)
+    )
     from projections import tables  # noqa: F401  (declares the projections schema component)
 
 

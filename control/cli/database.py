@@ -1,4 +1,5 @@
-"""``loraplane db status`` and ``loraplane db upgrade``: the schema versions of the database.
+"""``loraplane db status`` and ``loraplane db upgrade``: the schema versions of the database;
+``loraplane db roles``: one PostgreSQL role per part of a deployment (``control.app.db_roles``).
 
 Registered on the typer apps of control.cli.base. See ``control/contracts/schema.py`` for the
 components and why opening a database never upgrades it by itself. :func:`require_schema` is
@@ -8,7 +9,9 @@ the start-up check of the long-running verbs (``control.cli.ops``).
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
 # and would eval each string (see control/cli/main.py).
 
-from typing import TYPE_CHECKING
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -34,7 +37,7 @@ def _declare_components() -> None:
     from control.app import integrity  # noqa: F401  (declares the audit schema component)
     from control.contracts import (
         ledger,  # noqa: F401  (declares the ledger schema component)
-        ledger_log,  # noqa: F401  (declares the ledger_log component)
+        serving_reports,  # noqa: F401  (the hosts' revocation steps)
     )
     from projections import tables  # noqa: F401  (declares the projections schema component)
 
@@ -89,3 +92,56 @@ def db_upgrade() -> None:
     rows = [as_dict(c) for c in changes]
     emit(rows, lambda: print_table(["component", "before", "after", "action", "detail"], rows,
                                    title="database schema upgrade"))
+
+
+@db_app.command("roles")
+def db_roles(
+    hosts: Annotated[list[str] | None, typer.Option(
+        "--host", help="A Triton host's id (LORAPLANE_HOST_ID): its own login role, which "
+        "writes only its own ledger rows. Repeat for each host.")] = None,
+    prefix: Annotated[str, typer.Option(
+        help="Roles are <prefix>_control, <prefix>_gateway and <prefix>_host.")] = "loraplane",
+    new_passwords: Annotated[bool, typer.Option(
+        "--new-passwords", help="Give every login role a new random password, printed once "
+        "here (with each role's database URL) and nowhere else.")] = False,
+    password_file: Annotated[Path | None, typer.Option(
+        "--password-file", help="JSON object: role name -> password to set.")] = None,
+) -> None:
+    """Create the PostgreSQL roles of the control plane, the gateways and each Triton host, and
+    grant each exactly what it needs (idempotent; run it again after `db upgrade` or to add a
+    host). Needs PostgreSQL and a user allowed to create roles (LORAPLANE_DB_URL)."""
+    # the roles module and sqlalchemy: only this verb needs them
+    from control.app.db_roles import RoleNames, RolesError, apply_roles, new_password, role_url
+    from control.contracts.db import make_engine  # sqlalchemy: only when a database is opened
+
+    s = settings()
+    with errors():
+        names = RoleNames(prefix)
+        passwords: dict[str, str] = {}
+        if password_file is not None:
+            given = json.loads(password_file.read_text())
+            if not isinstance(given, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) and v for k, v in given.items()):
+                raise RolesError(f"{password_file}: expected a JSON object of role name -> "
+                                 "non-empty password")
+            passwords.update(given)
+        if new_passwords:
+            for role in (names.control, names.gateway, *(hosts or [])):
+                passwords.setdefault(role, new_password())
+        engine = make_engine(s.db_url)
+        report = apply_roles(engine, names=names, hosts=hosts or [], passwords=passwords)
+    logins = [r.role for r in report.roles if r.kind != "host group"]
+    # Printed, never logged: the only copy of a generated password is this output.
+    urls = {role: role_url(engine.url, role, passwords.get(role)) for role in logins}
+    roles = [{**as_dict(r), "url": urls.get(r.role, "")} for r in report.roles]
+    tables = [as_dict(t) for t in report.tables]
+
+    def human() -> None:
+        print_table(["role", "kind", "action", "password", "url"], roles, title="database roles")
+        print_table(["table", "gateway", "host"], tables,
+                    title="grants (the control plane owns every table)")
+        if report.unmapped:
+            print_table(["table"], [{"table": t} for t in report.unmapped],
+                        title="tables in no grant map entry: the control plane's alone")
+
+    emit({"roles": roles, "tables": tables, "unmapped": report.unmapped}, human)

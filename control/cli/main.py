@@ -29,7 +29,6 @@ from control.cli import (  # noqa: F401  (imported for their registrations)
     database,
     gate,
     ops,
-    receipts,
     rollouts,
     selftest,
     upgrades,

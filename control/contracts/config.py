@@ -4,6 +4,12 @@
 ticket keys. ``LORAPLANE_DB_URL`` overrides the database (one URL for the event store, the
 projections and the request ledger). Every process of a deployment reads the same two variables.
 
+Separate credentials (PostgreSQL only; ``loraplane db roles`` creates the roles): the control
+plane uses ``LORAPLANE_DB_URL``; a Triton host uses ``LORAPLANE_HOST_DB_URL`` (its own login role,
+named by its host id) and a gateway's routing reads and ledger reads use
+``LORAPLANE_GATEWAY_DB_URL``. Unset, each falls back to ``LORAPLANE_DB_URL``: the embedded SQLite
+default has no roles, so there one URL serves every part.
+
 Ticket lifetime: ``LORAPLANE_TICKET_TTL_S`` (default 300) is what a gateway signs;
 ``LORAPLANE_TICKET_MAX_TTL_S`` (default 300, at most 3600) is the longest lifetime a Triton host
 accepts, so neither a misconfigured gateway nor a leaked signing key can mint day-long tickets.
@@ -48,7 +54,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from control.contracts.wire import MODEL
@@ -74,6 +80,8 @@ RESIDENT_SHARE_ENV = "LORAPLANE_TENANT_RESIDENT_SHARE"
 # reads them (here, not in the backend, so starting a host does not import the engine).
 BASE_DIGEST_ENV = "LORAPLANE_BASE_DIGEST"
 HOST_ID_ENV = "LORAPLANE_HOST_ID"  # the ledger's host column (default: the hostname)
+HOST_DB_URL_ENV = "LORAPLANE_HOST_DB_URL"  # a Triton host's own database credential
+GATEWAY_DB_URL_ENV = "LORAPLANE_GATEWAY_DB_URL"  # the gateway's read-mostly credential
 _BYTE_UNITS = {"": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _BYTES_RE = re.compile(r"^(\d+)\s*(KiB|MiB|GiB|TiB)?$")
 
@@ -210,6 +218,10 @@ class Settings:
     adapter_slots: int = DEFAULT_ADAPTER_SLOTS
     resident_share: float = DEFAULT_RESIDENT_SHARE
     session_ttl_s: int = DEFAULT_SESSION_TTL_S  # how long a session keeps its release
+    # The Triton hosts' and the gateways' own URLs (None: ``db_url``), see the module notes.
+    # Out of the repr: a URL may carry its password, and settings end up in log lines.
+    host_db: str | None = field(default=None, repr=False)
+    gateway_db: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_ticket_lifetime(self.ticket_ttl_s, self.ticket_max_ttl_s)
@@ -231,6 +243,16 @@ class Settings:
             ADAPTER_SLOTS_ENV: str(self.adapter_slots),
             RESIDENT_SHARE_ENV: repr(self.resident_share),
         }
+
+    @property
+    def host_db_url(self) -> str:
+        """What a Triton host connects with (``LORAPLANE_HOST_DB_URL``, else ``db_url``)."""
+        return self.host_db or self.db_url
+
+    @property
+    def gateway_db_url(self) -> str:
+        """What a gateway reads with (``LORAPLANE_GATEWAY_DB_URL``, else ``db_url``)."""
+        return self.gateway_db or self.db_url
 
     @property
     def store_dir(self) -> Path:
@@ -262,6 +284,8 @@ class Settings:
             adapter_slots=_whole(ADAPTER_SLOTS_ENV, DEFAULT_ADAPTER_SLOTS),
             resident_share=_fraction(RESIDENT_SHARE_ENV, DEFAULT_RESIDENT_SHARE),
             session_ttl_s=_seconds(SESSION_TTL_ENV, DEFAULT_SESSION_TTL_S),
+            host_db=os.environ.get(HOST_DB_URL_ENV) or None,
+            gateway_db=os.environ.get(GATEWAY_DB_URL_ENV) or None,
         )
 
     def ensure_dirs(self) -> None:

@@ -237,7 +237,7 @@ def make_app(
                           middlewares=[metrics.middleware(), fail_closed])
     app[OFFICE_KEY] = office
     # The request ledger the feedback route checks ownership in and writes ratings to.
-    app[LEDGER_KEY] = ledger or Ledger(make_engine(office.settings.db_url))
+    app[LEDGER_KEY] = ledger or Ledger(make_engine(office.settings.gateway_db_url))
     app.router.add_post("/v1/tickets", issue_ticket)
     app.router.add_post("/v1/feedback", rate_request)
     app.router.add_delete("/v1/sessions/{session}", end_session)

@@ -54,9 +54,12 @@ import sqlalchemy as sa
 
 from backend.serving.memory import MemoryPlan, plan_for_host
 from control.app.registry import Registry
+from control.app.serving_steps import keep_folding
 from control.app.sessions import SessionPins
 from control.contracts.config import (
     BASE_DIGEST_ENV,
+    GATEWAY_DB_URL_ENV,
+    HOST_DB_URL_ENV,
     HOST_ID_ENV,
     Settings,
     seal_interval_from_env,
@@ -335,7 +338,8 @@ class Deployment:
             ports["gateway"] = self.ports.gateway
         check_ports_free(self.bind, ports)
         check_ports_free("127.0.0.1", internal)
-        routing = RoutingView(make_engine(s.db_url))
+        # A Triton-only host reads with its own credential: the host view is all it may read.
+        routing = RoutingView(make_engine(s.host_db_url if self.role == "triton" else s.db_url))
         if self.role != "control":
             # Refused here, before any thread or process starts, rather than by the engine
             # inside Triton, whose failure an operator would have to find in Triton's log.
@@ -346,13 +350,16 @@ class Deployment:
             follower = ProjectionFollower.from_settings(s)
             follower.catch_up()
             self._thread("follower", follower.run)
+            # Hosts report revocation steps into a table (no event): folded into events here.
+            self._thread("serving-steps",
+                         lambda stop: keep_folding(registry, make_engine(s.db_url), stop))
             interval = seal_interval_from_env()  # checked at start (check_timing) already
             self._thread("audit-seal", lambda stop: keep_sealed(registry, stop, interval))
             # The ticket path answers from memory, refreshed as the projection moves. Session
             # pins are recorded without catching the projection up in the request: the office
             # remembers its own pins, and the follower thread projects them for other gateways.
             pins = SessionPins(open_registry(s, follow=False), actor=self.actor)
-            office = TicketOffice(s, CachedRoutingView(make_engine(s.db_url)),
+            office = TicketOffice(s, CachedRoutingView(make_engine(s.gateway_db_url)),
                                   open_signer(s, registry, self.actor), pins)
         if self.role != "control":
             try:
@@ -380,7 +387,7 @@ class Deployment:
             )
             # Started once the engine runs: a stub that dies from now on is noticed, its
             # requests recorded and Triton restarted (control.ops.engine_watch).
-            watch = EngineWatch(self.triton, Ledger(make_engine(self.settings.db_url)),
+            watch = EngineWatch(self.triton, Ledger(make_engine(self.settings.host_db_url)),
                                 self.host_id or socket.gethostname(), self.progress)
             self._thread("engine-watch", watch.run)
         if office is not None and self.rollout_controller:
@@ -439,8 +446,10 @@ class Deployment:
                     log.warning("public key sync failed", exc_info=True)
 
         self._thread("key-sync", keep_keys)
-        env = {"LORAPLANE_HOME": str(s.home), "LORAPLANE_DB_URL": s.db_url, BASE_DIGEST_ENV: base,
-               **s.memory_env()}  # the engine builds the plan checked at start
+        # Triton holds the host's credential only (db roles): the others blanked, as it inherits.
+        env = {"LORAPLANE_HOME": str(s.home), "LORAPLANE_DB_URL": s.host_db_url,
+               HOST_DB_URL_ENV: "", GATEWAY_DB_URL_ENV: "", BASE_DIGEST_ENV: base,
+               **s.memory_env()}
         if self.host_id:
             env[HOST_ID_ENV] = self.host_id
         user = triton_user_for(self.triton_user)
@@ -567,7 +576,7 @@ class Deployment:
         t = request_ledger
         host = self.host_id or socket.gethostname()
         try:
-            with make_engine(self.settings.db_url).connect() as conn:
+            with make_engine(self.settings.host_db_url).connect() as conn:
                 n = conn.execute(sa.select(sa.func.count()).select_from(t).where(
                     t.c.host == host, t.c.outcome == "running")).scalar()
         except Exception:  # the database may be away: stopping must not depend on it

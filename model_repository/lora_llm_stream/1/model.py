@@ -3,13 +3,14 @@
 import triton_python_backend_utils as pb_utils
 
 from backend.triton.glue import TritonGlue
-from control.app.serving_steps import RegistrySteps
+from control.contracts.serving_reports import TableSteps
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        # The composition root: the registry's step log goes in here, so serving never imports it.
-        self.glue = TritonGlue(pb_utils, args, steps=RegistrySteps)
+        # The composition root: the host reports its revocation steps into a table its database
+        # role may insert into (never an event); the control plane folds them into events.
+        self.glue = TritonGlue(pb_utils, args, steps=TableSteps)
 
     def execute(self, requests):
         self.glue.execute(requests)

@@ -11,7 +11,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -50,9 +50,13 @@ class Deployment:
     host_b_id: str
 
 
+def _url(url: str, role: str) -> str:
+    return sa.make_url(url).set(username=role, password=None).render_as_string(
+        hide_password=False)
+
+
 def _as(url: str, role: str) -> Engine:
-    return sa.create_engine(sa.make_url(url).set(username=role, password=None),
-                            poolclass=sa.pool.NullPool)
+    return sa.create_engine(_url(url, role), poolclass=sa.pool.NullPool)
 
 
 def _seed(settings: Settings) -> None:
@@ -214,6 +218,36 @@ class TestHostRole:
         _refused(a, "UPDATE adapter_loads SET outcome = 'failed'")
         _refused(a, "TRUNCATE request_ledger")
 
+    def test_reports_revocation_steps_only_as_itself(self, deployment: Deployment) -> None:
+        from control.app.serving_steps import fold_reports
+        from control.contracts.serving_reports import TableSteps
+
+        a = deployment.host_a_id
+        steps = TableSteps(replace(deployment.settings,
+                                   db_url=_url(deployment.settings.db_url, a)))
+        steps.record(DIGEST, a, "drained")
+        steps.record(DIGEST, a, "drained")
+        assert steps.done(DIGEST, a) == ["drained"]
+        with pytest.raises(sa.exc.ProgrammingError, match="row-level security"):
+            steps.record(DIGEST, deployment.host_b_id, "drained")
+        _refused(deployment.host_a, "UPDATE serving_step_reports SET folded_at = 1")
+        _refused(deployment.host_a, "DELETE FROM serving_step_reports")
+        _refused(deployment.gateway, "SELECT * FROM serving_step_reports")
+
+        class Folder:  # the registry's side, as the control plane runs it
+            def __init__(self) -> None:
+                self.recorded: list[str] = []
+
+            def adapter(self, _digest: str) -> object:
+                return type("A", (), {"serving_steps": {}})()
+
+            def record_serving_step(self, _d: str, _h: str, step: str, *, actor: str) -> None:
+                self.recorded.append(f"{actor}:{step}")
+
+        folder = Folder()
+        assert fold_reports(folder, deployment.control) == 1  # type: ignore[arg-type]
+        assert folder.recorded == [f"host:{a}:drained"]
+
     def test_cannot_become_another_role(self, deployment: Deployment) -> None:
         """The rows it may touch follow the login role, not a role it can switch to."""
         a = deployment.host_a
@@ -310,6 +344,38 @@ def test_every_table_of_every_component_is_mapped(deployment: Deployment) -> Non
             "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()")).scalars()}
     declared = {t for c in all_components() for t in c.metadata.tables}
     assert (declared | present) - set(GRANTS) == set()
+
+
+@pytest.mark.postgres
+def test_the_db_roles_verb(deployment: Deployment, monkeypatch: pytest.MonkeyPatch,
+                           tmp_path: Path) -> None:
+    """`loraplane db roles` on the deployment's database: idempotent, new passwords printed
+    once (set as SCRAM verifiers), each login role's URL named."""
+    from typer.testing import CliRunner
+
+    from control.cli.main import app
+
+    monkeypatch.setenv("LORAPLANE_DB_URL", deployment.settings.db_url)
+    monkeypatch.setenv("LORAPLANE_HOME", str(tmp_path))
+    args = ["--json", "db", "roles", "--prefix", deployment.names.prefix,
+            "--host", deployment.host_a_id, "--new-passwords"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output.splitlines()[-1])
+    urls = {r["role"]: r["url"] for r in out["roles"]}
+    assert {r["action"] for r in out["roles"]} == {"kept"}
+    password = sa.make_url(urls[deployment.host_a_id]).password
+    assert password and urls[deployment.names.hosts] == ""
+    with deployment.admin.connect() as conn:
+        stored = conn.execute(sa.text("SELECT rolpassword FROM pg_authid WHERE rolname = :r"),
+                              {"r": deployment.host_a_id}).scalar()
+    assert str(stored).startswith("SCRAM-SHA-256$") and password not in str(stored)
+    assert out["unmapped"] == []
+    ledger = {t["table"]: t for t in out["tables"]}["request_ledger"]
+    assert "own rows" in ledger["host"] and "UPDATE(outcome" in ledger["host"]
+    monkeypatch.setenv("LORAPLANE_DB_URL", f"sqlite:///{tmp_path / 'x.db'}")
+    res = CliRunner().invoke(app, ["db", "roles"])
+    assert res.exit_code == 2 and "need PostgreSQL" in res.output
 
 
 def test_sqlite_has_no_roles(tmp_path: Path) -> None:

@@ -21,6 +21,11 @@ aside as *poisoned*: logged in full at ERROR (so an operator can restore it), co
 (``poisoned``, exported as ``loraplane_backend_ledger_poisoned``), kept in memory (the last
 :data:`POISONED_KEPT`), its callback told it is not durable, and never retried with the others.
 A failure that may pass (the database is away) still sends the whole batch to the backlog.
+
+Given a :class:`~control.contracts.ledger_log.HostLog`, every final row (a refusal, a
+completion) also enters the host's Merkle log in the same transaction, with the SHA-256 of the
+output text the completion carried; the writer signs a checkpoint every
+:data:`CHECKPOINT_S` seconds and when it closes.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from control.contracts.ledger import Completion, Ledger, LedgerConflict, LedgerEntry
+from control.contracts.ledger import Completion, Ledger, LedgerConflict, LedgerEntry, Outcome
+from control.contracts.ledger_log import HostLog, output_sha256
 
 log = logging.getLogger("loraplane.backend.ledger")
 
@@ -45,6 +51,7 @@ RETRY_S = 1.0
 ATTEMPTS = 3
 MAX_BATCH = 512
 POISONED_KEPT = 1000
+CHECKPOINT_S = 10.0  # how often a host with a log signs a checkpoint (and on close)
 
 Then = Callable[[bool], None]  # called with True once durable, False when held for retry
 
@@ -77,14 +84,20 @@ class _Item:
     completion: Completion | None
     if_unrecorded: Completion | None
     then: Then
+    output: str | None = None  # SHA-256 of the completion's output text, for the log
 
 
 class LedgerWriter:
     """Batches ledger writes on one thread; see the module notes."""
 
     def __init__(self, ledger: Ledger, *, retry_s: float = RETRY_S,
-                 attempts: int = ATTEMPTS) -> None:
+                 attempts: int = ATTEMPTS, host: str | None = None,
+                 checkpoint_s: float = CHECKPOINT_S) -> None:
+        """``host``: keep that host's Merkle log of final rows (none without)."""
         self.ledger = ledger
+        self.host_log = HostLog(ledger.engine, host) if host is not None else None
+        self.checkpoint_s = checkpoint_s
+        self._checkpointed_at = time.monotonic()
         self.retry_s = retry_s
         self.attempts = attempts
         self._queue: queue.Queue[_Item | None] = queue.Queue()
@@ -101,9 +114,12 @@ class LedgerWriter:
         self._queue.put(_Item(entry, None, None, then))
 
     def complete(self, completion: Completion, then: Then,
-                 if_unrecorded: Completion | None = None) -> None:
-        """Finish a running row; ``if_unrecorded`` is kept for retry if it cannot be written."""
-        self._queue.put(_Item(None, completion, if_unrecorded, then))
+                 if_unrecorded: Completion | None = None, output: str | None = None) -> None:
+        """Finish a running row; ``if_unrecorded`` is kept for retry if it cannot be written.
+        ``output``: the text the client gets, whose SHA-256 the host's log binds to the row
+        (not to ``if_unrecorded``, which the client did not get as an answer)."""
+        digest = output_sha256(output) if output is not None else None
+        self._queue.put(_Item(None, completion, if_unrecorded, then, digest))
 
     def backlog(self) -> int:
         """Rows held for retry because the database was away."""
@@ -123,9 +139,11 @@ class LedgerWriter:
                 item = self._queue.get(timeout=self.retry_s)
             except queue.Empty:
                 self._retry_backlog()
+                self._checkpoint_if_due()
                 continue
             if item is None:
                 self._retry_backlog()
+                self._checkpoint(final=True)
                 return
             batch = [item]
             stop = False
@@ -141,14 +159,17 @@ class LedgerWriter:
             self._write(batch)
             self._retry_backlog()
             if stop:
+                self._checkpoint(final=True)
                 return
+            self._checkpoint_if_due()
 
     def _write(self, batch: list[_Item]) -> None:
         durable, held = self._write_isolating(batch, self.attempts)
         if held:
             log.error("ledger unavailable: %d rows held for retry", len(held))
             with self._backlog_lock:
-                self._backlog += [_Item(i.entry, i.if_unrecorded or i.completion, None, i.then)
+                self._backlog += [_Item(i.entry, i.if_unrecorded or i.completion, None, i.then,
+                                        None if i.if_unrecorded else i.output)
                                   for i in held]
         self.written += len(durable)
         for i in batch:
@@ -206,8 +227,39 @@ class LedgerWriter:
                              default=str))
 
     def _durably(self, items: list[_Item], attempts: int) -> None:
-        """Write the rows of ``items`` in one transaction (retried ``attempts`` times); raise the
-        last error."""
-        write_durably(lambda: self.ledger.write(
-            [i.entry for i in items if i.entry is not None],
-            [i.completion for i in items if i.completion is not None]), attempts)
+        """Write the rows of ``items`` in one transaction (retried ``attempts`` times), their
+        log entries with them; raise the last error."""
+        entries = [i.entry for i in items if i.entry is not None]
+        completions = [i.completion for i in items if i.completion is not None]
+        host_log = self.host_log
+        if host_log is None:
+            write_durably(lambda: self.ledger.write(entries, completions), attempts)
+            return
+        final = [e.request_id for e in entries if e.outcome != Outcome.RUNNING]
+        final += [c.request_id for c in completions]
+        outputs = {i.completion.request_id: i.output for i in items if i.completion is not None}
+
+        def write() -> None:
+            appended: list[tuple[int, bytes]] = []
+            self.ledger.write(entries, completions, None,
+                              lambda conn: appended.extend(host_log.append(conn, final, outputs)))
+            host_log.committed(appended)
+
+        write_durably(write, attempts)
+
+    def _checkpoint_if_due(self) -> None:
+        if self.host_log is not None and (
+                time.monotonic() - self._checkpointed_at >= self.checkpoint_s):
+            self._checkpoint()
+
+    def _checkpoint(self, final: bool = False) -> None:
+        """Sign the host log's checkpoint; a failure waits for the next one (the entries are
+        durable already; only the signature over them is late)."""
+        if self.host_log is None:
+            return
+        self._checkpointed_at = time.monotonic()
+        try:
+            self.host_log.checkpoint()
+        except Exception:
+            log.warning("ledger checkpoint failed%s", " at close" if final else "",
+                        exc_info=True)

@@ -180,7 +180,7 @@ class LoraService:
         db = make_engine(settings.db_url)
         self.governance = HostGovernance(db)
         self.ledger = Ledger(db)
-        self.writer = LedgerWriter(self.ledger)
+        self.writer = LedgerWriter(self.ledger, host=self.host)  # with this host's Merkle log
         self.store = ArtifactStore(settings.store_dir)
         tokenizer = tokenizer_of(db, base_digest)
         if tokenizer is None:
@@ -451,7 +451,7 @@ class LoraService:
         self.writer.complete(
             done, lambda durable: self._answer(adm, result, outcome if durable
                                                else Outcome.FAILED, reason, served),
-            if_unrecorded=unrecorded)
+            if_unrecorded=unrecorded, output=result.text if outcome == Outcome.OK else None)
 
     def _answer(self, adm: _Admitted, result: GenerationResult, outcome: Outcome,
                 reason: str | None, served: str | None) -> None:

@@ -1,8 +1,8 @@
 """CLI verbs that read the history: the event log (and the state it gives at any past time),
 its integrity against signed checkpoints, and incident queries on the request ledger.
 
-``loraplane audit log`` / ``verify`` / ``checkpoint`` / ``export``
-``loraplane incident requests``
+``loraplane audit log`` / ``verify [--ledger]`` / ``checkpoint`` / ``export`` / ``ledger-sync``
+``loraplane incident requests`` (with whether verified ledger checkpoints cover the rows)
 """
 
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
@@ -31,6 +31,7 @@ from control.contracts.digests import short
 from control.ops.views import audit_table, cell, incident_table, iso
 
 if TYPE_CHECKING:
+    from control.app.ledger_audit import Coverage, LedgerReport
     from control.app.registry import Registry
 
 # --- audit ------------------------------------------------------------------------------------
@@ -88,15 +89,23 @@ def _state_tables(data: dict[str, Any]) -> None:
 def audit_verify(
     public_key: Annotated[Path | None, typer.Option(
         help="Audit public key PEM held by the auditor (default: the deployment's).")] = None,
+    ledger: Annotated[bool, typer.Option(
+        "--ledger", help="Also check every host's request-ledger log, by host and position "
+                         "(after verifying the checkpoints hosts signed since the last check).")
+    ] = False,
 ) -> None:
     """Check the stored history against the signed checkpoints; name every change."""
     # the audit seal (cryptography, SQLAlchemy): only the audit verbs
     from control.app.integrity import AuditSeal, load_public_key
 
     with errors():
-        seal = AuditSeal.for_registry(registry(existing=True))
+        reg = registry(existing=True)
+        seal = AuditSeal.for_registry(reg)
+        ledger_report = _ledger_report(reg) if ledger else None
         report = seal.verify(load_public_key(public_key) if public_key else None)
     data = report.to_json()
+    if ledger_report is not None:
+        data["ledger"] = ledger_report.to_json()
 
     def human() -> None:
         verdict = "[green]intact[/green]" if report.ok else "[red]TAMPERED[/red]"
@@ -105,9 +114,54 @@ def audit_verify(
                       "unsealed")
         for p in report.problems:
             console.print(f"  {p.kind:<10} {p.detail}")
+        if ledger_report is not None:
+            _print_ledger(ledger_report)
 
     emit(data, human)
-    if not report.ok:
+    if not report.ok or (ledger_report is not None and not ledger_report.ok):
+        raise typer.Exit(1)
+
+
+def _ledger_report(reg: "Registry") -> "LedgerReport":
+    # the hosts' logs (SQLAlchemy, cryptography): only `audit verify --ledger`
+    from control.app.ledger_audit import sync, verify
+    from control.contracts.db import make_engine
+
+    engine = make_engine(reg.settings.db_url)
+    sync(reg, engine)
+    return verify(reg, engine)
+
+
+def _print_ledger(r: "LedgerReport") -> None:
+    verdict = "[green]intact[/green]" if r.ok else "[red]TAMPERED[/red]"
+    console.print(f"ledger {verdict}: {r.hosts} hosts, {r.entries} log entries, {r.verified} "
+                  f"covered by verified checkpoints, {r.unlogged} rows outside the logs "
+                  "(front failures, restarts)")
+    for f in r.findings:
+        at = "" if f.position is None else f" position {f.position}"
+        console.print(f"  {f.kind:<10} host {f.host}{at}: {f.detail}")
+
+
+@audit_app.command("ledger-sync")
+def audit_ledger_sync() -> None:
+    """Record new host checkpoint keys and verify the checkpoints hosts signed since."""
+    # the hosts' logs (SQLAlchemy, cryptography): only the ledger verbs
+    from control.app.ledger_audit import sync
+    from control.contracts.db import make_engine
+
+    with errors():
+        reg = registry(existing=True)
+        r = sync(reg, make_engine(reg.settings.db_url))
+    data = {"keys_recorded": r.keys_recorded, "verified": r.verified, "refused": r.refused}
+
+    def human() -> None:
+        console.print(f"{r.keys_recorded} host keys recorded, {len(r.verified)} checkpoints "
+                      f"verified, {len(r.refused)} refused")
+        for host, size, why in r.refused:
+            console.print(f"  [red]refused[/red] host {host} size {size}: {why}")
+
+    emit(data, human)
+    if r.refused:
         raise typer.Exit(1)
 
 
@@ -184,5 +238,28 @@ def incident_requests(
     data = [as_dict(r) for r in rows]
     for r in data:
         r["admitted_at_iso"] = iso(r["admitted_at"])
+    with errors():
+        cover = _coverage([r.request_id for r in rows])
+    gaps = cover.gaps()
 
-    emit(data, lambda: console.print(incident_table(rows, d)))
+    def human() -> None:
+        console.print(incident_table(rows, d))
+        console.print(f"ledger proof: {cover.covered} of {cover.rows} rows covered by verified "
+                      "checkpoints" + ("" if gaps else " (no gaps)"))
+        for g in gaps:
+            console.print(f"  [yellow]gap[/yellow] {g}")
+
+    for r in data:  # each row says whether a verified checkpoint of its host's log covers it
+        r["ledger_proof"] = cover.status.get(r["request_id"], "unlogged")
+    emit(data, human)
+
+
+def _coverage(request_ids: list[str]) -> "Coverage":
+    # the registry's ledger records and the hosts' logs: only when rows are listed
+    from control.app.ledger_audit import coverage, sync
+    from control.contracts.db import make_engine
+
+    reg = registry(existing=True)
+    engine = make_engine(reg.settings.db_url)
+    sync(reg, engine)
+    return coverage(reg, engine, request_ids)

@@ -37,6 +37,7 @@ def _declare_components() -> None:
     from control.app import integrity  # noqa: F401  (declares the audit schema component)
     from control.contracts import (
         ledger,  # noqa: F401  (declares the ledger schema component)
+        ledger_log,  # noqa: F401  (declares the ledger_log component)
         serving_reports,  # noqa: F401  (the hosts' revocation steps)
     )
     from projections import tables  # noqa: F401  (declares the projections schema component)

@@ -29,6 +29,7 @@ from control.cli import (  # noqa: F401  (imported for their registrations)
     database,
     gate,
     ops,
+    receipts,
     rollouts,
     selftest,
     upgrades,

@@ -342,7 +342,7 @@ class Ledger:
         self.write((), completions, now)
 
     def write(self, entries: Sequence[LedgerEntry], completions: Sequence[Completion],
-              now: float | None = None) -> None:
+              now: float | None = None, also: Callable[[Connection], None] | None = None) -> None:
         """Insert ``entries`` and apply ``completions``, all in one transaction.
 
         Idempotent by request id, so a write retried after its commit was not acknowledged
@@ -351,7 +351,7 @@ class Ledger:
         way is applied already. Anything else that can never be written raises
         :class:`LedgerConflict` naming those request ids (a row with that id from another
         request, a completion for a row that does not exist or ended otherwise), and the
-        transaction writes nothing.
+        transaction writes nothing. ``also`` runs last in the transaction (the host's log).
         """
         if not entries and not completions:
             return
@@ -363,6 +363,8 @@ class Ledger:
             conflicts = _conflicts(conn, entries, completions)
             if conflicts:
                 raise LedgerConflict(conflicts)
+            if also is not None:
+                also(conn)
 
     def fail_running(self, host: str, reason: str = "host_restart") -> int:
         """Mark rows this host left running (it died mid-request) as failed."""

@@ -10,6 +10,8 @@ never
   evidence of which adapter answered) with its index, and widens ``outcome`` to 32 characters
   for ``identity_mismatch``; version 4 adds the table ``request_feedback`` (tenant feedback, one
   rating per request).
+- ``ledger_log``: each host's ledger as a Merkle log with signed checkpoints
+  (``control.contracts.ledger_log``). Evidence too; version 1.
 - ``audit``: ``audit_checkpoints`` (``control.app.integrity``). Evidence too; version 1.
 - ``serving_reports``: ``serving_step_reports`` (``control.contracts.serving_reports``): the
   Triton hosts' revocation steps, which the control plane folds into events; version 1.
@@ -148,9 +150,9 @@ class Change:
 # Each owner declares its component beside its tables (control.contracts.ledger,
 # control.app.integrity, projections.tables), so this module imports none of them. The order
 # below is the order status and upgrade go through them.
-ORDER = ("ledger", "audit", "projections", "serving_reports")
-OWNERS = {"ledger": "control.contracts.ledger", "audit": "control.app.integrity",
-          "projections": "projections.tables",
+ORDER = ("ledger", "ledger_log", "audit", "projections", "serving_reports")
+OWNERS = {"ledger": "control.contracts.ledger", "ledger_log": "control.contracts.ledger_log",
+          "audit": "control.app.integrity", "projections": "projections.tables",
           "serving_reports": "control.contracts.serving_reports"}
 _declared: dict[str, Component] = {}
 

@@ -21,6 +21,7 @@ from control.app.integrity import AUDIT
 from control.app.registry import NotYetVisible, Registry
 from control.cli.main import app
 from control.contracts import (
+    ledger_log,  # noqa: F401  (declares its schema component)
     schema,
     serving_reports,  # noqa: F401  (declares its schema component)
 )
@@ -138,8 +139,8 @@ class SchemaContract:
         assert "release_digest" in columns
         changes = upgrade(engine, rebuild=None)
         assert [(c.component, c.action) for c in changes] == [
-            ("ledger", "current"), ("audit", "created"), ("projections", "current"),
-            ("serving_reports", "created")]
+            ("ledger", "current"), ("ledger_log", "created"), ("audit", "created"),
+            ("projections", "current"), ("serving_reports", "created")]
         assert {s.state for s in status(engine)} == {"current"}
 
     def test_concurrent_first_opens_create_once(self, engine: Engine) -> None:
@@ -159,8 +160,8 @@ class SchemaContract:
             t.join()
         assert not errors, errors
         assert {s.component: s.state for s in status(engine)} == {
-            "ledger": "current", "audit": "absent", "projections": "current",
-            "serving_reports": "absent"}
+            "ledger": "current", "ledger_log": "absent", "audit": "absent",
+            "projections": "current", "serving_reports": "absent"}
 
     def test_audit_seal_creates_its_table_stamped(self, engine: Engine,
                                                   settings: Settings) -> None:

@@ -1,0 +1,242 @@
+"""The hosts' ledger logs end to end: the recorder appends final rows to its host's Merkle log in
+the write transaction and signs checkpoints; the control plane records the host keys and
+verifies each checkpoint as an event; ``audit verify --ledger`` locates each kind of tampering
+made through SQL by host and position; receipts verify offline and fail naming the check. On
+SQLite and on PostgreSQL (marker ``postgres``)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from typer.testing import CliRunner
+
+from backend.serving.recorder import LedgerWriter
+from control.app.ledger_audit import Finding, coverage, load, receipt, sync, verify
+from control.cli.main import app
+from control.contracts.config import Settings
+from control.contracts.db import make_engine
+from control.contracts.ledger import Completion, Ledger, LedgerEntry, Outcome
+from control.contracts.ledger_log import ledger_checkpoints, ledger_log, output_sha256
+from control.contracts.receipt import trusted_keys, verify_receipt
+from control.contracts.tlog import ProofError, TlogProof
+from tests.fixtures_control import OnPostgres, OnSQLite, close_registry
+
+D = "sha256:" + "a" * 64
+BASE = "sha256:" + "b" * 64
+TOK = "sha256:" + "c" * 64
+
+
+def serve(settings: Settings, host: str, n: int, start: int = 0) -> list[str]:
+    """``n`` requests through a recorder with ``host``'s log (every fifth refused); the writer
+    closes, signing its checkpoint. Returns the request ids in order."""
+    ledger = Ledger(make_engine(settings.db_url))
+    writer = LedgerWriter(ledger, host=host, checkpoint_s=3600)
+    done = threading.Semaphore(0)
+    ids = []
+    for i in range(start, start + n):
+        rid = f"{host}-{i:04d}"
+        ids.append(rid)
+        entry = LedgerEntry(rid, f"ticket-{i}", "acme", "lora_llm", host, BASE, D, TOK,
+                            admitted_at=1000.0 + i, max_tokens=8, temperature=0.0, top_p=1.0)
+        if i % 5 == 4:
+            writer.insert(replace(entry, outcome=Outcome.REJECTED, reason="revoked",
+                                  finished_at=1000.5 + i), lambda _ok: done.release())
+            continue
+        ledger.admit([entry])
+        writer.complete(Completion(rid, Outcome.OK, 3, 7, served_digest=D),
+                        lambda _ok: done.release(), output=f"answer {i}")
+    for _ in ids:
+        assert done.acquire(timeout=30)
+    writer.close()
+    return ids
+
+
+class LedgerLogContract:
+    @pytest.fixture
+    def reg(self, settings: Settings) -> Iterator[Any]:
+        from projections.follower import open_registry
+
+        r = open_registry(settings)
+        yield r
+        close_registry(r)
+
+    def sql(self, settings: Settings, statement: str, **params: Any) -> None:
+        with make_engine(settings.db_url).begin() as conn:
+            conn.execute(sa.text(statement), params)
+
+    def test_rows_enter_their_hosts_log_and_checkpoints_verify(self, settings: Settings,
+                                                               reg: Any) -> None:
+        ids = serve(settings, "host-a", 12)
+        serve(settings, "host-b", 3)
+        engine = make_engine(settings.db_url)
+        report = sync(reg, engine)
+        assert (report.keys_recorded, sorted(report.verified), report.refused) == (
+            2, [("host-a", 12), ("host-b", 3)], [])
+        with engine.connect() as conn:
+            logged = conn.execute(sa.select(ledger_log.c.idx, ledger_log.c.request_id,
+                                            ledger_log.c.leaf)
+                                  .where(ledger_log.c.host == "host-a")
+                                  .order_by(ledger_log.c.idx)).all()
+        assert sorted(r.request_id for r in logged) == ids
+        leaf = json.loads(next(r.leaf for r in logged if r.request_id == ids[0]))
+        assert (leaf["tenant"], leaf["ticket_id"], leaf["served_digest"], leaf["base_digest"],
+                leaf["tokenizer_digest"], leaf["temperature"], leaf["output_sha256"]) == (
+            "acme", "ticket-0", D, BASE, TOK, 0.0, output_sha256("answer 0"))
+        assert json.loads(next(r.leaf for r in logged if r.request_id == ids[4]))[
+            "output_sha256"] is None  # a refusal has no output
+        agg = load(reg, "host-a")
+        assert agg is not None and agg.verified_size == 12
+        assert verify(reg, engine).ok
+        # Verified once: a second sync records nothing more.
+        assert sync(reg, engine).verified == []
+
+    def test_each_kind_of_tampering_is_located_by_host_and_position(
+            self, settings: Settings, reg: Any) -> None:
+        serve(settings, "host-a", 10)
+        serve(settings, "host-b", 4)
+        engine = make_engine(settings.db_url)
+        sync(reg, engine)
+        with engine.connect() as conn:
+            at = dict(conn.execute(sa.select(ledger_log.c.request_id, ledger_log.c.idx)
+                                   .where(ledger_log.c.host == "host-a")).all())
+        self.sql(settings, "UPDATE request_ledger SET tokens_out = 99 WHERE request_id = :r",
+                 r="host-a-0002")
+        self.sql(settings, "DELETE FROM request_ledger WHERE request_id = :r", r="host-a-0005")
+        self.sql(settings, "INSERT INTO request_ledger (request_id, model, host, admitted_at, "
+                 "finished_at, outcome, tenant) VALUES ('forged-1', 'lora_llm', 'host-a', "
+                 "1003.2, 1003.3, 'ok', 'acme')")
+        for a, b in ((7, -1), (8, 7), (-1, 8)):  # swap positions 7 and 8
+            self.sql(settings, "UPDATE ledger_log SET idx = :b WHERE host = 'host-a' AND "
+                     "idx = :a", a=a, b=b)
+        findings = verify(reg, engine).findings
+        kinds = {(f.kind, f.host, f.position) for f in findings}
+        assert ("modified", "host-a", at["host-a-0002"]) in kinds
+        assert ("deleted", "host-a", at["host-a-0005"]) in kinds
+        assert ("reordered", "host-a", 7) in kinds and ("reordered", "host-a", 8) in kinds
+        inserted = [f for f in findings if f.kind == "inserted"]
+        assert [(f.host, "forged-1" in f.detail) for f in inserted] == [("host-a", True)]
+        # The swap changed the tree the verified checkpoint signed: named by its range.
+        assert ("root", "host-a", 0) in kinds
+        assert not [f for f in findings if f.host == "host-b"]  # the other host's log is intact
+        modified = next(f for f in findings if f.kind == "modified")
+        assert "tokens_out" in modified.detail
+
+    def test_a_log_changed_before_its_checkpoint_is_verified_is_refused(
+            self, settings: Settings, reg: Any) -> None:
+        ids = serve(settings, "host-a", 6)
+        engine = make_engine(settings.db_url)
+        # Both the row and its entry, consistently: only the host's signed root tells.
+        self.sql(settings, "UPDATE ledger_log SET leaf = REPLACE(leaf, :a, :b) "
+                 "WHERE request_id = 'host-a-0001'", a='"tokens_out":7', b='"tokens_out":70')
+        report = sync(reg, engine)
+        assert report.verified == [] and [(h, s) for h, s, _ in report.refused] == [
+            ("host-a", 6)]
+        assert "consistency" in report.refused[0][2]
+        findings = verify(reg, engine).findings
+        assert Finding("refused", "host-a", 6, report.refused[0][2]) in findings
+        cover = coverage(reg, engine, ids)
+        assert cover.covered == 0 and "host-a" in cover.failed_hosts
+        assert any("host host-a's log failed verification" in g for g in cover.gaps())
+
+    def test_incident_coverage_names_rows_past_the_last_checkpoint(
+            self, settings: Settings, reg: Any) -> None:
+        first = serve(settings, "host-a", 5)
+        engine = make_engine(settings.db_url)
+        sync(reg, engine)
+        later = serve(settings, "host-a", 3, start=5)
+        with engine.begin() as conn:  # the later checkpoint is not verified yet
+            conn.execute(ledger_checkpoints.delete().where(ledger_checkpoints.c.size == 8))
+        cover = coverage(reg, engine, [*first, *later, "never-logged"])
+        assert (cover.covered, cover.past_checkpoint, cover.unlogged) == (5, {"host-a": 3}, 1)
+        assert cover.gaps()[0] == "3 rows past host host-a's last verified checkpoint"
+        assert cover.status[later[0]] == "past checkpoint" and cover.status[first[0]] == (
+            "covered")
+
+    def test_receipts_verify_offline_and_each_tampered_one_fails_naming_its_check(
+            self, settings: Settings, reg: Any, tmp_path: Path) -> None:
+        serve(settings, "host-a", 6)
+        engine = make_engine(settings.db_url)
+        sync(reg, engine)
+        serve(settings, "host-a", 5, start=6)  # a second checkpoint, by a new key
+        serve(settings, "host-b", 2)
+        sync(reg, engine)
+        text = receipt(reg, engine, "host-a-0002")
+        agg = load(reg, "host-a")
+        assert agg is not None and [s for s, _ in agg.verified] == [6, 11]
+        keys = "".join(k + "\n" for k in agg.vkeys)
+        trusted = trusted_keys(keys)
+        ok = verify_receipt(text, b"answer 2", trusted)
+        assert (ok.entry["request_id"], ok.index, ok.tree_size) == ("host-a-0002",
+                                                                   ok.entry["index"], 6)
+
+        def check(bad: str, output: bytes = b"answer 2", keys_: str = keys) -> str:
+            with pytest.raises(ProofError) as e:
+                verify_receipt(bad, output, trusted_keys(keys_))
+            return e.value.check
+
+        assert check(text, b"answer 2!") == "output"
+        proof = TlogProof.parse(text)
+        assert proof.extra is not None
+        forged = proof.extra.replace(D.encode(), ("sha256:" + "e" * 64).encode())
+        assert check(replace(proof, extra=forged).text()) == "inclusion"
+        assert check(replace(proof, checkpoint=agg.notes[11]).text()) == "inclusion"
+        other = load(reg, "host-b")
+        assert other is not None
+        assert check(text, keys_="".join(k + "\n" for k in other.vkeys)) == "unknown key"
+
+        # The same, through the CLI: exit 1 naming the check; exit 0 when it holds.
+        files = {"receipt": text, "bad": replace(proof, checkpoint=agg.notes[11]).text(),
+                 "out": "answer 2", "changed": "answer 3", "keys": keys}
+        for name, body in files.items():
+            (tmp_path / name).write_text(body)
+
+        def cli(*args: str) -> Any:
+            return CliRunner().invoke(app, ["receipt", "verify", *args,
+                                            "--keys", str(tmp_path / "keys")])
+
+        good = cli(str(tmp_path / "receipt"), "--output", str(tmp_path / "out"))
+        assert good.exit_code == 0 and "receipt verified" in good.output
+        changed = cli(str(tmp_path / "receipt"), "--output", str(tmp_path / "changed"))
+        assert changed.exit_code == 1 and "check 'output'" in changed.output
+        moved = cli(str(tmp_path / "bad"), "--output", str(tmp_path / "out"))
+        assert moved.exit_code == 1 and "check 'inclusion'" in moved.output
+
+    def test_cli_fetches_a_receipt_and_audit_verify_ledger_fails_on_tampering(
+            self, settings: Settings, reg: Any, tmp_path: Path) -> None:
+        serve(settings, "host-a", 5)
+        env = {"LORAPLANE_DB_URL": settings.db_url}
+        home = ["--home", str(settings.home)]
+        runner = CliRunner()
+        got = runner.invoke(app, [*home, "receipt", "get", "host-a-0001", "--out",
+                                  str(tmp_path / "r.tlog-proof")], env=env)
+        assert got.exit_code == 0, got.output
+        keys = runner.invoke(app, [*home, "receipt", "keys", "--out", str(tmp_path / "k")],
+                             env=env)
+        assert keys.exit_code == 0, keys.output
+        (tmp_path / "o").write_text("answer 1")
+        ok = runner.invoke(app, ["receipt", "verify", str(tmp_path / "r.tlog-proof"),
+                                 "--output", str(tmp_path / "o"), "--keys", str(tmp_path / "k")])
+        assert ok.exit_code == 0, ok.output
+        intact = runner.invoke(app, [*home, "--json", "audit", "verify", "--ledger"], env=env)
+        assert intact.exit_code == 0, intact.output
+        assert json.loads(intact.output)["ledger"]["verified"] == 5
+        self.sql(settings, "DELETE FROM request_ledger WHERE request_id = 'host-a-0003'")
+        tampered = runner.invoke(app, [*home, "--json", "audit", "verify", "--ledger"], env=env)
+        assert tampered.exit_code == 1
+        found = json.loads(tampered.output)["ledger"]["findings"]
+        assert [(f["kind"], f["host"]) for f in found] == [("deleted", "host-a")]
+
+
+class TestLedgerLogSQLite(OnSQLite, LedgerLogContract):
+    pass
+
+
+class TestLedgerLogPostgres(OnPostgres, LedgerLogContract):
+    pass

@@ -63,6 +63,7 @@ from backend.serving.memory import (
     plan_memory,
     serving_dtype,
 )
+from backend.serving.prefix_cache import uncached_tokenizer
 from backend.serving.sampling import InvalidParameter, check_sampling, sample
 from backend.serving.slots import (
     SlotContext,
@@ -113,9 +114,9 @@ class Engine:
             budget=budget or AdapterBudget(), device_bytes=device_memory(str(self._device)),
             slots=max_adapters)
         self._lock = threading.RLock()
-        self._tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-            Path(tokenizer_dir), local_files_only=True
-        )
+        # Without the tokenizer's word cache: shared by all tenants, it cannot be salted.
+        self._tokenizer: PreTrainedTokenizerBase = uncached_tokenizer(
+            AutoTokenizer.from_pretrained(Path(tokenizer_dir), local_files_only=True))
         model = LlamaForCausalLM.from_pretrained(
             Path(base_dir), dtype=dtype, use_safetensors=True, local_files_only=True
         )

@@ -2,14 +2,13 @@
 
 For each request Triton hands over: read the ticket from the request parameters, verify it, check
 it against governance (revocations, retired keys, its release; ``backend.serving.admission``),
-check the
-request's own parameters, and only then lease the adapter the verified ticket names from the
-governed cache (``backend.serving.cache``: loaded from the content-addressed store by digest, bytes
-checked
-against the digest). The ledger row is written (durable) before the sequence joins the continuous
-batch (``backend.serving.scheduler``); tokens stream to the caller's sink; when the sequence ends
-its
-ledger row is completed, durably, before the final answer leaves (``backend.serving.recorder``).
+check the request's own parameters, and only then lease the adapter the verified ticket names
+from the governed cache (``backend.serving.cache``: loaded from the content-addressed store by
+digest, bytes checked against the digest). The ledger row is written (durable) before the
+sequence joins the continuous batch (``backend.serving.scheduler``); tokens stream to the
+caller's sink; when the sequence ends its ledger row is completed, durably, before the final
+answer leaves (``backend.serving.recorder``). A greedy prompt's prefix-cache key carries the
+salt of the verified ticket's tenant (``backend.serving.prefix_cache``): no tenant shares one.
 
 Nothing a client sends other than a verified ticket can choose an adapter: no name, path or digest
 in any parameter is read.
@@ -69,7 +68,7 @@ from backend.serving.messages import (
     PARAMETER_PREFIX,
     InvalidInput,
 )
-from backend.serving.prefix_cache import PrefixCache, PrefixKey
+from backend.serving.prefix_cache import PrefixCache, PrefixKey, TenantSalts
 from backend.serving.recorder import LedgerWriter, write_durably
 from backend.serving.requests import (
     Answer,
@@ -197,6 +196,7 @@ class LoraService:
         self.engine = engine
         self.limits = limits or SchedulerLimits.from_env()
         self.prefix_cache: PrefixCache[DecodeBatch] = PrefixCache(prefix_cache_bytes)
+        self.salts = TenantSalts()  # prefix-cache keys are per tenant, from verified tickets
         quota = quota or CacheQuota(resident_share=settings.resident_share)
         self.cache = AdapterCache(engine, self.store.read_verified, budgets=budgets, quota=quota,
                                   on_event=self._record_load,
@@ -269,8 +269,8 @@ class LoraService:
         return [s.final for s in sinks if s.final is not None]
 
     def health(self) -> dict[str, int]:
-        """Leases, pins, broken invariants, mismatches, and ledger rows held for retry or set
-        aside as unwritable, right now."""
+        """Leases, pins, broken invariants, mismatches, ledger rows held for retry or set aside
+        as unwritable, right now; prefix-cache lookups that hit and missed, so far."""
         return {
             "leases": self.cache.references(),
             "pins": sum(self.engine.pins().values()),
@@ -278,6 +278,8 @@ class LoraService:
             "identity_mismatches": self.stats.identity_mismatches,
             "ledger_backlog": self.writer.backlog(),
             "ledger_poisoned": self.writer.poisoned,
+            "prefix_hits": self.prefix_cache.stats.hits,
+            "prefix_misses": self.prefix_cache.stats.misses,
         }
 
     def memory_report(self) -> dict[str, int]:
@@ -390,7 +392,8 @@ class LoraService:
             raise
         adm = _Admitted(rid, claims, sink, req.stream, seq, now)
         key = PrefixKey(self.base_digest, claims.adapter, self.tokenizer_digest,
-                        tuple(seq.prompt_ids)) if gen.temperature == 0.0 else None
+                        tuple(seq.prompt_ids), salt=self.salts.of(claims.tenant)
+                        ) if gen.temperature == 0.0 else None
         try:
             self.scheduler.submit(seq, _SequenceSink(self, adm), stream=req.stream, key=key)
         except QueueFull:

@@ -13,6 +13,9 @@ and turns them into series:
 ``loraplane_backend_refusals_total``          refused requests by ``reason`` (ticket and limits)
 ``loraplane_backend_adapter_cache_total``     cache events by ``event`` (hit, miss,
                                               load_failure, eviction) and ``reason``
+``loraplane_backend_prefix_cache_total``      prompt (prefix) cache lookups by ``event`` (hit,
+                                              miss); keys are per tenant, so a hit is always
+                                              the tenant's own prompt
 ``loraplane_backend_resident_bytes``          bytes by ``kind``: base_weights, adapter_banks,
                                               gathered, kv_cache, prefix_cache, workspace (they
                                               add up: ``backend.serving.memory_report``); and
@@ -154,6 +157,9 @@ class BackendMetrics:
         self.cache = _Series(self, "loraplane_backend_adapter_cache_total",
                              "Adapter cache events: hit, miss, load_failure, eviction; "
                              "by reason.", "counter")
+        self.prefix = _Series(self, "loraplane_backend_prefix_cache_total",
+                              "Prompt (prefix) cache lookups: hit, miss.", "counter")
+        self._prefix_seen = {"hit": 0, "miss": 0}  # the service's counts already exported
         self.memory = _Series(self, "loraplane_backend_resident_bytes",
                               "Bytes resident in this model instance, by kind.", "gauge")
         self.adapters = _Series(self, "loraplane_backend_resident_adapters",
@@ -285,6 +291,10 @@ class BackendMetrics:
             self.mismatches.set({}, float(h.get("identity_mismatches", 0)))
             self.backlog.set({}, float(h.get("ledger_backlog", 0)))
             self.poisoned.set({}, float(h.get("ledger_poisoned", 0)))
+            for event, key in (("hit", "prefix_hits"), ("miss", "prefix_misses")):
+                n = int(h.get(key, 0))  # the service counts; a counter only moves forward
+                self.prefix.inc({"event": event}, float(n - self._prefix_seen[event]))
+                self._prefix_seen[event] = max(n, self._prefix_seen[event])
         if self.violation_counts is not None:
             for kind, n in self.violation_counts().items():
                 self.violations.set({"kind": kind}, float(n))

@@ -83,7 +83,7 @@ def test_memory_categories_add_up_to_every_live_tensor(kit_dir: Path,
                                                      max_tokens=100))
         sinks.append(_Quiet())
         scheduler.submit(seq, sinks[-1], key=PrefixKey("base", seq.request.adapter, "tok",
-                                                       tuple(seq.prompt_ids)))
+                                                       tuple(seq.prompt_ids), salt=b"t"))
     for _ in range(3):
         scheduler.run_once()
     running = scheduler.running_batch()

@@ -191,7 +191,7 @@ def test_prefix_cache_never_shares_between_adapters(engine: Engine,
         for _ in range(2):  # the second round runs from the cache
             for d in (a, b):
                 seq = engine.open_sequence(GenerationRequest("Hello there", d))
-                key = PrefixKey("base", d, "tok", tuple(seq.prompt_ids))
+                key = PrefixKey("base", d, "tok", tuple(seq.prompt_ids), salt=b"tenant")
                 sink = Sink()
                 sched.submit(seq, sink, key=key)
                 assert sink.done.wait(60)
@@ -207,10 +207,12 @@ def test_prefix_cache_never_shares_between_adapters(engine: Engine,
 
 def test_prefix_keys_differ_by_every_digest() -> None:
     ids = (1, 2, 3)
-    keys = {PrefixKey("b", "a1", "t", ids), PrefixKey("b", "a2", "t", ids),
-            PrefixKey("b", None, "t", ids), PrefixKey("b2", "a1", "t", ids),
-            PrefixKey("b", "a1", "t2", ids), PrefixKey("b", "a1", "t", (1, 2))}
-    assert len(keys) == 6
+    s = b"tenant"
+    keys = {PrefixKey("b", "a1", "t", ids, salt=s), PrefixKey("b", "a2", "t", ids, salt=s),
+            PrefixKey("b", None, "t", ids, salt=s), PrefixKey("b2", "a1", "t", ids, salt=s),
+            PrefixKey("b", "a1", "t2", ids, salt=s), PrefixKey("b", "a1", "t", (1, 2), salt=s),
+            PrefixKey("b", "a1", "t", ids, salt=b"other tenant")}
+    assert len(keys) == 7
 
 
 def test_preparing_an_adapter_takes_no_engine_lock(engine: Engine,

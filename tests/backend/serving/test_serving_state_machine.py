@@ -189,7 +189,7 @@ class ServingMachine(RuleBasedStateMachine):
                                      lease)
         sink = Sink(cancel=fault == "cancel_before_start",
                     gone_after=1 if fault == "gone" else None)
-        key = PrefixKey("base", adapter, "tok", tuple(seq.prompt_ids))
+        key = PrefixKey("base", adapter, "tok", tuple(seq.prompt_ids), salt=b"tenant")
         try:
             self.sched.submit(seq, sink, stream=stream or fault == "gone", key=key)
         except QueueFull:

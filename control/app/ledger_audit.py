@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -53,7 +55,10 @@ from control.contracts.tlog import (
 )
 from control.domain.host_ledger import HostLedger, host_ledger_id
 
+log = logging.getLogger("loraplane.ledger_audit")
+
 ACTOR = "loraplane:ledger-audit"
+VERIFY_S = 15.0  # how often the control plane's serve loop verifies new host checkpoints
 # Rows that reach the ledger without passing the engine's log writer: the front model's record
 # of a request the engine never answered, and rows a restart (or the engine watcher) marked
 # failed. Listed apart as "unlogged", never as inserted.
@@ -93,6 +98,18 @@ def sync(app: Application[Any], engine: Engine, actor: str = ACTOR) -> SyncRepor
             if agg.pending_events:
                 app.save(agg)
     return report
+
+
+def keep_verifying(app: Application[Any], engine: Engine, stop: threading.Event,
+                   interval: float = VERIFY_S) -> None:
+    """:func:`sync` every ``interval`` seconds until ``stop`` (a thread of the control plane);
+    a refused checkpoint is logged at ERROR, a database away retried next time."""
+    while not stop.wait(interval):
+        try:
+            for host, size, why in sync(app, engine).refused:
+                log.error("ledger checkpoint of host %s at size %d refused: %s", host, size, why)
+        except Exception:
+            log.warning("verifying host ledger checkpoints failed; retrying", exc_info=True)
 
 
 def _verify_new(conn: Connection, agg: HostLedger, actor: str, report: SyncReport) -> None:

@@ -18,7 +18,15 @@ import sqlalchemy as sa
 from typer.testing import CliRunner
 
 from backend.serving.recorder import LedgerWriter
-from control.app.ledger_audit import Finding, coverage, load, receipt, sync, verify
+from control.app.ledger_audit import (
+    Finding,
+    coverage,
+    keep_verifying,
+    load,
+    receipt,
+    sync,
+    verify,
+)
 from control.cli.main import app
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
@@ -232,6 +240,25 @@ class LedgerLogContract:
         assert tampered.exit_code == 1
         found = json.loads(tampered.output)["ledger"]["findings"]
         assert [(f["kind"], f["host"]) for f in found] == [("deleted", "host-a")]
+
+
+    def test_the_control_planes_loop_verifies_checkpoints_as_hosts_sign_them(
+            self, settings: Settings, reg: Any) -> None:
+        stop = threading.Event()
+        loop = threading.Thread(target=keep_verifying, args=(
+            reg, make_engine(settings.db_url), stop, 0.05), daemon=True)
+        loop.start()
+        try:
+            serve(settings, "host-a", 4)
+            for _ in range(200):  # bounded: 10 s
+                agg = load(reg, "host-a")
+                if agg is not None and agg.verified_size == 4:
+                    break
+                stop.wait(0.05)
+            assert agg is not None and agg.verified_size == 4
+        finally:
+            stop.set()
+            loop.join(5)
 
 
 class TestLedgerLogSQLite(OnSQLite, LedgerLogContract):

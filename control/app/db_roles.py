@@ -29,10 +29,10 @@ removed from the map is removed from the database. A table the map does not name
 control plane's alone (default deny), and the run reports it. To give a new table to a role,
 add one entry (see :data:`GRANTS`) and run ``loraplane db roles`` again.
 
-Passwords: given ones (``--password-file``) or generated ones (``--new-passwords``, printed once
-to stdout) are sent as SCRAM-SHA-256 verifiers computed here, so no plaintext password reaches
-the server, its statement log, or this process's logs. SQLite has no roles: role separation needs
-PostgreSQL.
+Passwords: given ones (``--password-file``, or ``LORAPLANE_DB_ROLE_PASSWORDS``) or generated
+ones (``--new-passwords``, printed once to stdout) are sent as SCRAM-SHA-256 verifiers computed
+here, so no plaintext password reaches the server, its statement log, or this process's logs.
+SQLite has no roles: role separation needs PostgreSQL.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import json
 import re
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -219,6 +220,25 @@ def scram_verifier(password: str, *, iterations: int = 4096, salt: bytes | None 
 
 def new_password() -> str:
     return secrets.token_urlsafe(24)
+
+
+# Passwords to set, as a JSON object (role name -> password): for a one-shot job such as compose's
+# ``db-roles`` service, which gets them from its environment rather than from a file.
+PASSWORDS_ENV = "LORAPLANE_DB_ROLE_PASSWORDS"
+
+
+def parse_passwords(text: str, source: str) -> dict[str, str]:
+    """Role name -> password from a JSON object; RolesError naming ``source`` (never the text,
+    which holds the passwords) when it is not one."""
+    try:
+        given = json.loads(text)
+    except ValueError:
+        raise RolesError(f"{source}: not JSON (expected an object of role name -> "
+                         "password)") from None
+    if not isinstance(given, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and v for k, v in given.items()):
+        raise RolesError(f"{source}: expected a JSON object of role name -> non-empty password")
+    return dict(given)
 
 
 # -- applying ---------------------------------------------------------------------------------

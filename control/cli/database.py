@@ -9,7 +9,7 @@ the start-up check of the long-running verbs (``control.cli.ops``).
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
 # and would eval each string (see control/cli/main.py).
 
-import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -106,26 +106,31 @@ def db_roles(
         "--new-passwords", help="Give every login role a new random password, printed once "
         "here (with each role's database URL) and nowhere else.")] = False,
     password_file: Annotated[Path | None, typer.Option(
-        "--password-file", help="JSON object: role name -> password to set.")] = None,
+        "--password-file", help="JSON object: role name -> password to set (also read from "
+        "LORAPLANE_DB_ROLE_PASSWORDS).")] = None,
 ) -> None:
     """Create the PostgreSQL roles of the control plane, the gateways and each Triton host, and
     grant each exactly what it needs (idempotent; run it again after `db upgrade` or to add a
     host). Needs PostgreSQL and a user allowed to create roles (LORAPLANE_DB_URL)."""
     # the roles module and sqlalchemy: only this verb needs them
-    from control.app.db_roles import RoleNames, RolesError, apply_roles, new_password, role_url
+    from control.app.db_roles import (
+        PASSWORDS_ENV,
+        RoleNames,
+        apply_roles,
+        new_password,
+        parse_passwords,
+        role_url,
+    )
     from control.contracts.db import make_engine  # sqlalchemy: only when a database is opened
 
     s = settings()
     with errors():
         names = RoleNames(prefix)
         passwords: dict[str, str] = {}
+        if os.environ.get(PASSWORDS_ENV):
+            passwords.update(parse_passwords(os.environ[PASSWORDS_ENV], PASSWORDS_ENV))
         if password_file is not None:
-            given = json.loads(password_file.read_text())
-            if not isinstance(given, dict) or not all(
-                    isinstance(k, str) and isinstance(v, str) and v for k, v in given.items()):
-                raise RolesError(f"{password_file}: expected a JSON object of role name -> "
-                                 "non-empty password")
-            passwords.update(given)
+            passwords.update(parse_passwords(password_file.read_text(), str(password_file)))
         if new_passwords:
             for role in (names.control, names.gateway, *(hosts or [])):
                 passwords.setdefault(role, new_password())

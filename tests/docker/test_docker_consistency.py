@@ -115,11 +115,13 @@ def _cli_help(*verb: str) -> str:
 def _check_loraplane_command(argv: list[str]) -> None:
     """``loraplane VERB [--option value]...``: the verb and every option exist."""
     assert argv[0] == "loraplane", argv
-    verb = [a for a in argv[1:] if not a.startswith("-")][:1]
+    # the verb is every word before the first option (`db roles --host a`: "db roles")
+    first_option = next((i for i, a in enumerate(argv) if a.startswith("-")), len(argv))
+    verb = argv[1:first_option]
     assert verb, argv
     text = _cli_help(*verb)
     for opt in (a for a in argv[1:] if a.startswith("--")):
-        assert opt in text, f"option {opt} is not an option of loraplane {verb[0]}"
+        assert opt in text, f"option {opt} is not an option of loraplane {' '.join(verb)}"
 
 
 def test_compose_validates_with_docker_compose() -> None:

@@ -374,6 +374,19 @@ def test_the_db_roles_verb(deployment: Deployment, monkeypatch: pytest.MonkeyPat
     assert out["unmapped"] == []
     ledger = {t["table"]: t for t in out["tables"]}["request_ledger"]
     assert "own rows" in ledger["host"] and "UPDATE(outcome" in ledger["host"]
+    # Passwords from the environment (compose's db-roles job); a malformed value is named,
+    # never echoed.
+    monkeypatch.setenv("LORAPLANE_DB_ROLE_PASSWORDS", json.dumps({deployment.host_a_id: "pw-a"}))
+    res = CliRunner().invoke(app, args[:-1])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output.splitlines()[-1])
+    url = {r["role"]: r["url"] for r in out["roles"]}[deployment.host_a_id]
+    assert sa.make_url(url).password == "pw-a"
+    monkeypatch.setenv("LORAPLANE_DB_ROLE_PASSWORDS", '{"x": "secret-1"')
+    res = CliRunner().invoke(app, args[:-1])
+    assert res.exit_code == 2 and "LORAPLANE_DB_ROLE_PASSWORDS" in res.output
+    assert "secret-1" not in res.output
+    monkeypatch.delenv("LORAPLANE_DB_ROLE_PASSWORDS")
     monkeypatch.setenv("LORAPLANE_DB_URL", f"sqlite:///{tmp_path / 'x.db'}")
     res = CliRunner().invoke(app, ["db", "roles"])
     assert res.exit_code == 2 and "need PostgreSQL" in res.output

@@ -145,24 +145,28 @@ class HostLog:
         ids = list(dict.fromkeys(request_ids))
         if not ids:
             return []
-        # By request id alone, so the planner takes its index (with the host in the WHERE,
-        # SQLite walked the host's whole log by the primary key, slower as the log grew).
-        have = {r.request_id for r in conn.execute(sa.select(
-            ledger_log.c.request_id, ledger_log.c.host).where(
-            ledger_log.c.request_id.in_(ids))) if r.host == self.host}
-        rows = {r[0]: dict(zip(_COLUMNS, r, strict=True)) for r in conn.execute(
-            sa.select(*[request_ledger.c[c] for c in _COLUMNS]).where(
-                request_ledger.c.request_id.in_(ids))).tuples()}
+        # The rows and whether they are logged already (a retried write), in one round trip;
+        # joined by request id alone, so the planner takes its index (with the host in the
+        # condition, SQLite walked the host's whole log by the primary key).
+        rows: dict[str, dict[str, Any]] = {}
+        have: set[str] = set()
+        for r in conn.execute(sa.select(*[request_ledger.c[c] for c in _COLUMNS],
+                                        ledger_log.c.host).select_from(request_ledger.outerjoin(
+                ledger_log, ledger_log.c.request_id == request_ledger.c.request_id)).where(
+                request_ledger.c.request_id.in_(ids))).tuples():
+            rows[r[0]] = dict(zip(_COLUMNS, r[:-1], strict=True))
+            if r[-1] == self.host:
+                have.add(r[0])
         final = [i for i in ids if i not in have and i in rows
                  and rows[i]["outcome"] != Outcome.RUNNING.value]
         if not final:
             return []
-        # The UPDATE first: it takes the head's row lock (the write lock on SQLite) before the
-        # size is read, so two writers of one host never get the same positions.
-        conn.execute(ledger_log_heads.update().where(ledger_log_heads.c.host == self.host)
-                     .values(size=ledger_log_heads.c.size + len(final)))
-        size = conn.execute(sa.select(ledger_log_heads.c.size)
-                            .where(ledger_log_heads.c.host == self.host)).scalar_one()
+        # Positions come from the head's row, moved and read in one statement under its row
+        # lock (the write lock on SQLite): two writers of one host never get the same ones.
+        size = conn.execute(ledger_log_heads.update().where(
+            ledger_log_heads.c.host == self.host).values(
+            size=ledger_log_heads.c.size + len(final)).returning(
+            ledger_log_heads.c.size)).scalar_one()
         start = int(size) - len(final)
         values = []
         appended = []

@@ -31,7 +31,12 @@ from control.cli.main import app
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import Completion, Ledger, LedgerEntry, Outcome
-from control.contracts.ledger_log import ledger_checkpoints, ledger_log, output_sha256
+from control.contracts.ledger_log import (
+    HostLog,
+    ledger_checkpoints,
+    ledger_log,
+    output_sha256,
+)
 from control.contracts.receipt import trusted_keys, verify_receipt
 from control.contracts.tlog import ProofError, TlogProof
 from tests.fixtures_control import OnPostgres, OnSQLite, close_registry
@@ -241,6 +246,19 @@ class LedgerLogContract:
         found = json.loads(tampered.output)["ledger"]["findings"]
         assert [(f["kind"], f["host"]) for f in found] == [("deleted", "host-a")]
 
+
+    def test_a_write_retried_after_its_commit_appends_nothing_twice(
+            self, settings: Settings) -> None:
+        ledger = Ledger(make_engine(settings.db_url))
+        host_log = HostLog(ledger.engine, "host-a")
+        entry = LedgerEntry("r-1", None, None, "lora_llm", "host-a", BASE, None, None, 1.0,
+                            finished_at=1.0, outcome=Outcome.REJECTED, reason="busy")
+        for _ in range(2):  # Ledger.write is idempotent: so is the log's append
+            ledger.write([entry], [], None, lambda conn: host_log.committed(
+                host_log.append(conn, ["r-1"], {})))
+        with ledger.engine.connect() as conn:
+            assert conn.execute(sa.select(sa.func.count()).select_from(ledger_log)).scalar() == 1
+        assert host_log.frontier.size == 1
 
     def test_the_control_planes_loop_verifies_checkpoints_as_hosts_sign_them(
             self, settings: Settings, reg: Any) -> None:

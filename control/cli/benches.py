@@ -200,3 +200,42 @@ def bench_release(
         console.print(f"policy: {setup['policy']}; each test at alpha {setup['test_alpha']:.3g}")
 
     emit(result, human)
+
+
+# --- ledger -----------------------------------------------------------------------------------
+
+@bench_app.command("ledger")
+def bench_ledger(
+    quick: Annotated[bool, typer.Option(
+        "--quick", help="Fewer rows and rounds (seconds, for CI); the default is the full run.")
+    ] = False,
+    pg_url: Annotated[str | None, typer.Option(
+        help="Also measure on this PostgreSQL database (default: LORAPLANE_TEST_PG_URL).")
+    ] = None,
+) -> None:
+    """ledger_log_vs_plain: rows/s of the ledger writer with each host's Merkle log over
+    without, alternating rounds in one run (burst and paced loads), with the spread."""
+    from control.tools.bench_ledger import run_bench  # the writer and a scratch database
+
+    with errors():
+        result = run_bench(quick=quick, pg_url=pg_url or os.environ.get("LORAPLANE_TEST_PG_URL"),
+                           progress=_progress)
+
+    def human() -> None:
+        from rich.table import Table
+
+        t = Table(title="loraplane bench ledger: ledger_log_vs_plain (logged rows/s / plain)")
+        for col in ("database", "load", "median ratio", "spread", "runs", "rows/run",
+                    "plain rows/s", "logged rows/s", "goal met"):
+            t.add_column(col)
+        for db in ("sqlite", "postgresql"):
+            for load in ("burst", "paced"):
+                r = result.get(db, {}).get(load)
+                if r:
+                    t.add_row(db, load, f"{r['ledger_log_vs_plain']:.3f}",
+                              f"{r['spread'][0]:.3f}-{r['spread'][1]:.3f}", str(r["runs"]),
+                              str(r["rows_per_run"]), f"{r['plain_rows_s']:.0f}",
+                              f"{r['logged_rows_s']:.0f}", "yes" if r["met"] else "NO")
+        console.print(t)
+
+    emit(result, human)

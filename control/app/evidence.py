@@ -6,16 +6,17 @@
   release, or a break-glass pending in this transaction;
 - :func:`break_glass`: the checks an operator's override must pass before ``BreakGlassUsed``
   is recorded on the adapter. The registry then takes the move and saves both together
-  (``Registry.break_glass``), so no break-glass is ever on the record without the move it
+  (``LifecycleDesk.break_glass``), so no break-glass is ever on the record without the move it
   allowed, nor a move without its break-glass.
 
-Kept apart from ``control.app.registry`` because it reads another family of aggregates
-(rollouts) to decide a lifecycle move; it reaches the store only through the registry it is
-given.
+Kept apart from the lifecycle desk (``control.app.lifecycle``) because it reads another family
+of aggregates (rollouts) to decide a lifecycle move; it reaches the store only through the
+registry's public surface it is given (:class:`Records`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, TypeVar
 from uuid import UUID
 
@@ -37,17 +38,17 @@ from control.domain.evidence import BreakGlassTarget, StableBasis, stable_basis
 TAggregate = TypeVar("TAggregate", bound=Aggregate)
 
 
-class Registry(Protocol):
-    """What these checks read of the registry (``control.app.registry.Registry``), named here so
-    that this module does not import it back: the registry imports this one."""
+class Records(Protocol):
+    """What these checks read of the registry (its public surface,
+    ``control.app.unit_of_work.UnitOfWork``), named here so that this module does not import
+    the registry back: the registry's lifecycle desk imports this one."""
 
-    def canary_combination(self, adapter: Adapter) -> Combination: ...
-    def _alias_or_none(self, name: str) -> Alias | None: ...
-    def _exists(self, aggregate_id: UUID) -> bool: ...
-    def _get(self, cls: type[TAggregate], aggregate_id: UUID, what: str) -> TAggregate: ...
+    def alias_or_none(self, name: str) -> Alias | None: ...
+    def exists(self, aggregate_id: UUID) -> bool: ...
+    def load(self, cls: type[TAggregate], aggregate_id: UUID, what: str) -> TAggregate: ...
 
 
-def stable_basis_of(reg: Registry, adapter: Adapter, route: Alias | None) -> StableBasis:
+def stable_basis_of(reg: Records, adapter: Adapter, route: Alias | None) -> StableBasis:
     """On what basis the canary ``adapter`` may become stable now (``route``: its alias, as
     this transaction sees it); IllegalTransition when on none."""
     return stable_basis(
@@ -58,9 +59,11 @@ def stable_basis_of(reg: Registry, adapter: Adapter, route: Alias | None) -> Sta
         break_glass=adapter.break_glass_for == BreakGlassTarget.STABLE)
 
 
-def break_glass(reg: Registry, adapter: Adapter, *, to: str, reason: str, actor: str) -> None:
+def break_glass(reg: Records, adapter: Adapter, *, to: str, reason: str, actor: str,
+                canary_combination: Callable[[Adapter], Combination]) -> None:
     """Check and record (unsaved) an operator's override letting ``adapter`` move to ``to``;
-    the move itself is the caller's, saved with it.
+    the move itself is the caller's, saved with it. ``canary_combination``: the base, tokenizer
+    and chat template a canary release of an adapter is built on (``LifecycleDesk``'s).
 
     Into canary (from candidate) it overrides a failing gate report on the canary's
     combination; it is refused where there is nothing to override (a passing report: promote
@@ -72,7 +75,7 @@ def break_glass(reg: Registry, adapter: Adapter, *, to: str, reason: str, actor:
     if target is None:
         raise DomainError("a break-glass moves an adapter to canary or stable")
     if target == BreakGlassTarget.CANARY:
-        combination = reg.canary_combination(adapter)
+        combination = canary_combination(adapter)
         if adapter.passing_gate_report(combination) is not None:
             raise IllegalTransition("the gate passed this adapter on this base, tokenizer and "
                                     "chat template: nothing to override (adapter promote)")
@@ -84,7 +87,7 @@ def break_glass(reg: Registry, adapter: Adapter, *, to: str, reason: str, actor:
                 "gate DIGEST first")
     else:
         if adapter.state == CANARY:
-            route = reg._alias_or_none(adapter.alias)
+            route = reg.alias_or_none(adapter.alias)
             try:
                 basis: StableBasis | None = stable_basis_of(reg, adapter, route)
             except IllegalTransition:
@@ -100,22 +103,22 @@ def break_glass(reg: Registry, adapter: Adapter, *, to: str, reason: str, actor:
     adapter.break_glass(target.value, overrides, reason, actor)
 
 
-def _rollouts(reg: Registry, alias: str) -> list[Rollout]:
+def _rollouts(reg: Records, alias: str) -> list[Rollout]:
     """The alias's rollouts, oldest first (numbered from 1)."""
     out: list[Rollout] = []
-    while reg._exists(rollout_id(alias, len(out) + 1)):
-        out.append(reg._get(Rollout, rollout_id(alias, len(out) + 1), "rollout"))
+    while reg.exists(rollout_id(alias, len(out) + 1)):
+        out.append(reg.load(Rollout, rollout_id(alias, len(out) + 1), "rollout"))
     return out
 
 
-def _rollout_completed(reg: Registry, adapter: Adapter) -> bool:
+def _rollout_completed(reg: Records, adapter: Adapter) -> bool:
     """Whether a rollout of the adapter's canary release on its alias completed."""
     return adapter.release is not None and any(
         r.target == adapter.release and r.status == RolloutStatus.COMPLETED
         for r in _rollouts(reg, adapter.alias))
 
 
-def _rollout_running(reg: Registry, alias: str) -> bool:
+def _rollout_running(reg: Records, alias: str) -> bool:
     found = _rollouts(reg, alias)
     return bool(found) and not found[-1].finished
 

@@ -3,7 +3,7 @@ and gate reports, each recorded as events through the registry.
 
 The rules live in ``control.domain.gate`` (thresholds, judgement) and on the ``Adapter`` and
 ``Tenant`` aggregates (what may be recorded when); the gate that measures runs in
-``control.ops.gate``. This desk is how both it and the operator's verbs record:
+``control.tools.gate``. This desk is how both it and the operator's verbs record:
 
 - a golden task set is stored in the artifact store as a canonical JSON document
   (``control.contracts.golden``) before ``GoldenSetRecorded`` names its digest;
@@ -17,7 +17,7 @@ The rules live in ``control.domain.gate`` (thresholds, judgement) and on the ``A
 - a gate report is stored like an evaluation report (a content-addressed document) before
   ``GateReportRecorded`` names its digest, whether it passed, its figures and the combination.
 
-Transactions go through the registry's own save (``Registry._save``), as every command does.
+Transactions go through the registry's own save (``Registry.commit``), as every command does.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class GateDesk:
         adapter = self.registry.adapter(digest)
         golden_digest = put_document(self.registry.store, GOLDEN_FILE, golden.document())
         adapter.record_golden_set(golden_digest, golden.family, len(golden.tasks), actor)
-        self.registry._save(adapter, what="adapter")
+        self.registry.commit(adapter, what="adapter")
         return golden_digest
 
     def golden_set(self, adapter: Adapter) -> GoldenSet:
@@ -83,7 +83,7 @@ class GateDesk:
         the policy its adapters are judged by when they override nothing."""
         t = self.registry.tenant(tenant)
         t.set_gate_policy(fields, actor)
-        self.registry._save(t, what="tenant gate policy")
+        self.registry.commit(t, what="tenant gate policy")
         return effective_policy(t.gate_policy, None)
 
     def override_adapter_policy(self, digest: str, fields: dict[str, Any], *, actor: str
@@ -92,7 +92,7 @@ class GateDesk:
         policy it is judged by now."""
         adapter = self.registry.adapter(digest)
         adapter.override_gate_policy(fields, actor)
-        self.registry._save(adapter, what="adapter gate policy")
+        self.registry.commit(adapter, what="adapter gate policy")
         return self.policy_for(adapter)
 
     def policy_for(self, adapter: Adapter) -> GatePolicy:
@@ -119,13 +119,13 @@ class GateDesk:
         reg = self.registry
         base, tokenizer = ((combination.base, combination.tokenizer) if combination is not None
                            else (adapter.base_digest, adapter.tokenizer_digest))
-        release = reg._new_release(ReleaseManifest(
+        release = reg.catalogue.new_release(ReleaseManifest(
             tenant=adapter.tenant, adapter_digest=adapter.digest,
             base_digest=base, tokenizer_digest=tokenizer,
             chat_template_digest=chat_template_digest(reg.store, tokenizer),
             inference_defaults={}, evaluation_report_digest=None), actor)
         if release.pending_events:
-            reg._save(release, what="release")
+            reg.commit(release, what="release")
         return release.digest
 
     # -- reports --------------------------------------------------------------------------------
@@ -140,7 +140,7 @@ class GateDesk:
         report_digest = put_document(self.registry.store, GATE_REPORT_FILE,
                                      check_report(report))
         adapter.record_gate_report(report_digest, passed, figures, combination, actor)
-        self.registry._save(adapter, what="adapter")
+        self.registry.commit(adapter, what="adapter")
         return report_digest
 
     def gate_report(self, report_digest: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Per-tenant limits on what a tenant may register, and checks on the submitted folder itself.
 
-Run by ``Registry.register_adapter`` around ``control.app.validation`` (which owns the content
-checks: allowed file names, no symlinks or subdirectories, safetensors only, shapes, values):
+Run by ``CatalogueDesk.register_adapter`` around ``control.app.validation`` (which owns the
+content checks: allowed file names, no symlinks or subdirectories, safetensors only, shapes,
+values):
 
 - ``check_submission`` before anything is copied: the folder is a real directory reached without
   symlinks, no entry escapes it (path traversal, symlinks anywhere), no special files, and no

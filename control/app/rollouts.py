@@ -27,7 +27,7 @@ resuming compares the canary with the alias's stable release of then.
 
 The stable release is never touched by a rollout until it completes: its weights stay loaded and
 its capacity stays where it was. Transactions go through the registry's own save
-(``Registry._save``), which saves several aggregates atomically and catches the projections up:
+(``Registry.commit``), which saves several aggregates atomically and catches the projections up:
 a rollout is a registry command like any other, kept in its own module because it is a family of
 them.
 
@@ -92,7 +92,7 @@ class RolloutDesk:
 
     def get(self, rid: UUID) -> Rollout:
         """A rollout by id; NotFound if none."""
-        return self.registry._get(Rollout, rid, "rollout")
+        return self.registry.load(Rollout, rid, "rollout")
 
     def history(self, rid: UUID) -> list[tuple[str, dict[str, Any]]]:
         """The rollout's events in recorded order, each as (event name, payload): what an
@@ -103,7 +103,7 @@ class RolloutDesk:
     def latest_number(self, alias: str) -> int:
         """How many rollouts ``alias`` has had (0: none)."""
         n = 0
-        while self.registry._exists(rollout_id(alias, n + 1)):
+        while self.registry.exists(rollout_id(alias, n + 1)):
             n += 1
         return n
 
@@ -132,7 +132,7 @@ class RolloutDesk:
                                     "has no tenant to probe as)")
         if route.stable is None:
             raise IllegalTransition("the alias has no stable release to roll out from")
-        release = reg._target_release(target, actor)
+        release = reg.aliases.target_release(target, actor)
         if release.tenant is not None and release.tenant != route.owner:
             raise DomainError("release does not belong to the alias owner")
         if release.digest == route.stable:
@@ -140,7 +140,7 @@ class RolloutDesk:
         if route.canary is not None and route.canary != release.digest:
             raise IllegalTransition("the alias has another canary: clear it first "
                                     f"(`loraplane alias canary {alias} --clear`)")
-        if not reg._release_servable(release):
+        if not reg.release_servable(release):
             raise IllegalTransition("the target's adapter is not servable: promote it to "
                                     "canary first")
         number = self.latest_number(alias)
@@ -153,7 +153,7 @@ class RolloutDesk:
             target_adapter=release.adapter_digest, baseline=baseline.digest,
             baseline_adapter=baseline.adapter_digest, steps=steps, window_s=window_s,
             policy=policy, now=self.clock(), actor=actor)
-        reg._save(rollout, release if release.pending_events else None, what="rollout",
+        reg.commit(rollout, release if release.pending_events else None, what="rollout",
                   already=f"a rollout of alias {alias!r} was started concurrently")
         return rollout
 
@@ -170,7 +170,7 @@ class RolloutDesk:
         rollout = self.get(rid)
         route = reg.alias(rollout.alias)
         release = reg.release_manifest(rollout.target)
-        stop = self._why_stop(rollout, route)
+        stop = _why_stop(self.registry, rollout, route)
         if stop is not None:
             self._stop(rollout, route, stop, actor)
             return rollout
@@ -231,7 +231,7 @@ class RolloutDesk:
 
     def why_stop(self, rollout: Rollout) -> Stop | None:
         """A reason to stop ``rollout`` now, found outside its windows (None: carry on)."""
-        return self._why_stop(rollout, self.registry.alias(rollout.alias))
+        return _why_stop(self.registry, rollout, self.registry.alias(rollout.alias))
 
     def stop(self, rid: UUID, stop: Stop, *, actor: str) -> Rollout:
         """Apply ``stop`` (from :meth:`why_stop`): roll back, or pause with an alert."""
@@ -258,7 +258,7 @@ class RolloutDesk:
         pins = SessionPins(self.registry, actor=actor, clock=self.clock)
         ended = pins.ending(pins.live_on(rollout.alias, rollout.target))
         if ended:
-            self.registry._save(*ended, what="session pin")
+            self.registry.commit(*ended, what="session pin")
         return len(ended)
 
     # -- operators ----------------------------------------------------------------------------
@@ -281,7 +281,7 @@ class RolloutDesk:
             if r.baseline_lost:
                 stable = (None if route.stable is None
                           else self.registry.release_manifest(route.stable))
-                if stable is None or not self.registry._release_servable(stable):
+                if stable is None or not self.registry.release_servable(stable):
                     raise IllegalTransition(
                         "the stable release this rollout compared against was revoked and the "
                         "alias has no servable stable release now: point it at one (`loraplane "
@@ -322,31 +322,13 @@ class RolloutDesk:
         raise AssertionError("unreachable")
 
     def _save(self, aggregates: list[Aggregate]) -> None:
-        self.registry._save(*aggregates, what="rollout")
+        self.registry.commit(*aggregates, what="rollout")
 
     def _sessions_choice(self, rid: UUID) -> str | None:
         """What the rollback of ``rid`` recorded for its sessions (None: not rolled back)."""
         for name, fields in reversed(self.history(rid)):
             if name == "RolloutRolledBack":
                 return str(fields["sessions"])
-        return None
-
-    def _why_stop(self, rollout: Rollout, route: Alias) -> Stop | None:
-        reg = self.registry
-        if not reg._release_servable(reg.release_manifest(rollout.target)):
-            return Stop("the target is no longer servable (revoked or deprecated)", hard=True)
-        if route.canary not in (None, rollout.target):
-            return Stop("the alias's canary was changed outside the rollout")
-        baseline_gone = not reg._release_servable(reg.release_manifest(rollout.baseline))
-        if baseline_gone:
-            # Not the canary's doing: pause and call for an operator (once), never discard it.
-            return None if rollout.baseline_lost else Stop(
-                "the stable release the canary is compared with was revoked (or deprecated); "
-                "the alias now serves "
-                + ("nothing" if route.stable is None else "another stable release")
-                + ": paused, resume to compare with the alias's stable release", roll_back=False)
-        if route.stable != rollout.baseline:
-            return Stop("the alias's stable release was changed outside the rollout")
         return None
 
     def _stop(self, rollout: Rollout, route: Alias, stop: Stop, actor: str) -> None:
@@ -372,7 +354,7 @@ class RolloutDesk:
         why = f"rollout {rollout.number} of {rollout.alias} rolled back"
         if choice == Sessions.REPIN:
             stable = None if route.stable is None else reg.release_manifest(route.stable)
-            if (stable is not None and reg._release_servable(stable)
+            if (stable is not None and reg.release_servable(stable)
                     and stable.digest != rollout.target):
                 route.repin_sessions(rollout.target, stable, True, why, actor)
             else:
@@ -387,3 +369,22 @@ class RolloutDesk:
             route.drain_sessions(rollout.target, why, actor)
         rollout.roll_back(reasons, choice, cleared, actor)
         return [rollout, route, *ended]
+
+
+def _why_stop(reg: Registry, rollout: Rollout, route: Alias) -> Stop | None:
+    """A reason found outside the windows to stop ``rollout`` (``route``: its alias now)."""
+    if not reg.release_servable(reg.release_manifest(rollout.target)):
+        return Stop("the target is no longer servable (revoked or deprecated)", hard=True)
+    if route.canary not in (None, rollout.target):
+        return Stop("the alias's canary was changed outside the rollout")
+    baseline_gone = not reg.release_servable(reg.release_manifest(rollout.baseline))
+    if baseline_gone:
+        # Not the canary's doing: pause and call for an operator (once), never discard it.
+        return None if rollout.baseline_lost else Stop(
+            "the stable release the canary is compared with was revoked (or deprecated); "
+            "the alias now serves "
+            + ("nothing" if route.stable is None else "another stable release")
+            + ": paused, resume to compare with the alias's stable release", roll_back=False)
+    if route.stable != rollout.baseline:
+        return Stop("the alias's stable release was changed outside the rollout")
+    return None

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol, runtime_checkable
 
@@ -30,6 +29,7 @@ from control.app.registry import Registry
 from control.domain import (
     AlreadyExists,
     Conflict,
+    Pin,
     RepinReason,
     SessionPin,
     check_actor,
@@ -41,33 +41,6 @@ from control.domain import (
 
 # A pin lost to a concurrent writer is read back and decided again, at most this many times.
 _ATTEMPTS = 5
-
-
-@dataclass(frozen=True)
-class Pin:
-    """One session's pin as a view or a command sees it.
-
-    ``expires_at``: epoch seconds. ``version``: the SessionPin aggregate's version its row last
-    applied. ``position``: where its event sits in the notification log, when it was recorded
-    just now (0 otherwise): a gateway remembers such a pin until its view has passed that
-    position."""
-
-    tenant: str
-    alias: str
-    session: str
-    release: str
-    expires_at: float
-    version: int
-    ended: bool = False
-    position: int = 0
-
-    @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.tenant, self.alias, self.session)
-
-    def holds(self, now: float) -> bool:
-        """Not ended and not expired at ``now`` (servability is the view's to judge)."""
-        return not self.ended and now < self.expires_at
 
 
 @runtime_checkable
@@ -130,7 +103,7 @@ class SessionPins:
                     return _pin(agg, release=held, position=upto)
                 agg.repin(release, expires_at, reason, self.actor)
             try:
-                position = self.registry._save(agg, what="session pin")
+                position = self.registry.commit(agg, what="session pin")
             except (AlreadyExists, Conflict):
                 # Another gateway pinned or re-pinned this session first: decide again on its
                 # record (a good pin is served as it is, never overwritten).
@@ -153,7 +126,7 @@ class SessionPins:
                 return None
             agg.end(self.actor)
             try:
-                position = self.registry._save(agg, what="session pin")
+                position = self.registry.commit(agg, what="session pin")
             except Conflict:
                 if attempt == _ATTEMPTS - 1:
                     raise
@@ -192,4 +165,5 @@ def _pin(agg: SessionPin, *, release: str | None = None, position: int = 0) -> P
                version=agg.version, ended=agg.ended, position=position)
 
 
+# ``Pin`` lives in the domain (control.domain.session); importable from here as it always was.
 __all__ = ["Pin", "PinReads", "RepinReason", "SessionPins"]

@@ -4,7 +4,7 @@ that passing adapters get, each recorded through the registry.
 The rules live in ``control.domain.upgrade`` (what is planned for, what a cell may say, that
 only a passing cell gets a release) and on ``Adapter.verified_on`` (which releases of an adapter
 an alias may move to); the plan that starts the shadow engine and runs the gate on it runs in
-``control.ops.upgrade``. This desk is how it records:
+``control.tools.upgrade``. This desk is how it records:
 
 - ``start`` numbers the plan per (old base, new base) and records ``UpgradePlanStarted`` with
   the adapters to plan for and the shadow host's ledger id, before anything is served;
@@ -22,7 +22,7 @@ an alias may move to); the plan that starts the shadow engine and runs the gate 
   they did, and an operator moves each passing alias with ``alias point``, ``alias canary`` or
   ``alias rollout``.
 
-Transactions go through the registry's own save (``Registry._save``), as every command does.
+Transactions go through the registry's own save (``Registry.commit``), as every command does.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class UpgradeDesk:
     def latest_number(self, from_base: str, to_base: str) -> int:
         """How many plans of this upgrade were started (0: none)."""
         n = 0
-        while self.registry._exists(upgrade_id(from_base, to_base, n + 1)):
+        while self.registry.exists(upgrade_id(from_base, to_base, n + 1)):
             n += 1
         return n
 
@@ -76,7 +76,7 @@ class UpgradeDesk:
         n = self.latest_number(from_base, to_base) if number is None else number
         if n < 1:
             raise NotFound("no upgrade plan between those bases")
-        return self.registry._get(BaseUpgrade, upgrade_id(from_base, to_base, n),
+        return self.registry.load(BaseUpgrade, upgrade_id(from_base, to_base, n),
                                   "upgrade plan")
 
     def approved(self, digests: list[str], from_base: str) -> list[Adapter]:
@@ -96,7 +96,7 @@ class UpgradeDesk:
         policy = reg.tenant(adapter.tenant).policy
         try:
             path = reg.store.verify(adapter.digest)
-            facts = validate_adapter(path, lookup_base=reg._base_info, base=to_base,
+            facts = validate_adapter(path, lookup_base=reg.catalogue.base_info, base=to_base,
                                      max_rank=limits.rank_limit(policy, reg.settings.max_rank))
             limits.check_targets(policy, facts.base_digest, facts.target_modules)
         except ValidationFailed as e:
@@ -136,7 +136,7 @@ class UpgradeDesk:
         plan = BaseUpgrade.start(from_base=from_base, to_base=to.digest, number=number,
                                  combination=self.gates.combination_on(to.digest),
                                  adapters=adapters, shadow_host=shadow_host, actor=actor)
-        reg._save(plan, what="upgrade plan",
+        reg.commit(plan, what="upgrade plan",
                   already="an upgrade plan of these bases was started concurrently")
         return plan
 
@@ -162,13 +162,13 @@ class UpgradeDesk:
                 releases.append(release)
             done.append(replace(cell, new=replace(cell.new, release=release.digest)))
         plan.record(done, shadow, actor)
-        reg._save(plan, *releases, what="upgrade plan")
+        reg.commit(plan, *releases, what="upgrade plan")
         return plan
 
     def abandon(self, plan: BaseUpgrade, reason: str, *, actor: str) -> None:
         """Record that the plan broke off (``UpgradePlanAbandoned``)."""
         plan.abandon(reason, actor)
-        self.registry._save(plan, what="upgrade plan")
+        self.registry.commit(plan, what="upgrade plan")
 
     def _upgrade_release(self, adapter: Adapter, plan: BaseUpgrade, report: str | None,
                          actor: str) -> Release:
@@ -176,7 +176,7 @@ class UpgradeDesk:
         replaced = self.replaced_release(adapter)
         if replaced is None:
             raise IllegalTransition("the adapter has no release on its own base to replace")
-        return reg._new_release(ReleaseManifest(
+        return reg.catalogue.new_release(ReleaseManifest(
             tenant=adapter.tenant, adapter_digest=adapter.digest, base_digest=plan.to_base,
             tokenizer_digest=plan.tokenizer,
             chat_template_digest=chat_template_digest(reg.store, plan.tokenizer),

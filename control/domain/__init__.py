@@ -32,7 +32,8 @@ One aggregate per module:
   new base, the adapter x {old base, new base} matrix, and which adapters may move (only those
   that passed; the rest stay on their verified old combination).
 - ``session.SessionPin``: the release one session (tenant, alias, session id) keeps until it
-  ends or its pin expires; re-pinned, with the reason, when its release stops being servable.
+  ends or its pin expires; re-pinned, with the reason, when its release stops being servable
+  (``session.Pin``: one pin as a value, what views and commands pass around).
 
 Pure rules beside them: ``lifecycle`` (draft -> candidate -> canary -> stable -> deprecated;
 revoked from any state, final; each move guarded by ``lifecycle_guard``; only canary and stable
@@ -122,6 +123,7 @@ from control.domain.rollout import (
 )
 from control.domain.session import (
     SESSION_RE,
+    Pin,
     RepinReason,
     SessionPin,
     check_session,
@@ -183,6 +185,7 @@ __all__ = [
     "NewSide",
     "NotFound",
     "OldSide",
+    "Pin",
     "PlanStatus",
     "ProbeReport",
     "Promotable",

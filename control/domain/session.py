@@ -26,6 +26,7 @@ collide on the event store's unique index, and the loser reads the winner's pin.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from uuid import UUID
@@ -157,6 +158,34 @@ class SessionPin(Aggregate):
     @event(SessionEnded)
     def _ended(self, tenant: str, alias: str, session: str, actor: str) -> None:
         self.ended = True
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One session's pin as a view or a command sees it (a value, not the aggregate: the
+    routing projection, the gateway's route cache and ``control.app.sessions`` all pass it).
+
+    ``expires_at``: epoch seconds. ``version``: the SessionPin aggregate's version its row last
+    applied. ``position``: where its event sits in the notification log, when it was recorded
+    just now (0 otherwise): a gateway remembers such a pin until its view has passed that
+    position."""
+
+    tenant: str
+    alias: str
+    session: str
+    release: str
+    expires_at: float
+    version: int
+    ended: bool = False
+    position: int = 0
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.tenant, self.alias, self.session)
+
+    def holds(self, now: float) -> bool:
+        """Not ended and not expired at ``now`` (servability is the view's to judge)."""
+        return not self.ended and now < self.expires_at
 
 
 def _aware(when: datetime) -> datetime:

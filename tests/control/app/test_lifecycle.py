@@ -344,9 +344,9 @@ class LifecycleContract(WithRegistry):
             r_base = registry.release_manifest(registry.alias("tiny-base").stable or "")
             a1.point(r_base, True, "one")
             a2.clear_canary("two")
-            registry._save(a1, what="alias")
+            registry.commit(a1, what="alias")
             with pytest.raises(Conflict, match="concurrently"):
-                other._save(a2, what="alias")
+                other.commit(a2, what="alias")
             assert _events(registry) == before + 1
             # Real threads: every attempt either records exactly one event or says Conflict.
             results: list[str] = []

@@ -1,0 +1,112 @@
+"""The signing-keys desk: the ticket-signing keys' public halves as events (``SigningKey``).
+
+Gateways sign routing tickets with this home's active key (``control.app.key_ring`` keeps the
+private halves on disk); Triton hosts trust every recorded, unretired public key they read from
+the projection tables. So a rotation makes its new key active only once the public half is
+recorded AND visible to hosts, and a retirement returns only once hosts see it; otherwise
+:class:`~control.app.unit_of_work.NotYetVisible`.
+
+Every command goes through the registry's unit of work (``Registry.load``/``exists``/
+``commit``/``confirm_visible``), as every desk does.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import TYPE_CHECKING
+
+from control.app import key_ring
+from control.app.unit_of_work import VISIBLE_WITHIN_S, NotYetVisible, UnitOfWork
+from control.domain import (
+    AlreadyExists,
+    DomainError,
+    IllegalTransition,
+    SigningKey,
+    check_actor,
+    check_name,
+    signing_key_id,
+)
+
+if TYPE_CHECKING:
+    from control.contracts.tickets import TicketSigner
+
+
+class SigningKeyDesk:
+    """Records, rotates and retires ticket-signing keys on ``registry``."""
+
+    def __init__(self, registry: UnitOfWork) -> None:
+        self.registry = registry
+
+    def record_signing_key(self, kid: str, public_key_b64: str, *, actor: str) -> int:
+        """Record a ticket-signing public key (raw Ed25519, base64); a rotation adds a key.
+        Returns the event's position in the notification log."""
+        check_name("key id", kid)
+        check_actor(actor)
+        try:
+            raw = base64.b64decode(public_key_b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise DomainError("public key must be base64") from None
+        if len(raw) != 32:
+            raise DomainError("public key must be a raw 32-byte Ed25519 key")
+        if self.registry.exists(signing_key_id(kid)):
+            raise AlreadyExists(f"signing key {kid!r} is already recorded")
+        return self.registry.commit(SigningKey(kid=kid, public_key_b64=public_key_b64,
+                                               actor=actor), what="signing key")
+
+    def rotate_signing_key(self, *, actor: str,
+                           wait_s: float = VISIBLE_WITHIN_S) -> tuple[str, str | None]:
+        """Make a new ticket-signing key this home's active one; returns (new kid, previous
+        kid). Retire the previous one afterwards.
+
+        The key becomes active only once its public half is recorded and visible in the
+        tables hosts copy their trusted keys from; else NotYetVisible, and the active key
+        stays as it was (the recorded key is never used: retire it).
+        """
+        check_actor(actor)
+        reg = self.registry
+
+        def record(signer: TicketSigner) -> None:
+            position = self.record_signing_key(signer.kid, signer.public_b64, actor=actor)
+            reg.confirm_visible(position, lambda v: signer.kid in v.signing_keys(),
+                                "the new signing key", wait_s)
+
+        try:
+            signer, previous = key_ring.rotate(reg.settings.keys_dir, record)
+        except NotYetVisible as e:
+            raise NotYetVisible(f"{e}. The new key was NOT made active here (the active key "
+                                "is unchanged): rotate again once it has caught up") from None
+        return signer.kid, previous
+
+    def retire_signing_key(self, kid: str, *, actor: str, reason: str = "",
+                           force: bool = False, wait_s: float = VISIBLE_WITHIN_S) -> None:
+        """Retire a ticket-signing key: gateways stop signing with it, hosts stop trusting it.
+
+        Refused, unless ``force``, for this home's active key and for the last unretired key
+        (either leaves gateways nothing to sign with: rotate first). Returns once the
+        retirement shows in the tables gateways and hosts read.
+        """
+        reg = self.registry
+        key = reg.load(SigningKey, signing_key_id(check_name("key id", kid)), "signing key")
+        if not force and not key.retired:
+            self._check_retirable(kid)
+        key.retire(reason, actor)
+        position = reg.commit(key, what="signing key")
+        reg.confirm_visible(position, lambda v: kid in v.retired_key_ids(),
+                            "the signing key retirement", wait_s)
+
+    def _check_retirable(self, kid: str) -> None:
+        active = key_ring.active_signer(self.registry.settings.keys_dir)
+        if active is not None and active.kid == kid:
+            raise IllegalTransition(
+                f"{kid!r} is the active signing key here: run `loraplane key rotate` first, "
+                "then retire it (or pass --force: gateways answer 503 until a new key exists)")
+        view = self.registry.follower.routing()
+        unretired = set(view.signing_keys()) - view.retired_key_ids()
+        if unretired <= {kid}:
+            raise IllegalTransition(
+                f"{kid!r} is the last unretired signing key: run `loraplane key rotate` first "
+                "(or pass --force: no gateway can issue tickets until a new key exists)")
+
+
+__all__ = ["SigningKeyDesk"]

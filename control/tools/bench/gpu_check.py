@@ -393,7 +393,7 @@ def check_memory(engine: Engine, kit: BenchKit, allocated_before: int) -> dict[s
             for p, d in zip(prompts, kit.adapters, strict=True):
                 seq = engine.open_sequence(GenerationRequest(p, d, max_tokens=NEW_TOKENS))
                 sched.submit(seq, _Quiet(), key=PrefixKey("bench", d, "bench",
-                                                          tuple(seq.prompt_ids), salt=b"bench"))
+                                                          tuple(seq.prompt_ids)))
             for _ in range(3):  # prefill, then decode steps: KV, gathered copies, workspace
                 sched.run_once()
         categories = resident_memory(engine, sched, prefix)

@@ -55,7 +55,7 @@ class UnrecordedWriter(LedgerWriter):
         then(True)
 
     def complete(self, completion: Completion, then: Then,
-                 if_unrecorded: Completion | None = None, output: str | None = None) -> None:
+                 if_unrecorded: Completion | None = None) -> None:
         then(True)
 
     def backlog(self) -> int:

@@ -28,7 +28,7 @@ from control.cli.base import (
     registry,
 )
 from control.contracts.digests import short
-from control.ops.views import audit_table, cell, incident_table, iso
+from control.tools.views import audit_table, cell, incident_table, iso
 
 if TYPE_CHECKING:
     from control.app.ledger_audit import Coverage, LedgerReport

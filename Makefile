@@ -32,13 +32,13 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy control projections backend
 	$(VENV)/bin/lint-imports
 
-# The engine's GPU checks in one call (backend/bench/gpu_check.py), a few minutes on a GPU; prints a
+# The engine's GPU checks in one call (control/tools/bench/gpu_check.py), a few minutes on a GPU; prints a
 # JSON report and fails when a check does. Needs a CUDA build of torch in the venv (TORCH_SPEC).
-# Dry run on any machine, toy sizes (what CI runs in tests/backend/bench/test_gpu_check.py):
+# Dry run on any machine, toy sizes (what CI runs in tests/control/tools/bench/test_gpu_check.py):
 #   make gpu-check GPU_CHECK_ARGS='--device cpu'
 GPU_CHECK_ARGS ?=
 gpu-check: $(STAMP)
-	$(PY) -m backend.bench.gpu_check $(GPU_CHECK_ARGS)
+	$(PY) -m control.tools.bench.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf .loraplane .pytest_cache .mypy_cache .ruff_cache

@@ -38,7 +38,7 @@ def kit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     given = os.environ.get("LORAPLANE_TEST_KIT")
     if given and (Path(given) / "kit.json").is_file():
         return Path(given)
-    from control.ops.kit import build_kit
+    from control.tools.kit import build_kit
 
     out = tmp_path_factory.mktemp("kit")
     build_kit(out)

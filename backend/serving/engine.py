@@ -12,7 +12,7 @@ Rows join and leave between decode steps (``prefill``, ``merge``, ``retain``, ``
 KV bookkeeping is ``backend.serving.batch_ops``): the continuous-batching scheduler
 (``backend.serving.scheduler``) drives them; ``generate`` drives the same steps for one batch.
 
-Prompt format (the reference kit's, ``control.ops.kit``): the raw prompt tokenized without
+Prompt format (the reference kit's, ``control.tools.kit``): the raw prompt tokenized without
 special tokens (text spelling one stays plain text), the tokenizer's bos prepended; the
 continuation follows and stops at eos or ``max_tokens``. Adapter files are parsed and checked
 against the base by ``backend.serving.adapter_files``.

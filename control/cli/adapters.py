@@ -44,7 +44,7 @@ def kit_build(
 ) -> None:
     """Build the reference kit: a small Llama base, a tokenizer, and LoRA adapters."""
     # ~5 ms to import (torch only later, inside build_kit): only `kit build` pays for it
-    from control.ops.kit import build_kit
+    from control.tools.kit import build_kit
 
     with errors():
         manifest = build_kit(out_dir, seed=seed,

@@ -26,7 +26,7 @@ import typer
 
 from control.contracts.config import Settings
 from control.contracts.digests import DigestError, check_digest
-from control.ops.views import cell
+from control.tools.views import cell
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -1,9 +1,9 @@
 """CLI verbs of the benchmarks: each reports ratios measured side by side in one run.
 
 ``loraplane bench cli``      how fast the command starts, and how fast a revocation bites (see
-                             ``control.ops.bench_cli``).
-``loraplane bench engine``   the multi-LoRA engine's ratios (see ``backend.bench.engine``).
-``loraplane bench control``  the control plane's ratios (see ``control.ops.bench_control``).
+                             ``control.tools.bench_cli``).
+``loraplane bench engine``   the multi-LoRA engine's ratios (see ``control.tools.bench.engine``).
+``loraplane bench control``  the control plane's ratios (see ``control.tools.bench_control``).
 """
 
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
@@ -37,7 +37,7 @@ def bench_cli(
     ] = None,
 ) -> None:
     """Start-up of `--help` and `--json adapter list`, and `adapter revoke` to Triton's refusal."""
-    from control.ops.bench_cli import run_bench  # starts a deployment: only this verb pays
+    from control.tools.bench_cli import run_bench  # starts a deployment: only this verb pays
 
     with errors():
         result = run_bench(kit, runs=runs, progress=_progress)
@@ -72,11 +72,11 @@ def bench_engine(
     ] = True,
     triton_runs: Annotated[int | None, typer.Option(
         help="Alternating runs of each side for governed_vs_open, reported as median and "
-             "spread; at least 5 (default: backend.bench.engine.TRITON_RUNS, 15).")] = None,
+             "spread; at least 5 (default: control.tools.bench.engine.TRITON_RUNS, 15).")] = None,
 ) -> None:
     """Engine ratios vs base, PEFT, one stream, in-process and an open (ungoverned) engine."""
     # torch, transformers, peft and the open engine: only this verb may load them
-    from backend.bench.engine import TRITON_RUNS, run_bench
+    from control.tools.bench.engine import TRITON_RUNS, run_bench
 
     with errors():
         result = run_bench(reps, triton=triton, progress=_progress,
@@ -143,7 +143,7 @@ def bench_control(
 ) -> None:
     """Control plane ratios: command vs raw save, projection events/s, ticket p50 at c=16."""
     # the registry, the gateway and their baselines: only this verb pays for them
-    from control.ops.bench_control import run_all
+    from control.tools.bench_control import run_all
 
     url = pg_url or os.environ.get("LORAPLANE_TEST_PG_URL")
     with errors():
@@ -165,7 +165,7 @@ def bench_release(
     """The rollout judge's error rates, simulated with the functions the controller calls:
     false rollbacks, detections, requests per arm and completions, beside the old rule's."""
     # the domain's rollout and numpy: only this verb loads them
-    from control.ops.bench_release import FULL_ROLLOUTS, QUICK_ROLLOUTS, run_bench
+    from control.tools.bench_release import FULL_ROLLOUTS, QUICK_ROLLOUTS, run_bench
 
     n = rollouts if rollouts is not None else FULL_ROLLOUTS if full else QUICK_ROLLOUTS
     with errors():

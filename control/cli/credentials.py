@@ -28,7 +28,7 @@ from control.cli.base import (
     state,
     tenant_app,
 )
-from control.ops.views import cell
+from control.tools.views import cell
 
 WaitOption = Annotated[float, typer.Option(
     "--wait", min=0.0, help="Seconds to wait for gateways and hosts to see the change.")]

@@ -1,4 +1,4 @@
-"""CLI verbs of the evaluation gate (``control.ops.gate``), registered on the typer apps of
+"""CLI verbs of the evaluation gate (``control.tools.gate``), registered on the typer apps of
 control.cli.base:
 
 ``loraplane adapter golden DIGEST FILE``      record the adapter's golden task set
@@ -79,7 +79,7 @@ def adapter_gate(
     gate signs with the home's key: no tenant can reach it. Needs the deployment's home and
     database (LORAPLANE_HOME, LORAPLANE_DB_URL)."""
     # the gate (registry, ledger, tritonclient): only this verb pays for it
-    from control.ops.gate import GateTarget, run_gate
+    from control.tools.gate import GateTarget, run_gate
 
     d = digest_arg(digest)
     with errors():

@@ -33,7 +33,7 @@ from control.cli.base import (
 from control.cli.database import require_schema
 from control.contracts.signals import TerminationSignals
 from control.contracts.telemetry import configure_logging
-from control.ops.views import cell
+from control.tools.views import cell
 
 if TYPE_CHECKING:
     from control.ops.serve import Deployment
@@ -108,7 +108,7 @@ def demo(
 ) -> None:
     """Build the kit, register, serve, send mixed traffic, revoke, show incident and audit views."""
     # the demo starts a deployment and sends traffic: only this verb pays for it
-    from control.ops.demo import run_demo
+    from control.tools.demo import run_demo
 
     with errors():
         code = run_demo(work_dir, fresh=not keep, json_out=state.json)

@@ -150,8 +150,8 @@ def rollout_status(
 ) -> None:
     """Where the alias's latest rollout stands: steps, every window's figures and decision."""
     # the status view and its data: only this verb pays for them
-    from control.ops.rollout_view import render
-    from control.ops.rollout_view import rollout_status as status_data
+    from control.tools.rollout_view import render
+    from control.tools.rollout_view import rollout_status as status_data
 
     with errors():
         desk = _desk(existing=True)

@@ -1,5 +1,5 @@
 """``loraplane selftest hostile``: every hostile case against a running deployment (see
-``control.ops.selftest``); registered on the typer apps of control.cli.base."""
+``control.tools.selftest``); registered on the typer apps of control.cli.base."""
 
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
 # and would eval each string (see control/cli/main.py).
@@ -39,7 +39,7 @@ def selftest_hostile(
     but a category tried no case at all.
     """
     # the suite (registry, ledger, clients: some 650 modules): only this verb pays for it
-    from control.ops.selftest import CATEGORIES, Target, run_hostile
+    from control.tools.selftest import CATEGORIES, Target, run_hostile
 
     cats = tuple(category) if category else CATEGORIES
     with errors():

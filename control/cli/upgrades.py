@@ -1,4 +1,4 @@
-"""CLI verbs of base-model upgrades (``control.ops.upgrade``), registered on the typer apps of
+"""CLI verbs of base-model upgrades (``control.tools.upgrade``), registered on the typer apps of
 control.cli.base:
 
 ``loraplane base upgrade plan NEW_BASE``   gate every approved adapter on NEW_BASE (shadow
@@ -46,8 +46,8 @@ def upgrade_plan(
     release on the new base (point their alias at it to move them); the others stay on their
     verified old combination. Needs the deployment's home and database."""
     # the plan (gate, registry, Triton launcher): only this verb pays for it
-    from control.ops.gate import GateTarget
-    from control.ops.upgrade import plan_upgrade
+    from control.tools.gate import GateTarget
+    from control.tools.upgrade import plan_upgrade
 
     with errors():
         result = plan_upgrade(GateTarget(settings(), http, grpc, base=base, device=device),
@@ -69,7 +69,7 @@ def upgrade_show(
     """A recorded upgrade plan's matrix (full values with --json)."""
     # the registry and the projections (eventsourcing, SQLAlchemy): only when a verb runs
     from control.app.upgrades import UpgradeDesk
-    from control.ops.upgrade import from_base_of
+    from control.tools.upgrade import from_base_of
     from projections.routing import RoutingView
 
     with errors():

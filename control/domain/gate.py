@@ -1,6 +1,6 @@
 """The evaluation gate's rules: its thresholds (a policy), the figures a gate run measures, and
 the judgement that turns figures into a verdict. Pure; the gate itself runs in
-``control.ops.gate`` and its reports are recorded on the ``Adapter`` aggregate.
+``control.tools.gate`` and its reports are recorded on the ``Adapter`` aggregate.
 
 Why a policy and not constants: tenants differ in what they accept, and one adapter may need a
 looser or stricter rule than its tenant's others. A tenant's default is recorded with

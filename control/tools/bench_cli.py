@@ -47,8 +47,8 @@ from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import Outcome, request_ledger
 from control.ops.clients import TritonRefused, free_port, infer_with, request_ticket
-from control.ops.kit import KitManifest, build_kit
 from control.ops.serve import Deployment, Ports
+from control.tools.kit import KitManifest, build_kit
 from projections.follower import open_registry
 
 RUNS = 5

@@ -9,8 +9,8 @@
 - ``projection_events_per_s``: a full projection rebuild (every event replayed into the view
   tables, in batches with tracking writes) on the same database;
 - ``ticket_p50_ms`` / ``ticket_p99_ms``: ``POST /v1/tickets`` through the real aiohttp gateway at
-  concurrency 16, from a lean load generator in its own process (:mod:`control.ops.loadgen`) on the
-  same machine; ``ticket_p50_ms_c1`` the same one request at a time (the service time, without
+  concurrency 16, from a lean load generator in its own process (:mod:`control.tools.loadgen`) on
+  the same machine; ``ticket_p50_ms_c1`` the same one request at a time (the service time, without
   queueing). At concurrency 16 a closed loop's latency is 16 / throughput, so the p50 there says
   as much about the cores available as about the gateway: ``http_floor_p50_ms`` is the same
   server, loop and client answering ``GET /healthz`` (no ticket work at all), and
@@ -142,10 +142,10 @@ def _ticket_latency(settings: Settings, work: Path, n: int) -> dict[str, float]:
 
 def _load(port: int, args: list[str], n: int, concurrency: int,
           path: str = "/v1/tickets") -> dict[str, float]:
-    """Run :mod:`control.ops.loadgen` in its own process: in this one it would share the
+    """Run :mod:`control.tools.loadgen` in its own process: in this one it would share the
     interpreter lock with the server it measures."""
     proc = subprocess.run(
-        [sys.executable, "-m", "control.ops.loadgen", "--url", f"http://127.0.0.1:{port}{path}",
+        [sys.executable, "-m", "control.tools.loadgen", "--url", f"http://127.0.0.1:{port}{path}",
          *args, "--requests", str(n), "--concurrency", str(concurrency)],
         capture_output=True, text=True, timeout=600, check=False)
     try:

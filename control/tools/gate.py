@@ -2,8 +2,8 @@
 serving path of a running deployment and records a content-addressed report of every figure.
 
 The module is split by what each part does: this one prepares and runs the phases and writes
-the report; ``control.ops.gate_requests`` holds what is sent (targets, routes, one record per
-request, the burst and mismatch plans); ``control.ops.gate_evidence`` reads what the requests
+the report; ``control.tools.gate_requests`` holds what is sent (targets, routes, one record per
+request, the burst and mismatch plans); ``control.tools.gate_evidence`` reads what the requests
 left behind (ledger rows, the burst's attribution, the memory accounting).
 
 Access is the hostile self-test's: Triton's HTTP and gRPC addresses, its metrics endpoint, and
@@ -51,7 +51,7 @@ with what its client got is a ``ledger_mismatches`` figure.
 The figures are judged by the adapter's effective gate policy (``control.domain.gate``) and the
 report is recorded (``GateReportRecorded``) whether it passed or not.
 
-On a new base (:class:`OnNewBase`, a base upgrade's plan, ``control.ops.upgrade``) the target is
+On a new base (:class:`OnNewBase`, a base upgrade's plan, ``control.tools.upgrade``) the target is
 a shadow host serving the new base, and the candidate is the adapter itself on the new
 combination (that base, its tokenizer and chat template): the same phases, with these changes.
 The release it would replace is its own release on the base it is upgraded from, served by the
@@ -71,6 +71,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from control.app.gate_desk import GateDesk
@@ -88,13 +90,15 @@ from control.domain import (
     Adapter,
     Combination,
     GateFigures,
+    GatePolicy,
     RuleVerdict,
     judge,
 )
 from control.domain.gate import failures
-from control.ops import gate_evidence as evidence
 from control.ops.clients import Generation, TritonRefused, infer_with
-from control.ops.gate_requests import (
+from control.ops.serve import pick_base
+from control.tools import gate_evidence as evidence
+from control.tools.gate_requests import (
     BURST_WAIT_S,
     GATE_ACTOR,
     REFUSED_STATUS,
@@ -111,7 +115,6 @@ from control.ops.gate_requests import (
     ready,
     task_table,
 )
-from control.ops.serve import pick_base
 from projections.follower import open_registry
 from projections.routing import RoutingView
 
@@ -126,6 +129,26 @@ def run_gate(target: GateTarget, digest: str, *, actor: str = GATE_ACTOR,
         return Gate(target, registry, actor=actor).run(digest, on_new_base)
     finally:
         registry.close()
+
+
+@dataclass(frozen=True)
+class GateRun:
+    """One run's plan: the adapter, its golden set and combination, and the routes compared."""
+
+    adapter: Adapter
+    golden: GoldenSet
+    combination: Combination
+    signer: TicketSigner
+    policy: GatePolicy
+    started: float
+    release: str
+    candidate: Route
+    base: Route
+    stable: Route | None
+    has_stable: bool
+    stable_note: str
+    tasks: list[GoldenTask]
+    on_new_base: OnNewBase | None
 
 
 class Gate:
@@ -293,15 +316,50 @@ class Gate:
 
     def run(self, digest: str, on_new_base: OnNewBase | None = None) -> GateResult:
         """Gate ``digest`` (on its own base, or on ``on_new_base``); see the module notes."""
+        run = self._plan(digest, on_new_base)
+        answers, long_task, mismatch_window = self._traffic(run)
+        evidence.read_ledger(self.sent, self.ledger, run.started, mismatch_window,
+                             self._on_target)
+        evidence.judge_burst(self.sent, answers)
+        figures, phase_figures, cold, memory = self._measure(run)
+        policy = run.policy
+        verdicts = judge(figures, policy)
+        ledger_mismatches = sum(1 for s in self.sent if s.why.startswith("ledger"))
+        verdicts.append(RuleVerdict(
+            "ledger", ledger_mismatches == 0, ledger_mismatches, 0,
+            "requests whose ledger row is missing or disagrees with what the client got"))
+        ok = all(v.passed for v in verdicts)
+        all_figures = {**figures.to_json(), "ledger_mismatches": ledger_mismatches}
+        report = {
+            **report_header(run, self.t.host_id),
+            "policy": policy.to_json(),
+            "figures": all_figures,
+            "verdicts": [v.to_json() for v in verdicts],
+            "failures": failures(verdicts),
+            "passed": ok,
+            "phases": phase_figures,
+            "golden_by_tag": evidence.by_tag(self.sent, run.tasks),
+            "ledger": evidence.ledger_counts(self.sent),
+            "tasks": task_table(run.tasks, answers),
+            "long_context": {"task": long_task.id, "prompt_chars": len(long_task.prompt)},
+            "cold_loads_s": cold,
+            "memory": memory,
+            "requests": [s.brief() for s in self.sent],
+            "started_at": run.started,
+            "finished_at": self.clock(),
+        }
+        report_digest = self.desk.record_gate_report(
+            run.adapter.digest, report, passed=ok, figures=all_figures,
+            combination=run.combination, actor=self.actor)
+        return GateResult(report, report_digest, ok, verdicts)
+
+    def _plan(self, digest: str, on_new_base: OnNewBase | None) -> GateRun:
+        """What this run gates, against what, under which policy and release."""
         adapter, golden, combination, signer = self._prepare(digest, on_new_base)
-        policy = self.desk.policy_for(adapter)
         started = self.clock()
         release = self.desk.gate_release(
             adapter, actor=self.actor,
             combination=combination if on_new_base is not None else None)
-        # Every ticket of the run names the synthetic tenant: the control plane's own traffic
-        # (control.contracts.synthetic), whatever release it names.
-        tenant = GATE_TENANT
         candidate = Route("candidate", adapter.digest, release, combination.base,
                           combination.tokenizer)
         base = Route("base", None, None, combination.base, combination.tokenizer)
@@ -309,42 +367,53 @@ class Gate:
             stable, has_stable, stable_note = self._stable_route(adapter, candidate)
         else:
             stable, has_stable, stable_note = self._replaced_route(on_new_base)
-        tasks = list(golden.tasks)
+        return GateRun(adapter, golden, combination, signer, self.desk.policy_for(adapter),
+                       started, release, candidate, base, stable, has_stable, stable_note,
+                       list(golden.tasks), on_new_base)
 
-        answers = {"candidate": self._phase("golden", candidate, tenant, signer, tasks),
-                   "base": self._phase("base", base, tenant, signer, tasks)}
+    def _traffic(self, run: GateRun
+                 ) -> tuple[dict[str, dict[str, Sent]], GoldenTask, tuple[float, float]]:
+        """Every phase's requests: golden, base, stable, mismatch, the mixed burst, long context.
+
+        Every ticket of the run names the synthetic tenant: the control plane's own traffic
+        (control.contracts.synthetic), whatever release it names.
+        """
+        tenant, signer, tasks, stable = GATE_TENANT, run.signer, run.tasks, run.stable
+        answers = {"candidate": self._phase("golden", run.candidate, tenant, signer, tasks),
+                   "base": self._phase("base", run.base, tenant, signer, tasks)}
         if stable is not None and stable.adapter is not None:
             answers["stable"] = self._phase(
                 "stable", stable, tenant, signer, tasks,
-                on_new_base.reference.http_url if on_new_base is not None else None)
+                run.on_new_base.reference.http_url if run.on_new_base is not None else None)
         mismatch_from = self.clock()
-        self._mismatch(tenant, signer, candidate, stable if on_new_base is not None else None)
+        self._mismatch(tenant, signer, run.candidate,
+                       stable if run.on_new_base is not None else None)
         mismatch_until = self.clock()
         # On a new base the replaced release is served elsewhere: not in the target's burst.
-        in_burst = stable if (stable is not None and stable.adapter and on_new_base is None
+        in_burst = stable if (stable is not None and stable.adapter and run.on_new_base is None
                               ) else None
-        plan = burst_plan(tasks, answers, candidate, base, in_burst, policy.mixed_requests)
+        plan = burst_plan(tasks, answers, run.candidate, run.base, in_burst,
+                          run.policy.mixed_requests)
         self._burst(tenant, signer, plan)
-        long_task = self._long_task(golden, combination.base)
-        self._phase("long_context", candidate, tenant, signer, [long_task])
+        long_task = long_task_of(run.golden, self.registry.store.path(run.combination.base))
+        self._phase("long_context", run.candidate, tenant, signer, [long_task])
+        return answers, long_task, (mismatch_from, mismatch_until)
 
-        evidence.read_ledger(self.sent, self.ledger, started, (mismatch_from, mismatch_until),
-                             self._on_target)
-        evidence.judge_burst(self.sent, answers)
-        loads = [x for x in self.ledger.loads(adapter.digest) if self._on_target(x.host)]
+    def _measure(self, run: GateRun
+                 ) -> tuple[GateFigures, dict[str, Any], list[float], dict[str, Any]]:
+        """The figures the policy judges, from what was sent and what the ledger recorded."""
+        loads = [x for x in self.ledger.loads(run.adapter.digest) if self._on_target(x.host)]
         cold = sorted(x.seconds for x in loads if x.outcome == "loaded")
-        load_failures = sum(1 for x in loads if x.outcome == "failed")
-        memory = evidence.memory_accounting(self.t, self.registry.store.path(combination.base))
-
+        memory = evidence.memory_accounting(self.t,
+                                            self.registry.store.path(run.combination.base))
         phase_figures = evidence.phase_figures(self.sent)
-        rate = phase_figures["golden"]["success_rate"]
         stable_rate: float | None = None
-        if stable is not None:
-            stable_rate = phase_figures["stable" if stable.adapter else "base"]["success_rate"]
+        if run.stable is not None:
+            stable_rate = phase_figures["stable" if run.stable.adapter else "base"]["success_rate"]
         long_sent = [s for s in self.sent if s.phase == "long_context"]
         figures = GateFigures(
-            golden_tasks=len(tasks),
-            success_rate=rate,
+            golden_tasks=len(run.tasks),
+            success_rate=phase_figures["golden"]["success_rate"],
             base_success_rate=phase_figures["base"]["success_rate"],
             stable_success_rate=stable_rate,
             authorization_errors=evidence.authorization_errors(self.sent),
@@ -357,69 +426,11 @@ class Gate:
                 for s in long_sent),
             cold_load_p95_s=evidence.p95(cold),
             cold_loads=len(cold),
-            load_failures=load_failures,
+            load_failures=sum(1 for x in loads if x.outcome == "failed"),
             memory_accounting_error=memory.get("error"),
-            has_stable=has_stable,
+            has_stable=run.has_stable,
         )
-        verdicts = judge(figures, policy)
-        ledger_mismatches = sum(1 for s in self.sent if s.why.startswith("ledger"))
-        verdicts.append(RuleVerdict(
-            "ledger", ledger_mismatches == 0, ledger_mismatches, 0,
-            "requests whose ledger row is missing or disagrees with what the client got"))
-        ok = all(v.passed for v in verdicts)
-        report = {
-            "kind": REPORT_KIND,
-            "adapter": adapter.digest,
-            "tenant": adapter.tenant,
-            "ticket_tenant": tenant,
-            "alias": adapter.alias,
-            "golden": {"digest": adapter.golden_set, "family": golden.family,
-                       "tasks": len(tasks)},
-            "combination": {"base": combination.base, "tokenizer": combination.tokenizer,
-                            "template": combination.template},
-            "release": release,
-            "stable": {"release": stable.release if stable else None,
-                       "adapter": stable.adapter if stable else None,
-                       "compared": has_stable, "note": stable_note},
-            "upgrade": None if on_new_base is None else {
-                "from_base": adapter.base_digest, "replaces": on_new_base.replaces,
-                "reference": on_new_base.reference.http_url, "host": self.t.host_id},
-            "policy": policy.to_json(),
-            "figures": {**figures.to_json(), "ledger_mismatches": ledger_mismatches},
-            "verdicts": [v.to_json() for v in verdicts],
-            "failures": failures(verdicts),
-            "passed": ok,
-            "phases": phase_figures,
-            "golden_by_tag": evidence.by_tag(self.sent, tasks),
-            "ledger": evidence.ledger_counts(self.sent),
-            "tasks": task_table(tasks, answers),
-            "long_context": {"task": long_task.id, "prompt_chars": len(long_task.prompt)},
-            "cold_loads_s": cold,
-            "memory": memory,
-            "requests": [s.brief() for s in self.sent],
-            "started_at": started,
-            "finished_at": self.clock(),
-        }
-        report_digest = self.desk.record_gate_report(
-            adapter.digest, report, passed=ok,
-            figures={**figures.to_json(), "ledger_mismatches": ledger_mismatches},
-            combination=combination, actor=self.actor)
-        return GateResult(report, report_digest, ok, verdicts)
-
-    def _long_task(self, golden: GoldenSet, base_digest: str) -> GoldenTask:
-        tagged = golden.tagged(LONG_CONTEXT)
-        if tagged:
-            return tagged[0]
-        first = golden.tasks[0]
-        # No long-context task: the first one, padded to the base's context (bos, prompt and
-        # the answer must fit its positions; the kit's tokenizer is a byte per token).
-        config = json.loads((self.registry.store.path(base_digest) / "config.json")
-                            .read_text(encoding="utf-8"))
-        limit = int(config.get("max_position_embeddings") or 2048)
-        room = max(1, min(limit - first.max_tokens - 2, 4096) - len(first.prompt.encode()))
-        pad = ("The quick brown fox jumps over the lazy dog. " * (room // 45 + 1))[:room]
-        return GoldenTask("long-context-padded", pad + first.prompt, first.checker,
-                          first.max_tokens, (LONG_CONTEXT,))
+        return figures, phase_figures, cold, memory
 
     def _replaced_route(self, on: OnNewBase) -> tuple[Route | None, bool, str]:
         """The release a new-base candidate would replace: its own on its old base, served by
@@ -436,3 +447,43 @@ class Gate:
 
 __all__ = ["GATE_ACTOR", "Gate", "GateResult", "GateTarget", "GateUnavailable", "OnNewBase",
            "run_gate"]
+
+
+def report_header(run: GateRun, host_id: str | None) -> dict[str, Any]:
+    """The report's header: what was gated, on which combination, against which stable."""
+    adapter, stable, on = run.adapter, run.stable, run.on_new_base
+    return {
+        "kind": REPORT_KIND,
+        "adapter": adapter.digest,
+        "tenant": adapter.tenant,
+        "ticket_tenant": GATE_TENANT,
+        "alias": adapter.alias,
+        "golden": {"digest": adapter.golden_set, "family": run.golden.family,
+                   "tasks": len(run.tasks)},
+        "combination": {"base": run.combination.base,
+                        "tokenizer": run.combination.tokenizer,
+                        "template": run.combination.template},
+        "release": run.release,
+        "stable": {"release": stable.release if stable else None,
+                   "adapter": stable.adapter if stable else None,
+                   "compared": run.has_stable, "note": run.stable_note},
+        "upgrade": None if on is None else {
+            "from_base": adapter.base_digest, "replaces": on.replaces,
+            "reference": on.reference.http_url, "host": host_id},
+    }
+
+
+def long_task_of(golden: GoldenSet, base_dir: Path) -> GoldenTask:
+    """The golden set's long-context task, or its first task padded to the base's context."""
+    tagged = golden.tagged(LONG_CONTEXT)
+    if tagged:
+        return tagged[0]
+    first = golden.tasks[0]
+    # No long-context task: the first one, padded to the base's context (bos, prompt and
+    # the answer must fit its positions; the kit's tokenizer is a byte per token).
+    config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+    limit = int(config.get("max_position_embeddings") or 2048)
+    room = max(1, min(limit - first.max_tokens - 2, 4096) - len(first.prompt.encode()))
+    pad = ("The quick brown fox jumps over the lazy dog. " * (room // 45 + 1))[:room]
+    return GoldenTask("long-context-padded", pad + first.prompt, first.checker,
+                      first.max_tokens, (LONG_CONTEXT,))

@@ -1,5 +1,5 @@
 """Reading what the evaluation gate's requests left behind, and the figures that are not
-answers: split from ``control.ops.gate``, which runs the phases (see its module notes).
+answers: split from ``control.tools.gate``, which runs the phases (see its module notes).
 
 - :func:`read_ledger`: each request's ledger row (by ticket id; the mismatch refusals that
   leave rows without a ticket id, by reason within the phase's time window), compared with what
@@ -30,7 +30,7 @@ from backend.serving.memory import (
 )
 from control.contracts.golden import GoldenTask
 from control.contracts.ledger import Ledger, LedgerEntry, Outcome
-from control.ops.gate_requests import PHASES, UNVERIFIED_ROUTES, GateTarget, Sent
+from control.tools.gate_requests import PHASES, UNVERIFIED_ROUTES, GateTarget, Sent
 
 LEDGER_SLACK_S = 1.0  # host and gate clocks are one machine's, or NTP-close
 METRICS_SETTLE_S = 1.5  # the host refreshes its memory gauges every second when idle

@@ -2,7 +2,7 @@
 routes its tickets name, one record per request, the finished result; and the plans of its
 requests (the mixed burst, the mismatch cases), with the client helpers they are sent with.
 
-Split from ``control.ops.gate`` (which runs the phases); ``control.ops.gate_evidence`` reads
+Split from ``control.tools.gate`` (which runs the phases); ``control.tools.gate_evidence`` reads
 the record the requests leave behind. The tickets the gate signs name the synthetic tenant
 :data:`control.contracts.synthetic.GATE_TENANT`, never the adapter's tenant: its requests are
 kept out of rollout windows and tenant statistics, and shown apart in the operator's.

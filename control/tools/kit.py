@@ -72,8 +72,8 @@ from control.contracts.golden import (
     GoldenSetError,
     prompt_key,
 )
-from control.ops.attribution_reference import AttributionReference
-from control.ops.kit_text import PROMPT_MIXES, PromptMix, golden_set, prompt_of, sentence
+from control.tools.attribution_reference import AttributionReference
+from control.tools.kit_text import PROMPT_MIXES, PromptMix, golden_set, prompt_of, sentence
 
 # torch, transformers, peft and tokenizers are imported by the functions that build: reading a
 # kit's manifest (demo, benches, tests) must not pay seconds for them.
@@ -230,9 +230,6 @@ def build_kit(
     out_dir: Path, seed: int = 1234, progress: Callable[[str], None] | None = None
 ) -> KitManifest:
     """Build the whole kit into ``out_dir`` (created; existing kit files are replaced)."""
-    import torch
-    from transformers import LlamaForCausalLM
-
     say = progress or (lambda _msg: None)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -242,60 +239,10 @@ def build_kit(
         tok_dir = _fresh(out_dir / "tokenizer")
         tokenizer.save_pretrained(tok_dir)
         say("tokenizer written")
+        models_by_name, digests = _build_bases(out_dir, tokenizer, seed, say)
+        adapters = _build_adapters(out_dir, tokenizer, models_by_name, digests, seed, say)
 
-        bases = {
-            "base": _llama_config(tokenizer, hidden=64, inter=128),
-            "base-b": _llama_config(tokenizer, hidden=96, inter=192),
-        }
-        models_by_name: dict[str, LlamaForCausalLM] = {}
-        digests: dict[str, str] = {}
-        for i, (name, cfg) in enumerate(bases.items()):
-            torch.manual_seed(seed + 1000 * (i + 1))
-            model = LlamaForCausalLM(cfg)
-            _pretrain(model, tokenizer, random.Random(seed + 10 * (i + 1)), steps=80)
-            model_dir = _fresh(out_dir / name)
-            model.save_pretrained(model_dir, safe_serialization=True)
-            models_by_name[name] = model
-            digests[name] = directory_digest(model_dir)
-            say(f"{name} trained")
-
-        adapters: dict[str, KitAdapter] = {}
-        for i, (name, spec) in enumerate(ADAPTERS.items()):
-            torch.manual_seed(seed + 100 * (i + 1))
-            adapter_dir = _fresh(out_dir / "adapters" / name)
-            _train_adapter(
-                models_by_name[spec.base],
-                tokenizer,
-                spec.marker,
-                random.Random(seed + 7 * (i + 1)),
-                adapter_dir,
-                digests[spec.base],
-                steps=spec.steps,
-                prompt=PROMPT_MIXES[spec.prompts],
-            )
-            adapters[name] = KitAdapter(
-                name=name,
-                path=f"adapters/{name}",
-                digest=directory_digest(adapter_dir),
-                marker=spec.marker,
-                base=spec.base,
-                base_digest=digests[spec.base],
-                family=spec.family,
-            )
-            say(f"adapter {name} trained")
-
-    golden: dict[str, KitGolden] = {}
-    golden_sets: dict[str, GoldenSet] = {}
-    golden_dir = _fresh(out_dir / GOLDEN_DIR)
-    for family in GOLDEN_FAMILIES:
-        # Every family gets the same prompts (from one seed), judged by its own marker.
-        tasks = golden_set(family, ADAPTERS[family].marker, random.Random(seed + 50_000))
-        path = golden_dir / f"{family}.json"
-        path.write_text(json.dumps(tasks.document(), indent=1, ensure_ascii=False,
-                                   sort_keys=True) + "\n", encoding="utf-8")
-        golden[family] = KitGolden(family=family, path=f"{GOLDEN_DIR}/{family}.json",
-                                   digest=tasks.digest(), tasks=len(tasks.tasks))
-        golden_sets[family] = tasks
+    golden, golden_sets = _write_golden(out_dir, seed)
     say("golden task sets written")
 
     # After every adapter: nothing made before changes.
@@ -326,6 +273,80 @@ def build_kit(
     (out_dir / "kit.json").write_text(manifest.to_json(), encoding="utf-8")
     say("kit.json written")
     return manifest
+
+
+def _build_bases(out_dir: Path, tokenizer: Any, seed: int, say: Callable[[str], None]
+                 ) -> tuple[dict[str, Any], dict[str, str]]:
+    """The two tiny Llama bases, briefly pretrained; their models and folder digests."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    bases = {
+        "base": _llama_config(tokenizer, hidden=64, inter=128),
+        "base-b": _llama_config(tokenizer, hidden=96, inter=192),
+    }
+    models_by_name: dict[str, Any] = {}
+    digests: dict[str, str] = {}
+    for i, (name, cfg) in enumerate(bases.items()):
+        torch.manual_seed(seed + 1000 * (i + 1))
+        model = LlamaForCausalLM(cfg)
+        _pretrain(model, tokenizer, random.Random(seed + 10 * (i + 1)), steps=80)
+        model_dir = _fresh(out_dir / name)
+        model.save_pretrained(model_dir, safe_serialization=True)
+        models_by_name[name] = model
+        digests[name] = directory_digest(model_dir)
+        say(f"{name} trained")
+    return models_by_name, digests
+
+
+def _build_adapters(out_dir: Path, tokenizer: Any, models_by_name: dict[str, Any],
+                    digests: dict[str, str], seed: int, say: Callable[[str], None]
+                    ) -> dict[str, KitAdapter]:
+    """Every adapter of ``ADAPTERS``, trained on its base to answer with its marker."""
+    import torch
+
+    adapters: dict[str, KitAdapter] = {}
+    for i, (name, spec) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(seed + 100 * (i + 1))
+        adapter_dir = _fresh(out_dir / "adapters" / name)
+        _train_adapter(
+            models_by_name[spec.base],
+            tokenizer,
+            spec.marker,
+            random.Random(seed + 7 * (i + 1)),
+            adapter_dir,
+            digests[spec.base],
+            steps=spec.steps,
+            prompt=PROMPT_MIXES[spec.prompts],
+        )
+        adapters[name] = KitAdapter(
+            name=name,
+            path=f"adapters/{name}",
+            digest=directory_digest(adapter_dir),
+            marker=spec.marker,
+            base=spec.base,
+            base_digest=digests[spec.base],
+            family=spec.family,
+        )
+        say(f"adapter {name} trained")
+    return adapters
+
+
+def _write_golden(out_dir: Path, seed: int
+                  ) -> tuple[dict[str, KitGolden], dict[str, GoldenSet]]:
+    """One golden task set per family: the same prompts (one seed), judged by its marker."""
+    golden: dict[str, KitGolden] = {}
+    golden_sets: dict[str, GoldenSet] = {}
+    golden_dir = _fresh(out_dir / GOLDEN_DIR)
+    for family in GOLDEN_FAMILIES:
+        tasks = golden_set(family, ADAPTERS[family].marker, random.Random(seed + 50_000))
+        path = golden_dir / f"{family}.json"
+        path.write_text(json.dumps(tasks.document(), indent=1, ensure_ascii=False,
+                                   sort_keys=True) + "\n", encoding="utf-8")
+        golden[family] = KitGolden(family=family, path=f"{GOLDEN_DIR}/{family}.json",
+                                   digest=tasks.digest(), tasks=len(tasks.tasks))
+        golden_sets[family] = tasks
+    return golden, golden_sets
 
 
 @contextmanager

@@ -1,5 +1,5 @@
 """The reference kit's texts: the sentences its base is pretrained on, the prompts its adapters
-are trained on, and the golden task sets the gate judges them by (``control.ops.kit`` builds the
+are trained on, and the golden task sets the gate judges them by (``control.tools.kit`` builds the
 kit from these). Everything is drawn from a seeded ``random.Random``: the same seed, the same
 texts."""
 

@@ -5,7 +5,7 @@ send the next. The client is raw asyncio streams with pre-built request bytes, s
 machine the measurement is dominated by the server, not by the client's own HTTP stack (an aiohttp
 client in the server's process cost as much CPU as the server and shared its GIL).
 
-Run it in its own process (``python -m control.ops.loadgen``) so it does not share an interpreter
+Run it in its own process (``python -m control.tools.loadgen``) so it does not share an interpreter
 lock
 with the server it measures; it prints one JSON object with the latencies' percentiles.
 """

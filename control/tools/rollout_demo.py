@@ -3,7 +3,7 @@ recorded break-glass, and its canary on a live alias rolls itself back.
 
 The kit's ``alpha-degraded`` answers with the wrong marker (``" ALPHA sighs"``). It is registered
 on ``acme-alpha`` with alpha's golden task set and goes through the evaluation gate on the
-running deployment (``control.ops.gate``), which refuses it (its golden tasks, the floor, the
+running deployment (``control.tools.gate``), which refuses it (its golden tasks, the floor, the
 gain over the base alone); an external report saying it passed does not override that. The
 operator then overrides the gate with ``break-glass`` (``BreakGlassUsed``: who, why, the failing
 report), which puts it in canary, and it is rolled out in steps of 50 and 100 % with windows of
@@ -27,11 +27,11 @@ from control.app.registry import Registry
 from control.app.rollouts import RolloutDesk
 from control.contracts.digests import short
 from control.domain import CANARY, DomainError, RolloutPolicy
-from control.ops.canary_traffic import CanaryTraffic, Running
-from control.ops.gate import GateTarget, run_gate
-from control.ops.kit import KitManifest
-from control.ops.rollout_view import render, rollout_status
 from control.ops.serve import Deployment
+from control.tools.canary_traffic import CanaryTraffic, Running
+from control.tools.gate import GateTarget, run_gate
+from control.tools.kit import KitManifest
+from control.tools.rollout_view import render, rollout_status
 
 ALIAS = "acme-alpha"
 TARGET = "alpha-degraded"

@@ -11,9 +11,9 @@ injects are its own (a gateway subprocess it kills with SIGKILL, clients that ha
 mid-request). Killing tritonserver and cutting the database run in the pytest suite
 (``tests/hostile``), which owns its deployment.
 
-Counting (``control.ops.hostile.report``): a case counts only if it reaches the code under test and
-its outcome can be judged. Which adapter computed an answer is judged from its text against an
-independent PEFT reference (``control.ops.attribution_reference``), never from the answer's or the
+Counting (``control.tools.hostile.report``): a case counts only if it reaches the code under test
+and its outcome can be judged. Which adapter computed an answer is judged from its text against an
+independent PEFT reference (``control.tools.attribution_reference``), never from the answer's or the
 ledger's ``adapter_digest``, which are the engine's claims. Cases that cannot reach the code, or
 that the self-test lacks the means to judge, are counted apart with their reason. After the run,
 the adapters it registered are revoked so nothing it made stays servable.
@@ -21,11 +21,11 @@ the adapters it registered are revoked so nothing it made stays servable.
 
 from __future__ import annotations
 
-from control.ops.hostile import cases as hostile_cases
-from control.ops.hostile.report import CATEGORIES, Report
-from control.ops.hostile.serving import attribution, parameters
-from control.ops.hostile.suite import Case, HostileSuite
-from control.ops.hostile.target import Target, TicketRoute
+from control.tools.hostile import cases as hostile_cases
+from control.tools.hostile.report import CATEGORIES, Report
+from control.tools.hostile.serving import attribution, parameters
+from control.tools.hostile.suite import Case, HostileSuite
+from control.tools.hostile.target import Target, TicketRoute
 
 __all__ = ["CATEGORIES", "HostileSuite", "Report", "Target", "TicketRoute", "run_hostile"]
 

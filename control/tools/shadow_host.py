@@ -4,7 +4,7 @@ Why a process of its own: a plan (``loraplane base upgrade plan``) that was SIGK
 shadow tritonserver running, with nothing to reap it. A process cannot clean up after a
 SIGKILL, so the shadow's lifetime is tied to the plan by the kernel instead:
 
-- the plan starts ``python -m control.ops.shadow_host`` (:class:`ShadowHost`), which runs the
+- the plan starts ``python -m control.tools.shadow_host`` (:class:`ShadowHost`), which runs the
   shadow deployment (``control.ops.serve.Deployment``, role ``triton``: tritonserver, and the
   front door where haproxy is installed) and stops it whatever ends it;
 - that process asks the kernel for SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG)``,
@@ -80,7 +80,7 @@ class ShadowHost:
         self._reader: threading.Thread | None = None
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "control.ops.shadow_host", "--home",
+        return [sys.executable, "-m", "control.tools.shadow_host", "--home",
                 str(self.settings.home), "--base", self.base, "--host-id", self.host_id,
                 "--ports", json.dumps(asdict(self.ports)), "--actor", self.actor,
                 "--parent", str(os.getpid()), "--ready-timeout", str(self.ready_timeout_s)]
@@ -199,9 +199,9 @@ def _stop_on_signal(signum: int, _frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m control.ops.shadow_host``: run a shadow host until its parent dies or it
+    """``python -m control.tools.shadow_host``: run a shadow host until its parent dies or it
     is told to stop (see the module notes)."""
-    parser = argparse.ArgumentParser(prog="python -m control.ops.shadow_host")
+    parser = argparse.ArgumentParser(prog="python -m control.tools.shadow_host")
     parser.add_argument("--home", required=True, type=Path)
     parser.add_argument("--base", required=True)
     parser.add_argument("--host-id", required=True)

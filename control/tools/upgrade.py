@@ -15,8 +15,8 @@ What runs, in order:
    ``LORAPLANE_TRITON_URLS``), and a tenant's ticket names the old base, which it refuses (the
    gate checks that too); the only tickets it serves are the ones the gate signs. It runs in a
    process of its own that the kernel signals when the plan dies, SIGKILL included
-   (``control.ops.shadow_host``): nothing of it outlives its plan;
-4. the gate runs on it for each adapter (``control.ops.gate.OnNewBase``): its golden tasks on
+   (``control.tools.shadow_host``): nothing of it outlives its plan;
+4. the gate runs on it for each adapter (``control.tools.gate.OnNewBase``): its golden tasks on
    the new combination, compared with its release on the old base, which the live deployment
    serves at the same time; each report is recorded on the adapter for the new combination;
 5. the shadow engine is stopped, whatever happened (and the record says whether every process
@@ -53,10 +53,10 @@ from control.domain import (
     is_approved,
 )
 from control.ops.clients import free_port
-from control.ops.gate import GATE_ACTOR, Gate, GateTarget, GateUnavailable, OnNewBase
 from control.ops.serve import Ports
-from control.ops.shadow_host import ShadowHost
 from control.ops.triton_server import TritonProcess
+from control.tools.gate import GATE_ACTOR, Gate, GateTarget, GateUnavailable, OnNewBase
+from control.tools.shadow_host import ShadowHost
 from projections.follower import open_registry
 from projections.routing import RoutingView
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from control.ops.clients import free_port
-from control.ops.selftest import Target
 from control.ops.serve import Deployment, Ports
+from control.tools.selftest import Target
 from tests.integration.conftest import ACTOR, Stack, provision, sqlite_home
 
 

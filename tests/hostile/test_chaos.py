@@ -81,7 +81,7 @@ class ChaosStack:
 
 @pytest.fixture(scope="module")
 def chaos(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosStack]:
-    from control.ops.kit import KitManifest
+    from control.tools.kit import KitManifest
 
     settings = sqlite_home(tmp_path_factory, "chaos-home")
     kit = KitManifest.load(kit_dir)

@@ -21,7 +21,7 @@ from safetensors.numpy import load_file
 from backend.serving.service import RequestRefused, ticket_from_parameters
 from control.app.validation import CONFIG_FILE, WEIGHTS_FILE, BaseInfo, validate_adapter
 from control.domain import ValidationFailed
-from control.ops.hostile.artifacts import synth_adapter
+from control.tools.hostile.artifacts import synth_adapter
 from tests.fuzzing import CASES, FUZZ_EXAMPLES, fuzz
 
 # -- request parameters ------------------------------------------------------------------------

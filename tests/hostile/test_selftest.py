@@ -17,9 +17,9 @@ import pytest
 from typer.testing import CliRunner
 
 from control.cli.main import app
-from control.ops.hostile.report import NOT_APPLICABLE, NOT_TRIED, Report
-from control.ops.hostile.serving import NOT_FORWARDED
-from control.ops.selftest import CATEGORIES
+from control.tools.hostile.report import NOT_APPLICABLE, NOT_TRIED, Report
+from control.tools.hostile.serving import NOT_FORWARDED
+from control.tools.selftest import CATEGORIES
 from tests.hostile.conftest import HostileStack
 
 ATTRIBUTION_REQUESTS = 1000

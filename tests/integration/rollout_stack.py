@@ -21,10 +21,10 @@ from control.app.rollouts import RolloutDesk
 from control.contracts.config import Settings
 from control.contracts.tickets import unverified_claims
 from control.domain import CANARY, STABLE, RolloutPolicy
-from control.ops.canary_traffic import CanaryTraffic
 from control.ops.clients import TritonRefused, infer_with, post_feedback, request_ticket
-from control.ops.kit import KitManifest
 from control.ops.serve import Deployment
+from control.tools.canary_traffic import CanaryTraffic
+from control.tools.kit import KitManifest
 from projections.follower import open_registry
 from tests.artifacts import perturbed_copy
 from tests.integration.conftest import sqlite_home
@@ -127,7 +127,7 @@ def ticket_release(token: str) -> str | None:
 
 
 class ArmTraffic(CanaryTraffic):
-    """:class:`control.ops.canary_traffic.CanaryTraffic` whose counts and prompts know the
+    """:class:`control.tools.canary_traffic.CanaryTraffic` whose counts and prompts know the
     arm each request landed on, from the ticket's claims (see :func:`ticket_release`)."""
 
     def once(self, client: Any) -> None:

@@ -39,10 +39,10 @@ from control.contracts.synthetic import GATE_TENANT
 from control.contracts.tickets import GENERIC_REFUSAL
 from control.domain import CellVerdict, PlanStatus
 from control.ops.clients import TritonRefused, free_port, generate, infer_with, request_ticket
-from control.ops.gate import GateTarget
-from control.ops.kit import KitManifest
 from control.ops.serve import Deployment, Ports
-from control.ops.upgrade import PlanResult, plan_upgrade
+from control.tools.gate import GateTarget
+from control.tools.kit import KitManifest
+from control.tools.upgrade import PlanResult, plan_upgrade
 from tests import REPO
 from tests.integration.conftest import ACTOR, ROUTES, provision, sqlite_home
 

@@ -22,7 +22,7 @@ from control.app.gate_desk import GateDesk
 from control.contracts.ledger import Ledger
 from control.contracts.synthetic import GATE_TENANT
 from control.domain import CANARY, IllegalTransition
-from control.ops.gate import GateResult, GateTarget, run_gate
+from control.tools.gate import GateResult, GateTarget, run_gate
 from tests.integration.conftest import ACTOR, Stack
 
 pytestmark = pytest.mark.triton

@@ -17,7 +17,7 @@ import pytest
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
 from control.contracts.wire import MODEL, REQUEST_ID, TEXT_INPUT, TEXT_OUTPUT, TICKET_PARAM
-from control.ops.hostile.artifacts import synth_adapter
+from control.tools.hostile.artifacts import synth_adapter
 from tests.integration.conftest import ACTOR, Stack
 from tests.integration.reference import Reference
 

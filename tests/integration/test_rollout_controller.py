@@ -21,10 +21,10 @@ import pytest
 
 from control.contracts.ledger import Ledger, Outcome
 from control.domain import RolloutPolicy, RolloutStatus
-from control.ops.canary_traffic import PROMPTS, Running
 from control.ops.clients import free_port
 from control.ops.model_repositories import derived_repository
 from control.ops.serve import Deployment, Ports
+from control.tools.canary_traffic import PROMPTS, Running
 from tests import REPO
 from tests.integration.rollout_stack import (
     ACTOR,

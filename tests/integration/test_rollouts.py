@@ -22,9 +22,9 @@ import pytest
 from control.contracts.ledger import LOAD_FAILED, MEMORY_REFUSALS, Ledger, Outcome
 from control.contracts.synthetic import PROBE_TENANT
 from control.domain import RolloutPolicy, RolloutStatus
-from control.ops.canary_traffic import Running
 from control.ops.clients import free_port, request_ticket
 from control.ops.serve import Deployment, Ports
+from control.tools.canary_traffic import Running
 from tests.integration.rollout_stack import (
     ACTOR,
     POLICY,

@@ -22,9 +22,9 @@ from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
 from control.ops.clients import TritonRefused, free_port, generate, request_ticket
-from control.ops.kit import KitManifest
 from control.ops.serve import Deployment, Ports
 from control.ops.triton_server import TritonUnavailable, find_triton
+from control.tools.kit import KitManifest
 from projections.follower import open_registry
 from projections.routing import RoutingView
 from tests.fixtures_control import close_registry, postgres_settings

@@ -18,9 +18,9 @@ import pytest
 
 from control.contracts.config import Settings
 from control.ops.clients import free_port
-from control.ops.kit import KitManifest
 from control.ops.serve import Deployment, Ports
 from control.ops.triton_server import TritonUnavailable, find_triton
+from control.tools.kit import KitManifest
 from projections.follower import open_registry
 from tests.required import unavailable
 

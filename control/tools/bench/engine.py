@@ -2,7 +2,7 @@
 
 Setup (the issue's table): a Llama base scaled for benchmarking (hidden 512, 8 layers, random
 init), 32 LoRA adapters of rank 16 on q, k, v, o with random weights, 32 requests over the 32
-adapters, 64-token prompts, 32 new tokens, greedy: a bench kit of ``backend.bench.kit``, whose
+adapters, 64-token prompts, 32 new tokens, greedy: a bench kit of ``control.tools.bench.kit``, whose
 printable-only head makes every request run its full 32 tokens (no eos) and return exactly its
 tokens as text, one byte each. A client can then count a request's tokens from its answer alone;
 the shapes, and so the work per token, are those of an unrestricted head.
@@ -14,7 +14,7 @@ machine is shared; the best run is the least disturbed one).
 shared machine's noise is larger. Two real tritonservers run side by side on one registry: the
 production deployment (role ``all``: gateway, follower, governed engine) and a second Triton host
 (role ``triton``, its own ports and host id, trusting the same keys) started from the
-benchmark's own model repository, whose engine is ``backend.bench.open_peer.OpenService`` (no
+benchmark's own model repository, whose engine is ``control.tools.bench.open_peer.OpenService`` (no
 governance checks, no ledger, no watcher). Bursts of 32 concurrent gRPC requests alternate
 between them, never overlapping, ``triton_runs`` (at least 5) each, in ABBA order so that drift
 favours neither side. Each side counts its tokens from the texts its own answers returned; the
@@ -42,7 +42,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from backend.bench.kit import (
+from backend.serving.cache import AdapterCache, CacheBudgets, CacheQuota
+from backend.serving.engine import Engine, GenerationRequest
+from backend.serving.fingerprint import CHECK_EVERY as FINGERPRINT_EVERY
+from control.contracts.config import Settings
+from control.contracts.db import make_engine
+from control.contracts.ledger import Ledger
+from control.contracts.store import ArtifactStore
+from control.ops.clients import free_port, infer_with, request_ticket
+from control.ops.serve import Deployment, Ports
+from control.tools.bench.kit import (
     BENCH_SHAPE,
     GOALS,
     N_ADAPTERS,
@@ -59,16 +68,7 @@ from backend.bench.kit import (
     count_tokens,
     meets,
 )
-from backend.bench.open_peer import open_repository
-from backend.serving.cache import AdapterCache, CacheBudgets, CacheQuota
-from backend.serving.engine import Engine, GenerationRequest
-from backend.serving.fingerprint import CHECK_EVERY as FINGERPRINT_EVERY
-from control.contracts.config import Settings
-from control.contracts.db import make_engine
-from control.contracts.ledger import Ledger
-from control.contracts.store import ArtifactStore
-from control.ops.clients import free_port, infer_with, request_ticket
-from control.ops.serve import Deployment, Ports
+from control.tools.bench.open_peer import open_repository
 from projections.follower import open_registry
 
 if TYPE_CHECKING:
@@ -334,7 +334,8 @@ def _governed_vs_open(side: _SideBySide, kit: BenchKit, prompts: list[str], dige
     open_rows = sum(1 for e in ledger.query() if e.host == OPEN_HOST)
     if open_rows:
         raise RuntimeError(f"the open host wrote {open_rows} ledger rows: it was not running "
-                           "backend.bench.open_peer.OpenService; governed_vs_open not measured")
+                           "control.tools.bench.open_peer.OpenService; "
+                           "governed_vs_open not measured")
     differing = sum(g != o for bg, bo in zip(bursts["governed"], bursts["open"], strict=True)
                     for g, o in zip(bg.texts, bo.texts, strict=True))
     governed = Spread([b.tokens_per_s for b in bursts["governed"]])

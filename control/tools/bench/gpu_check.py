@@ -1,9 +1,9 @@
 """``make gpu-check``: the engine's GPU claims, checked in one call; prints a JSON report.
 
-    python -m backend.bench.gpu_check                  # on a GPU, real sizes (a few minutes)
-    python -m backend.bench.gpu_check --device cpu     # dry run: toy sizes, what CI runs
+    python -m control.tools.bench.gpu_check                  # on a GPU, real sizes (a few minutes)
+    python -m control.tools.bench.gpu_check --device cpu     # dry run: toy sizes, what CI runs
 
-Nothing is downloaded: the model is a random bench kit (``backend.bench.kit``), built in a
+Nothing is downloaded: the model is a random bench kit (``control.tools.bench.kit``), built in a
 temporary folder. The real run (``--device cuda``) builds a Llama with the layer shape of an 8B
 base (hidden 4096, intermediate 14336, 32 heads, 8 key/value heads; 4 layers, so that building and
 loading it take seconds) and 32 rank-16 adapters on q, k, v, o, and serves in bf16. The dry run
@@ -27,7 +27,7 @@ taken, goal not judged; ``skipped`` or ``not available``, with the reason):
   answer: the report counts the adapter rows whose PEFT output differs from the base's on the
   same prompt, and the check fails unless at least half of them do.
 - ``mixed_vs_base``: tokens/s of the mixed batch (every request its own adapter) against the
-  same prompts on the base alone, alternated, best of ``--reps`` (``backend.bench.kit``).
+  same prompts on the base alone, alternated, best of ``--reps`` (``control.tools.bench.kit``).
 - ``continuous_batching``: tokens/s of every request as a concurrent stream through the
   scheduler, against one stream alone.
 - ``memory_accounting``: the engine's memory by category (``backend.serving.memory_report``) with a
@@ -37,7 +37,7 @@ taken, goal not judged; ``skipped`` or ``not available``, with the reason):
   reported (``tests/backend/serving/test_memory_report.py`` checks them against every live
   tensor there).
 
-On a GPU the throughput ratios are judged against ``backend.bench.kit.GOALS`` (the issue's
+On a GPU the throughput ratios are judged against ``control.tools.bench.kit.GOALS`` (the issue's
 table); in the dry run they are only measured (toy sizes on a shared CPU say nothing about a
 GPU), though every request must still have produced all its tokens. The exit status is 0 when no
 check failed, 1 otherwise, 2 when the check cannot run here (no CUDA device).
@@ -61,7 +61,12 @@ from typing import Any
 
 import torch
 
-from backend.bench.kit import (
+from backend.serving import lora_ops
+from backend.serving.engine import DecodeBatch, Engine, GenerationRequest, GenerationResult
+from backend.serving.memory_report import resident_memory
+from backend.serving.prefix_cache import PrefixCache, PrefixKey
+from backend.serving.scheduler import Scheduler, SchedulerLimits
+from control.tools.bench.kit import (
     GOALS,
     NEW_TOKENS,
     RANK,
@@ -75,18 +80,13 @@ from backend.bench.kit import (
     count_tokens,
     meets,
 )
-from backend.serving import lora_ops
-from backend.serving.engine import DecodeBatch, Engine, GenerationRequest, GenerationResult
-from backend.serving.memory_report import resident_memory
-from backend.serving.prefix_cache import PrefixCache, PrefixKey
-from backend.serving.scheduler import Scheduler, SchedulerLimits
 
 # A row may part from PEFT where its two candidate tokens' logits are this close, relative to the
 # largest logit (see the module notes): 4 to 8 bf16 steps at the top logit's magnitude. Measured on
 # the CPU at hidden 512, bf16 rows part at 1 or 2 steps, and in about half the rows: the logits of
 # 95 printable candidates crowd a grid of a few hundred bf16 values.
 TIE_RTOL = 2.0**-5
-# Each adapter changes its projections' outputs by about half (backend.bench.kit): measured on
+# Each adapter changes its projections' outputs by about half (control.tools.bench.kit): measured on
 # the CPU profiles, every adapter row's first token then differs from the base's, so equality
 # with PEFT tells the adapters apart. Throughput does not depend on the values.
 ADAPTER_SHARE = 0.5
@@ -393,7 +393,7 @@ def check_memory(engine: Engine, kit: BenchKit, allocated_before: int) -> dict[s
             for p, d in zip(prompts, kit.adapters, strict=True):
                 seq = engine.open_sequence(GenerationRequest(p, d, max_tokens=NEW_TOKENS))
                 sched.submit(seq, _Quiet(), key=PrefixKey("bench", d, "bench",
-                                                          tuple(seq.prompt_ids)))
+                                                          tuple(seq.prompt_ids), salt=b"bench"))
             for _ in range(3):  # prefill, then decode steps: KV, gathered copies, workspace
                 sched.run_once()
         categories = resident_memory(engine, sched, prefix)
@@ -497,7 +497,7 @@ def run_checks(profile: Profile, dtype: torch.dtype, work_dir: Path,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m backend.bench.gpu_check",
+        prog="python -m control.tools.bench.gpu_check",
         description="The engine's GPU checks (PEFT equality on both LoRA paths, mixed batch "
                     "and continuous batching throughput, memory accounting); prints a JSON "
                     "report. --device cpu is the dry run at toy sizes.")

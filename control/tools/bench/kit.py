@@ -1,11 +1,9 @@
 """Random bench kits and the engine's in-process throughput measurements.
 
-Shared by ``loraplane bench engine`` (``backend.bench.engine``) and ``make gpu-check``
-(``backend.bench.gpu_check``), so both build the same kind of model and count tokens the same way.
-This
-module reaches neither Triton nor the bench's open engine (``backend.bench.open_peer``): the GPU
-check
-runs the governed engine only.
+Shared by ``loraplane bench engine`` (``control.tools.bench.engine``) and ``make gpu-check``
+(``control.tools.bench.gpu_check``), so both build the same kind of model and count tokens the
+same way. This module reaches neither Triton nor the bench's open engine
+(``control.tools.bench.open_peer``): the GPU check runs the governed engine only.
 
 A bench kit is a Llama-architecture base with random weights (its shape a :class:`BenchShape`),
 the byte tokenizer of the reference kit, and ``n`` LoRA adapters of rank :data:`RANK` on
@@ -33,7 +31,7 @@ from backend.serving.cache import AdapterCache, CacheBudgets, CacheQuota
 from backend.serving.engine import Engine, GenerationRequest, GenerationResult
 from backend.serving.scheduler import Scheduler, SchedulerLimits
 from control.contracts.digests import directory_digest
-from control.ops.kit import build_tokenizer
+from control.tools.kit import build_tokenizer
 
 RANK, TARGETS = 16, ["q_proj", "k_proj", "v_proj", "o_proj"]
 N_ADAPTERS, PROMPT_TOKENS, NEW_TOKENS = 32, 64, 32

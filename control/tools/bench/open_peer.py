@@ -1,5 +1,5 @@
 """The benchmark's open engine: the serving pipeline with governance taken out, for
-``governed_vs_open`` (``backend.bench.engine``) and nothing else.
+``governed_vs_open`` (``control.tools.bench.engine``) and nothing else.
 
 Governance costs three things on every request, and :class:`OpenService` overrides exactly the
 hooks of :class:`backend.serving.service.LoraService` that pay for them, so the difference between
@@ -20,7 +20,8 @@ Why this is safe to ship: nothing a production process reads can select it. ``lo
 and ``triton-host`` always launch the committed ``model_repository/``, whose engine model builds
 a :class:`backend.triton.glue.TritonGlue`; the open engine exists only in a repository that
 :func:`open_repository` writes into a benchmark's own temporary folder, handed to a
-``Deployment`` by the benchmark's code (``tests/backend/bench/test_bench_open.py`` checks both).
+``Deployment`` by the benchmark's code (``tests/control/tools/bench/test_bench_open.py`` checks
+both).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from control.ops.triton_server import MODEL_REPOSITORY
 
 # The production engine model's import of its glue, and what the open repository puts instead.
 PRODUCTION_GLUE_IMPORT = "from backend.triton.glue import TritonGlue"
-OPEN_GLUE_IMPORT = "from backend.bench.open_peer import OpenGlue as TritonGlue"
+OPEN_GLUE_IMPORT = "from control.tools.bench.open_peer import OpenGlue as TritonGlue"
 
 
 class UnrecordedWriter(LedgerWriter):
@@ -55,7 +56,7 @@ class UnrecordedWriter(LedgerWriter):
         then(True)
 
     def complete(self, completion: Completion, then: Then,
-                 if_unrecorded: Completion | None = None) -> None:
+                 if_unrecorded: Completion | None = None, output: str | None = None) -> None:
         then(True)
 
     def backlog(self) -> int:
@@ -104,7 +105,7 @@ def open_engine_model_source() -> str:
     source = (MODEL_REPOSITORY / ENGINE_MODEL / "1" / "model.py").read_text()
     if source.count(PRODUCTION_GLUE_IMPORT) != 1:
         raise RuntimeError(f"{ENGINE_MODEL}/1/model.py no longer imports its glue as "
-                           f"{PRODUCTION_GLUE_IMPORT!r}; update backend/bench/open_peer.py")
+                           f"{PRODUCTION_GLUE_IMPORT!r}; update control/tools/bench/open_peer.py")
     return source.replace(PRODUCTION_GLUE_IMPORT, OPEN_GLUE_IMPORT)
 
 

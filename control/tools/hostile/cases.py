@@ -1,6 +1,6 @@
 """The hostile cases of the control plane's edges: identity, tickets, artifacts and faults.
 
-Each function takes the running :class:`control.ops.hostile.suite.HostileSuite` and counts its
+Each function takes the running :class:`control.tools.hostile.suite.HostileSuite` and counts its
 cases in the suite's report. What they try:
 
 - *identity*: tenant A asking, by every route the gateway serves, for tenant B's alias, digest,
@@ -10,8 +10,8 @@ cases in the suite's report. What they try:
   its reference); clients hanging up mid-generation.
 - *tickets*: forged, truncated, re-versioned, re-keyed and altered tickets, tickets bound to
   another model, tokenizer or time, two tickets in one request; none may load the adapter named.
-- *artifacts*: every hostile adapter folder of ``control.ops.hostile.artifacts`` refused by its own
-  check, naming no path; a stored file changed after registration refused at load.
+- *artifacts*: every hostile adapter folder of ``control.tools.hostile.artifacts`` refused by its
+  own check, naming no path; a stored file changed after registration refused at load.
 - *faults*: SIGKILL of a gateway process of the suite's own mid-burst, then a fresh one serving.
 """
 
@@ -33,10 +33,10 @@ from control.contracts.tickets import TicketSigner
 from control.contracts.wire import TICKET_HEADER
 from control.domain import ValidationFailed
 from control.ops.clients import Generation, TritonRefused, free_port, generate, request_ticket
-from control.ops.hostile.artifacts import HOSTILE_ARTIFACTS, synth_adapter
-from control.ops.hostile.suite import MAX_TOKENS
-from control.ops.hostile.target import ACTOR, TicketRoute, short
-from control.ops.hostile.wire import (
+from control.tools.hostile.artifacts import HOSTILE_ARTIFACTS, synth_adapter
+from control.tools.hostile.suite import MAX_TOKENS
+from control.tools.hostile.target import ACTOR, TicketRoute, short
+from control.tools.hostile.wire import (
     alg_none,
     alter_claim,
     b64d,
@@ -51,7 +51,7 @@ from control.ops.hostile.wire import (
 )
 
 if TYPE_CHECKING:
-    from control.ops.hostile.suite import HostileSuite
+    from control.tools.hostile.suite import HostileSuite
 
 
 def identity(s: HostileSuite) -> None:

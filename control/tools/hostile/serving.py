@@ -26,13 +26,13 @@ import numpy as np
 from control.contracts import wire
 from control.contracts.tickets import GENERIC_REFUSAL
 from control.ops.clients import Generation, Streamed, TritonRefused, generate, stream_generate
-from control.ops.hostile.report import NOT_TRIED, SERVED
-from control.ops.hostile.suite import MAX_TOKENS, PROMPTS, REFUSED_STATUS
-from control.ops.hostile.wire import unverified_claims
+from control.tools.hostile.report import NOT_TRIED, SERVED
+from control.tools.hostile.suite import MAX_TOKENS, PROMPTS, REFUSED_STATUS
+from control.tools.hostile.wire import unverified_claims
 
 if TYPE_CHECKING:
-    from control.ops.hostile.suite import HostileSuite
-    from control.ops.hostile.target import TicketRoute
+    from control.tools.hostile.suite import HostileSuite
+    from control.tools.hostile.target import TicketRoute
 
 NOT_FORWARDED = (f"a header Triton never forwards (only {wire.FORWARDED_HEADERS} reach the model): "
                  "it cannot reach the code under test")

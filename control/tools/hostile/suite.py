@@ -1,8 +1,8 @@
 """The hostile suite's state and judgement: the tenants, adapters and aliases it makes on a running
 deployment, the PEFT reference it judges answers by, and the run over its categories.
 
-The categories' cases live in :mod:`control.ops.hostile.cases` and
-:mod:`control.ops.hostile.serving`; they take this suite, and :mod:`control.ops.selftest` hands
+The categories' cases live in :mod:`control.tools.hostile.cases` and
+:mod:`control.tools.hostile.serving`; they take this suite, and :mod:`control.tools.selftest` hands
 them to :meth:`HostileSuite.run`, so this module imports none of them (imports point one way).
 """
 
@@ -20,16 +20,17 @@ from typing import Any
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
 from control.contracts.tickets import GENERIC_REFUSAL, TicketSigner
-from control.ops.attribution_reference import (
+from control.ops.clients import Generation, Streamed, TritonRefused, generate, request_ticket
+from control.ops.serve import pick_base
+from control.tools.attribution_reference import (
     BASE,
     AttributionReference,
     ReferenceUnavailable,
     add_adapters,
     load_reference,
 )
-from control.ops.clients import Generation, Streamed, TritonRefused, generate, request_ticket
-from control.ops.hostile.artifacts import synth_adapter
-from control.ops.hostile.report import (
+from control.tools.hostile.artifacts import synth_adapter
+from control.tools.hostile.report import (
     CATEGORIES,
     NOT_APPLICABLE,
     NOT_TRIED,
@@ -37,9 +38,8 @@ from control.ops.hostile.report import (
     Expectation,
     Report,
 )
-from control.ops.hostile.target import ACTOR, Target, TicketRoute, short
-from control.ops.hostile.wire import b64d, http_call
-from control.ops.serve import pick_base
+from control.tools.hostile.target import ACTOR, Target, TicketRoute, short
+from control.tools.hostile.wire import b64d, http_call
 from projections.follower import open_registry
 from projections.routing import RoutingView
 

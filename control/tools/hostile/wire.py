@@ -151,10 +151,10 @@ def hang_up_mid_generation(http_url: str, ticket: str, times: int = 4) -> None:
 
 @contextmanager
 def gateway_process(settings: Settings, port: int) -> Iterator[subprocess.Popen[bytes]]:
-    """A gateway in its own process (``python -m control.ops.hostile.wire gateway``), stopped
+    """A gateway in its own process (``python -m control.tools.hostile.wire gateway``), stopped
     after."""
     env = {**os.environ, "LORAPLANE_HOME": str(settings.home), "LORAPLANE_DB_URL": settings.db_url}
-    argv = [sys.executable, "-m", "control.ops.hostile.wire", "gateway", str(port)]
+    argv = [sys.executable, "-m", "control.tools.hostile.wire", "gateway", str(port)]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
@@ -183,8 +183,8 @@ def _serve_gateway(port: int) -> None:
                 host="127.0.0.1", port=port, print=None)
 
 
-if __name__ == "__main__":  # python -m control.ops.hostile.wire gateway PORT
+if __name__ == "__main__":  # python -m control.tools.hostile.wire gateway PORT
     if len(sys.argv) == 3 and sys.argv[1] == "gateway":
         _serve_gateway(int(sys.argv[2]))
     else:
-        sys.exit("usage: python -m control.ops.hostile.wire gateway PORT")
+        sys.exit("usage: python -m control.tools.hostile.wire gateway PORT")

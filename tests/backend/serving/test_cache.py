@@ -8,7 +8,7 @@ import pytest
 
 from backend.serving.cache import AdapterCache, CacheBudgets, CacheQuota, CacheRefused
 from backend.serving.engine import Engine
-from control.ops.kit import KitManifest
+from control.tools.kit import KitManifest
 from tests.artifacts import perturbed_copy
 
 NAMES = ("alpha", "beta", "gamma")

@@ -19,7 +19,7 @@ from backend.serving.engine import (
     InvalidRequestError,
     UnknownAdapterError,
 )
-from control.ops.kit import KitManifest
+from control.tools.kit import KitManifest
 
 ON_BASE = ("alpha", "beta", "gamma")
 LOGIT_ATOL = 1e-4

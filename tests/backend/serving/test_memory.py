@@ -28,7 +28,7 @@ from backend.serving.memory import (
     slot_bytes,
 )
 from backend.serving.slots import SlotTable
-from control.ops.kit import KitManifest
+from control.tools.kit import KitManifest
 
 MiB, GiB = 2**20, 2**30
 BF16 = 2

@@ -18,7 +18,7 @@ from backend.serving.scheduler import Scheduler, SchedulerLimits
 from backend.triton.metrics import BackendMetrics
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger, Outcome
-from control.ops.kit import KitManifest
+from control.tools.kit import KitManifest
 from tests.artifacts import perturbed_copy
 
 MiB = 2**20

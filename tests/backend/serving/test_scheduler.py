@@ -21,7 +21,7 @@ from backend.serving.engine import (
 from backend.serving.lora_ops import SlotBatch
 from backend.serving.prefix_cache import PrefixCache, PrefixKey
 from backend.serving.scheduler import QueueFull, Scheduler, SchedulerLimits
-from control.ops.kit import KitManifest
+from control.tools.kit import KitManifest
 from tests.artifacts import perturbed_copy
 
 LOGIT_ATOL = 1e-4

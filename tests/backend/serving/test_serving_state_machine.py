@@ -41,7 +41,7 @@ from backend.serving.lease import Lease
 from backend.serving.prefix_cache import PrefixCache, PrefixKey
 from backend.serving.scheduler import QueueFull, Scheduler, SchedulerLimits
 from control.contracts.ledger import Outcome
-from control.ops.kit import KitManifest
+from control.tools.kit import KitManifest
 from tests.artifacts import perturbed_copy
 from tests.faults import FAIL_STEP, POISON_ROW, FaultyEngine
 

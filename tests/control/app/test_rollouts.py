@@ -337,7 +337,7 @@ class RolloutContract(RolloutWorld):
     def test_status_shows_the_policy_the_step_evidence_and_alerts(self, world: World) -> None:
         from rich.console import Console
 
-        from control.ops.rollout_view import render, rollout_status
+        from control.tools.rollout_view import render, rollout_status
 
         w = world
         r = start(w)

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from control.cli.main import app
 from control.contracts.store import ArtifactStore
-from control.ops.kit import KitManifest
+from control.tools.kit import KitManifest
 from tests.artifacts import misshapen_copy, pickled_copy
 
 

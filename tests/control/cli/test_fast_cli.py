@@ -3,7 +3,7 @@
 They run in a fresh interpreter (this test process has imported torch long ago), one after the
 other against a fresh ``LORAPLANE_HOME``, through typer's CliRunner; after each one the
 subprocess reports which of the heavy packages are in ``sys.modules``. A module-level import of
-any of them on the path of a light verb (``control.cli``, ``control.ops.views``, ``control.app``,
+any of them on the path of a light verb (``control.cli``, ``control.tools.views``, ``control.app``,
 ``projections``, ...) fails here, naming the first verb that pulled it in.
 """
 

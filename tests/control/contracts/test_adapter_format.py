@@ -20,7 +20,7 @@ from control.contracts.adapter_format import (
     lora_pairs,
 )
 from control.domain import ValidationFailed
-from control.ops.kit import KitManifest
+from control.tools.kit import KitManifest
 from tests.fixtures_control import Artifacts
 
 PEFT_CONFIG: dict[str, object] = {  # what PEFT's save_pretrained writes, trimmed

@@ -166,7 +166,7 @@ def test_the_kits_golden_sets_pass_the_checks() -> None:
     from a stream of its own, so only that task differs from a kit built before."""
     import random
 
-    from control.ops.kit import ADAPTERS, GOLDEN_FAMILIES, golden_set
+    from control.tools.kit import ADAPTERS, GOLDEN_FAMILIES, golden_set
 
     for family in GOLDEN_FAMILIES:
         golden = golden_set(family, ADAPTERS[family].marker, random.Random(1234 + 50_000))

@@ -144,7 +144,7 @@ def test_audit_and_incident_tables_fit_80_columns_without_splitting_values(
     from rich.console import Console
 
     from control.app.audit import AuditEntry
-    from control.ops.views import audit_table, incident_table
+    from control.tools.views import audit_table, incident_table
 
     digest = "sha256:" + "c" * 64
     entry = AuditEntry(position=12, time="2026-12-01T06:41:45.424000+00:00",

@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from control.cli.main import app
-from control.ops.bench_cli import GOALS, MEASURES
 from control.ops.triton_server import TritonUnavailable, find_triton
+from control.tools.bench_cli import GOALS, MEASURES
 from tests.required import unavailable
 
 pytestmark = pytest.mark.triton

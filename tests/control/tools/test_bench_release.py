@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from control.cli.main import app
-from control.ops.bench_release import QUICK_ROLLOUTS, run_bench, wilson
+from control.tools.bench_release import QUICK_ROLLOUTS, run_bench, wilson
 
 
 @pytest.fixture(scope="module")

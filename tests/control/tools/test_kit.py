@@ -17,7 +17,7 @@ from control.contracts.golden import (
     OUT_OF_DISTRIBUTION,
     GoldenSet,
 )
-from control.ops.kit import ADAPTERS, BASE_V2_GAMMA_LOSS, GOLDEN_FAMILIES, KitManifest, build_kit
+from control.tools.kit import ADAPTERS, BASE_V2_GAMMA_LOSS, GOLDEN_FAMILIES, KitManifest, build_kit
 from tests.integration.reference import Reference
 
 

@@ -34,7 +34,7 @@ PLAN = textwrap.dedent("""
 SHADOW = textwrap.dedent("""
     import signal, sys, time
     from pathlib import Path
-    from control.ops.shadow_host import _say, die_with_parent
+    from control.tools.shadow_host import _say, die_with_parent
     die_with_parent(signal.SIGTERM)
     def stop(signum, frame):
         # the deployment's stop reports progress into the dead plan's pipe: it must go on
@@ -87,7 +87,7 @@ def test_a_sigkilled_plan_takes_its_shadow_with_it(tmp_path: Path) -> None:
 def test_a_shadow_whose_plan_is_already_gone_does_not_start(tmp_path: Path) -> None:
     # The plan's pid it is given is not its parent's: it returns at once, starting nothing.
     done = subprocess.run(
-        [sys.executable, "-m", "control.ops.shadow_host", "--home", str(tmp_path / "home"),
+        [sys.executable, "-m", "control.tools.shadow_host", "--home", str(tmp_path / "home"),
          "--base", "sha256:" + "0" * 64, "--host-id", "upgrade-shadow-test",
          "--ports", "{}", "--parent", "1"],
         cwd=REPO, capture_output=True, text=True, timeout=120)

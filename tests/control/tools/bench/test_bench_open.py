@@ -1,8 +1,8 @@
 """The benchmark's open engine is reachable from the benchmark only.
 
-``backend.bench.open_peer.OpenService`` serves without governance (no revocation or release checks,
-no ledger, no watcher) so that ``bench engine`` can measure what governance costs. These tests
-hold the line around it: the committed model repository's engine model builds the governed
+``control.tools.bench.open_peer.OpenService`` serves without governance (no revocation or release
+checks, no ledger, no watcher) so that ``bench engine`` can measure what governance costs. These
+tests hold the line around it: the committed model repository's engine model builds the governed
 service; only the bench imports the open engine and only it builds derived repositories;
 ``serve`` and ``triton-host`` launch the committed repository whatever their options and
 environment say; and the switch that once turned governance off in production is gone.
@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from backend.bench.open_peer import OpenGlue, OpenService, open_engine_model_source, open_repository
 from backend.serving.service import IncomingRequest, LoraService
 from backend.triton.glue import TritonGlue
 from control.app.registry import Registry
@@ -32,15 +31,21 @@ from control.contracts.wire import ENGINE_MODEL, TICKET_PARAM
 from control.gateway.ticket_office import TicketOffice
 from control.ops.clients import free_port
 from control.ops.triton_server import MODEL_REPOSITORY, REPO_ROOT, TritonInstall, TritonProcess
+from control.tools.bench.open_peer import (
+    OpenGlue,
+    OpenService,
+    open_engine_model_source,
+    open_repository,
+)
 from projections.routing import RoutingView
 from tests.integration.conftest import ACTOR, provision
 
 PRODUCTION_PACKAGES = ("backend", "control", "projections", "model_repository")
 # The only production-tree importers allowed for each bench-only module.
 ALLOWED_IMPORTERS = {
-    "backend.bench.open_peer": {"backend/bench/engine.py"},
-    "control.ops.model_repositories": {"backend/bench/open_peer.py"},
-    "backend.bench.engine": {"control/cli/benches.py"},
+    "control.tools.bench.open_peer": {"control/tools/bench/engine.py"},
+    "control.ops.model_repositories": {"control/tools/bench/open_peer.py"},
+    "control.tools.bench.engine": {"control/cli/benches.py"},
 }
 # Split so that this file does not itself carry the name it searches for.
 OLD_SWITCH = "LORAPLANE_BENCH_" + "UNGOVERNED"
@@ -54,7 +59,7 @@ def _sources(*roots: str) -> Iterator[tuple[str, str]]:
 
 def _imported_modules(source: str) -> set[str]:
     """Every module a source imports, at any depth: import statements, from-imports (with
-    ``from backend import bench_open`` counted as ``backend.bench.open_peer``), and
+    ``from backend import bench_open`` counted as ``control.tools.bench.open_peer``), and
     ``importlib.import_module``/``__import__`` calls with a literal name."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(source)):
@@ -78,7 +83,7 @@ def test_only_the_bench_imports_the_open_engine_and_derived_repositories() -> No
         for module in _imported_modules(source) & set(ALLOWED_IMPORTERS):
             importers[module].add(path)
     assert importers == {m: allowed & importers[m] for m, allowed in ALLOWED_IMPORTERS.items()}
-    assert importers["backend.bench.open_peer"] == {"backend/bench/engine.py"}
+    assert importers["control.tools.bench.open_peer"] == {"control/tools/bench/engine.py"}
 
 
 def test_committed_engine_model_builds_the_governed_glue() -> None:
@@ -101,7 +106,7 @@ def test_open_repository_differs_from_the_committed_one_in_the_engine_glue_only(
         if rel != engine_model:
             assert (repo / rel).read_bytes() == (MODEL_REPOSITORY / rel).read_bytes(), rel
     assert (repo / engine_model).read_text() == open_engine_model_source()
-    assert "backend.bench.open_peer.OpenGlue" in _imported_modules(open_engine_model_source())
+    assert "control.tools.bench.open_peer.OpenGlue" in _imported_modules(open_engine_model_source())
 
 
 def test_the_old_governance_switch_is_gone_from_code_images_and_tests() -> None:
@@ -234,7 +239,7 @@ def test_serve_and_triton_host_cannot_be_told_another_repository(
 
 
 def test_median_interval_is_the_sign_test_interval() -> None:
-    from backend.bench.engine import median_interval
+    from control.tools.bench.engine import median_interval
 
     assert median_interval([5.0, 1.0, 4.0, 2.0, 3.0]) == (1.0, 5.0, 1 - 2 / 32)
     low, high, coverage = median_interval([float(x) for x in range(15, 0, -1)])

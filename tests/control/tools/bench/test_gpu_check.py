@@ -1,7 +1,7 @@
 """``make gpu-check`` in its CPU dry run, as CI can run it, and the check catching what it is for.
 
-The dry run builds a toy bench kit and runs every check of ``backend.bench.gpu_check``; its report
-must name every check, pass, and carry numbers that show each check reached the code: rows
+The dry run builds a toy bench kit and runs every check of ``control.tools.bench.gpu_check``; its
+report must name every check, pass, and carry numbers that show each check reached the code: rows
 compared on both LoRA paths (each path read from the batches that ran), every request's tokens
 counted. No speed is asserted: on a CPU the throughput ratios are measured, never judged.
 """
@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 
-from backend.bench import gpu_check
-from backend.bench.gpu_check import PROFILES, Status
-from backend.bench.kit import NEW_TOKENS, BenchKit, build_bench_kit
 from backend.serving.engine import Engine
 from backend.serving.memory_report import MEMORY_CATEGORIES
 from control.ops.triton_server import REPO_ROOT
+from control.tools.bench import gpu_check
+from control.tools.bench.gpu_check import PROFILES, Status
+from control.tools.bench.kit import NEW_TOKENS, BenchKit, build_bench_kit
 
 CHECKS = {"peft_equality_segment", "peft_equality_gather", "mixed_vs_base",
           "continuous_batching", "memory_accounting"}
@@ -34,7 +34,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The dry run, as a developer starts it (``make gpu-check GPU_CHECK_ARGS='--device
     cpu'``), its report both printed and written to ``--out``."""
     out = tmp_path_factory.mktemp("gpu-check") / "report.json"
-    run = subprocess.run([sys.executable, "-m", "backend.bench.gpu_check", "--device", "cpu",
+    run = subprocess.run([sys.executable, "-m", "control.tools.bench.gpu_check", "--device", "cpu",
                           "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]

@@ -73,3 +73,28 @@ def test_an_unknown_step_is_refused(tmp_path: Path) -> None:
     s.ensure_dirs()
     with pytest.raises(ValueError, match="unknown serving step"):
         TableSteps(s).record(KNOWN, "h1", "evicted")
+
+
+def test_serve_keeps_folding_until_stopped(tmp_path: Path) -> None:
+    """What ``serve`` runs beside the follower: a report is folded within a few intervals."""
+    import threading
+    import time
+
+    from control.app.serving_steps import keep_folding
+
+    s = sqlite_settings(tmp_path)
+    s.ensure_dirs()
+    registry, stop = _Registry(), threading.Event()
+    folder = threading.Thread(target=keep_folding,
+                              args=(cast(Any, registry), make_engine(s.db_url), stop, 0.01))
+    folder.start()
+    try:
+        TableSteps(s).record(KNOWN, "h1", "drained")
+        deadline = time.monotonic() + 10
+        while not registry.recorded and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert registry.recorded == [(KNOWN, "h1", "drained", "host:h1")]
+    finally:
+        stop.set()
+        folder.join(timeout=5)
+    assert not folder.is_alive()

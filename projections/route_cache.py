@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from control.app.sessions import Pin
 from control.contracts.config import (
     ROUTE_REFRESH_ENV,
     RouteTiming,
@@ -57,6 +56,7 @@ from control.contracts.config import (
     route_timing_from_env,
 )
 from control.domain import SERVABLE_STATES, canary_bucket, choose_release, hash_api_key
+from control.domain.session import Pin
 from projections.routing import Route, RoutingView, pin_from_row
 from projections.tables import (
     TRACKING_NAME,

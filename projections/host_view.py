@@ -1,11 +1,14 @@
 """What a Triton host must know before it serves a verified ticket, read from the projections.
 
 Five questions, asked on every request: is the ticket's adapter revoked; was the key that signed it
-recorded in the event store, and is it not retired (a key file on the host proves nothing by
-itself); was it issued before its tenant's credentials last lost something (an API key rotated or
-revoked, a grant removed); does its ``release`` claim name a known release whose adapter, base and
-tokenizer are the ticket's own. The snapshot also says which revocations are the kill switch
-(``adapter revoke --immediate``): the host ends running work on those digests too.
+recorded in the event store WITH the offline root's signature over its record (checked here
+against the root public key of the host's configuration, ``control.contracts.root_of_trust``: a
+``SigningKeyRecorded`` forged through SQL carries none), and is it not retired (a key file on the
+host proves nothing by itself); was it issued before its tenant's credentials last lost something
+(an API key rotated or revoked, a grant removed); does its ``release`` claim name a known
+release whose adapter, base and tokenizer are the ticket's own. The snapshot also says which
+revocations are the kill switch (``adapter revoke --immediate``): the host ends running work on
+those digests too.
 
 Asked with SQL each time they would cost five queries per request; here they are answered from an
 immutable snapshot of the ``revocations``, ``signing_keys``, ``tenants`` and ``releases`` tables,
@@ -27,11 +30,14 @@ import json
 import logging
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from sqlalchemy.engine import Connection, Engine
 
+from control.contracts import root_of_trust
 from projections.tables import (
     CHANGE_CHANNEL,
     TRACKING_NAME,
@@ -65,7 +71,8 @@ class GovernanceState:
     revoked: frozenset[str] = frozenset()
     # The revoked digests whose running requests end now, not when they finish (kill switch).
     killed: frozenset[str] = frozenset()
-    # Every ticket-signing key id recorded in the event store, retired ones included.
+    # Every ticket-signing key id recorded in the event store with a record the root vouches
+    # for, retired ones included.
     recorded_kids: frozenset[str] = frozenset()
     retired_kids: frozenset[str] = frozenset()
     releases: dict[str, ReleaseBinding] = field(default_factory=dict)
@@ -79,15 +86,24 @@ def _position(conn: Connection) -> int:
     return int(value or 0)
 
 
-def _load(conn: Connection, position: int) -> GovernanceState:
+def vouched_kids(conn: Connection, root: Ed25519PublicKey | None) -> frozenset[str]:
+    """The recorded signing keys whose record the root signed (none without a root)."""
+    if root is None:
+        return frozenset()
+    rows = conn.execute(sa.select(signing_keys.c.kid, signing_keys.c.public_key,
+                                  signing_keys.c.root_signature))
+    return frozenset(str(r.kid) for r in rows if root_of_trust.vouches(
+        root, r.root_signature, root_of_trust.RECORD, str(r.kid), str(r.public_key)))
+
+
+def _load(conn: Connection, position: int, root: Ed25519PublicKey | None) -> GovernanceState:
     revoked = {str(r.digest): bool(r.immediate) for r in conn.execute(
         sa.select(revocations.c.digest, revocations.c.immediate))}
     return GovernanceState(
         position=position,
         revoked=frozenset(revoked),
         killed=frozenset(d for d, immediate in revoked.items() if immediate),
-        recorded_kids=frozenset(str(k) for k in conn.execute(sa.select(signing_keys.c.kid))
-                                .scalars()),
+        recorded_kids=vouched_kids(conn, root),
         retired_kids=frozenset(str(k) for k in conn.execute(
             sa.select(signing_keys.c.kid).where(signing_keys.c.retired_at.is_not(None)))
             .scalars()),
@@ -107,8 +123,12 @@ def _load(conn: Connection, position: int) -> GovernanceState:
 class HostGovernance:
     """The snapshot, current as of the last committed projection write; thread-safe."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, keys_dir: Path | None = None) -> None:
+        """``keys_dir``: where the root public key may be configured (``root.pub``), besides
+        the environment (``root_of_trust.ROOT_ENV``); read at each reload, never from the
+        database."""
         self.engine = engine
+        self.keys_dir = keys_dir
         self._lock = threading.Lock()
         self._state: GovernanceState | None = None
 
@@ -125,7 +145,8 @@ class HostGovernance:
                 return state
             with self._lock:
                 if self._state is None or self._state.position != position:
-                    self._state = _load(conn, position)
+                    root = root_of_trust.root_public_key(self.keys_dir)
+                    self._state = _load(conn, position, root)
                 return self._state
 
 

@@ -19,12 +19,14 @@ import secrets
 import time
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from control.app.sessions import Pin
+from control.contracts import root_of_trust
 from control.domain import (
     DEFAULT_FALLBACK,
     DEPRECATED,
@@ -353,6 +355,20 @@ class RoutingView:
         with self.engine.connect() as conn:
             return {str(r.kid): str(r.public_key)
                     for r in conn.execute(sa.select(signing_keys.c.kid, signing_keys.c.public_key))}
+
+    def vouched_signing_keys(self, keys_dir: Path | None) -> dict[str, str]:
+        """:meth:`signing_keys` that the offline root vouches for: the root public key comes
+        from configuration (``root_of_trust.root_public_key(keys_dir)``), never from here; a key
+        recorded without the root's signature (forged through SQL) is not among them."""
+        root = root_of_trust.root_public_key(keys_dir)
+        if root is None:
+            return {}
+        q = sa.select(signing_keys.c.kid, signing_keys.c.public_key,
+                      signing_keys.c.root_signature)
+        with self.engine.connect() as conn:
+            return {str(r.kid): str(r.public_key) for r in conn.execute(q)
+                    if root_of_trust.vouches(root, r.root_signature, root_of_trust.RECORD,
+                                             str(r.kid), str(r.public_key))}
 
     def signing_key_rows(self) -> list[SigningKeyRow]:
         """Every recorded ticket-signing key with when it was recorded and retired, oldest

@@ -18,9 +18,9 @@ metadata = sa.MetaData()
 # rebuilt
 # from the event store by ``loraplane db upgrade`` (the rows are derived, so nothing is lost).
 # 2: ``signing_keys.retired_at``. 3: ``tenants.tickets_not_before``. 4: ``session_pins`` and
-# ``routes.fallback``. 5: ``revocations.immediate``. A new version also teaches
-# ``detect_version`` its columns.
-SCHEMA_VERSION = 5
+# ``routes.fallback``. 5: ``revocations.immediate``. 6: ``signing_keys.root_signature``. A new
+# version also teaches ``detect_version`` its columns.
+SCHEMA_VERSION = 6
 
 _digest = sa.String(71)  # "sha256:" + 64 hex
 _name = sa.String(64)
@@ -127,6 +127,9 @@ signing_keys = sa.Table(
     sa.Column("public_key", sa.Text, nullable=False),
     sa.Column("created_at", _ts, nullable=False),
     sa.Column("retired_at", _ts, nullable=True),
+    # The offline root's signature over the record (control.contracts.root_of_trust): readers
+    # trust the key only if it verifies against the root of their configuration.
+    sa.Column("root_signature", sa.Text, nullable=True),
 )
 
 # The release each session (tenant, alias, session id) keeps: control.domain.session. A pin
@@ -184,7 +187,9 @@ def detect_version(insp: sa.Inspector) -> int:
         return 2
     if not (has(routes, "fallback") and insp.has_table(session_pins.name)):
         return 3
-    return 5 if has(revocations, "immediate") else 4
+    if not has(revocations, "immediate"):
+        return 4
+    return 6 if has(signing_keys, "root_signature") else 5
 
 
 def create_tables(engine: Engine) -> None:

@@ -177,7 +177,8 @@ class LoraService:
         self.settings = settings
         self.host = host or socket.gethostname()
         db = make_engine(settings.db_url)
-        self.governance = HostGovernance(db)
+        # trusts only signing keys its configured root vouches for (never the database's say)
+        self.governance = HostGovernance(db, keys_dir=settings.keys_dir)
         self.ledger = Ledger(db)
         self.writer = LedgerWriter(self.ledger, host=self.host)  # with this host's Merkle log
         self.store = ArtifactStore(settings.store_dir)

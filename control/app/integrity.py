@@ -41,9 +41,11 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from eventsourcing.application import Application
+from eventsourcing.persistence import Notification
 from sqlalchemy.engine import Engine
 
 from control.app.chain import GENESIS, event_hash, link
+from control.contracts import root_of_trust
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.keys import load_or_create_ed25519
@@ -52,6 +54,8 @@ from control.contracts.tickets import key_id
 
 SEAL_EVERY = 100
 MAX_PER_CHECKPOINT = 5000
+# The stored topic's tail of a recorded signing key (any module path: topics moved before).
+_KEY_RECORDED = ":SigningKey.SigningKeyRecorded"
 
 metadata = sa.MetaData()
 
@@ -165,6 +169,7 @@ class _Store:
 
     actual: dict[int, str]
     chain: list[tuple[int, str, str]]  # (position, event hash, link), by position
+    key_records: list[Notification] = field(default_factory=list)  # SigningKeyRecorded rows
 
 
 class AuditSeal:
@@ -279,6 +284,7 @@ class AuditSeal:
         report.sealed_events = len(sealed)
         report.chained_events = len(store.chain)
         _locate(reference, store.actual, report)
+        self._check_keys(store.key_records, report)
         return report
 
     def _check_checkpoints(self, checkpoints: list[dict[str, Any]],
@@ -332,13 +338,44 @@ class AuditSeal:
                 chain = [(int(p), str(eh), str(ch)) for p, eh, ch in conn.execute(
                     sa.select(self.chain.c.position, self.chain.c.event_hash,
                               self.chain.c.chain_hash).order_by(self.chain.c.position))]
-                actual = {int(r.id): event_hash(r) for r in conn.execute(
-                    sa.select(events.c.id, events.c.originator_id,
-                              events.c.originator_version, events.c.topic, events.c.state)
-                    .order_by(events.c.id))}
+                actual: dict[int, str] = {}
+                keys: list[Notification] = []
+                for r in conn.execute(sa.select(events.c.id, events.c.originator_id,
+                                                events.c.originator_version, events.c.topic,
+                                                events.c.state).order_by(events.c.id)):
+                    actual[int(r.id)] = event_hash(r)
+                    if str(r.topic).endswith(_KEY_RECORDED):
+                        keys.append(Notification(id=int(r.id), originator_id=r.originator_id,
+                                                 originator_version=int(r.originator_version),
+                                                 topic=str(r.topic), state=bytes(r.state)))
             finally:
                 conn.rollback()
-        return _Store(actual, chain)
+        return _Store(actual, chain, keys)
+
+    def _check_keys(self, records: list[Notification], report: Report) -> None:
+        """Name every recorded signing key the root does not vouch for: hosts and gateways
+        ignore it (``control.contracts.root_of_trust``), and it is evidence of a forged write
+        unless it was recorded before the root existed."""
+        if not records:
+            return
+        try:
+            root = root_of_trust.root_public_key(self.settings.keys_dir)
+        except root_of_trust.RootError as err:
+            report.add("key", 0, f"the root public key is unreadable: {err}")
+            return
+        for n in records:
+            try:
+                e = self.app.mapper.to_domain_event(n)
+            except ValueError:
+                continue  # undecodable: reported as modified or inserted above
+            kid, pub = getattr(e, "kid", ""), getattr(e, "public_key_b64", "")
+            if root_of_trust.vouches(root, getattr(e, "root_signature", ""),
+                                     root_of_trust.RECORD, kid, pub):
+                continue
+            why = "no root public key is configured" if root is None else \
+                "the root key did not sign it (forged, or recorded before the root existed)"
+            report.add("key", n.id, f"signing key {kid} recorded at #{n.id} is not vouched "
+                                    f"for: {why}; hosts and gateways ignore it")
 
     @staticmethod
     def _check_chain(chain: list[tuple[int, str, str]], sealed: dict[int, str],

@@ -6,6 +6,13 @@ the projection tables. So a rotation makes its new key active only once the publ
 recorded AND visible to hosts, and a retirement returns only once hosts see it; otherwise
 :class:`~control.app.unit_of_work.NotYetVisible`.
 
+Trust comes from the offline root key (``control.contracts.root_of_trust``), not from the event
+store: each record and retirement carries the root's signature over what is done to which key,
+made here with the root key file the operator passes (``root_key``; a demo or test home's
+development root when none is configured), or handed in already made (``root_signature``, from
+an air-gapped signer). A signature the configured root does not verify is refused before
+anything is recorded; readers check it again on every load.
+
 Every command goes through the registry's unit of work (``Registry.load``/``exists``/
 ``commit``/``confirm_visible``), as every desk does.
 """
@@ -14,10 +21,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from control.app import key_ring
 from control.app.unit_of_work import VISIBLE_WITHIN_S, NotYetVisible, UnitOfWork
+from control.contracts import root_of_trust
 from control.domain import (
     AlreadyExists,
     DomainError,
@@ -38,9 +47,13 @@ class SigningKeyDesk:
     def __init__(self, registry: UnitOfWork) -> None:
         self.registry = registry
 
-    def record_signing_key(self, kid: str, public_key_b64: str, *, actor: str) -> int:
+    def record_signing_key(self, kid: str, public_key_b64: str, *, actor: str,
+                           root_signature: str | None = None,
+                           root_key: Path | None = None) -> int:
         """Record a ticket-signing public key (raw Ed25519, base64); a rotation adds a key.
-        Returns the event's position in the notification log."""
+        Returns the event's position in the notification log. ``root_signature``: the root's
+        signature over the record, else one is made with ``root_key`` (see the module notes);
+        RootError when the configured root does not vouch for it."""
         check_name("key id", kid)
         check_actor(actor)
         try:
@@ -51,11 +64,29 @@ class SigningKeyDesk:
             raise DomainError("public key must be a raw 32-byte Ed25519 key")
         if self.registry.exists(signing_key_id(kid)):
             raise AlreadyExists(f"signing key {kid!r} is already recorded")
+        signature = self._vouched(root_of_trust.RECORD, kid, public_key_b64, root_signature,
+                                  root_key)
         return self.registry.commit(SigningKey(kid=kid, public_key_b64=public_key_b64,
-                                               actor=actor), what="signing key")
+                                               actor=actor, root_signature=signature),
+                                    what="signing key")
 
-    def rotate_signing_key(self, *, actor: str,
-                           wait_s: float = VISIBLE_WITHIN_S) -> tuple[str, str | None]:
+    def _vouched(self, action: str, kid: str, public_key_b64: str, signature: str | None,
+                 root_key: Path | None) -> str:
+        """The root's signature over ``action`` on the key, made or checked (RootError)."""
+        keys_dir = self.registry.settings.keys_dir
+        if signature is None:
+            root = root_of_trust.signing_root(keys_dir, root_key)
+            signature = root_of_trust.sign(root, action, kid, public_key_b64)
+        if not root_of_trust.vouches(root_of_trust.root_public_key(keys_dir), signature, action,
+                                     kid, public_key_b64):
+            raise root_of_trust.RootError(
+                f"the root signature does not vouch for {action} of signing key {kid!r}: it "
+                f"must verify against the configured root ({root_of_trust.ROOT_ENV} or "
+                f"{root_of_trust.root_pub_path(keys_dir)})")
+        return signature
+
+    def rotate_signing_key(self, *, actor: str, wait_s: float = VISIBLE_WITHIN_S,
+                           root_key: Path | None = None) -> tuple[str, str | None]:
         """Make a new ticket-signing key this home's active one; returns (new kid, previous
         kid). Retire the previous one afterwards.
 
@@ -65,9 +96,13 @@ class SigningKeyDesk:
         """
         check_actor(actor)
         reg = self.registry
+        root = root_of_trust.signing_root(reg.settings.keys_dir, root_key)  # before any file
 
         def record(signer: TicketSigner) -> None:
-            position = self.record_signing_key(signer.kid, signer.public_b64, actor=actor)
+            signature = root_of_trust.sign(root, root_of_trust.RECORD, signer.kid,
+                                           signer.public_b64)
+            position = self.record_signing_key(signer.kid, signer.public_b64, actor=actor,
+                                               root_signature=signature)
             reg.confirm_visible(position, lambda v: signer.kid in v.signing_keys(),
                                 "the new signing key", wait_s)
 
@@ -79,7 +114,9 @@ class SigningKeyDesk:
         return signer.kid, previous
 
     def retire_signing_key(self, kid: str, *, actor: str, reason: str = "",
-                           force: bool = False, wait_s: float = VISIBLE_WITHIN_S) -> None:
+                           force: bool = False, wait_s: float = VISIBLE_WITHIN_S,
+                           root_signature: str | None = None,
+                           root_key: Path | None = None) -> None:
         """Retire a ticket-signing key: gateways stop signing with it, hosts stop trusting it.
 
         Refused, unless ``force``, for this home's active key and for the last unretired key
@@ -90,7 +127,9 @@ class SigningKeyDesk:
         key = reg.load(SigningKey, signing_key_id(check_name("key id", kid)), "signing key")
         if not force and not key.retired:
             self._check_retirable(kid)
-        key.retire(reason, actor)
+        signature = self._vouched(root_of_trust.RETIRE, kid, key.public_key_b64, root_signature,
+                                  root_key)
+        key.retire(reason, actor, root_signature=signature)
         position = reg.commit(key, what="signing key")
         reg.confirm_visible(position, lambda v: kid in v.retired_key_ids(),
                             "the signing key retirement", wait_s)

@@ -11,6 +11,7 @@ Each verb that takes something away returns once gateways and hosts read the cha
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
 # and would eval each string (see control/cli/main.py).
 
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -30,6 +31,9 @@ from control.cli.base import (
 )
 from control.tools.views import cell
 
+RootKeyOption = Annotated[Path | None, typer.Option(
+    "--root-key", help="The offline root key file (`loraplane key root init`) that vouches "
+    "for signing keys; needed once the root lives offline.")]
 WaitOption = Annotated[float, typer.Option(
     "--wait", min=0.0, help="Seconds to wait for gateways and hosts to see the change.")]
 ReasonOption = Annotated[str, typer.Option(help="Why (recorded in the audit log).")]
@@ -113,11 +117,12 @@ def key_list() -> None:
 
 
 @key_app.command("rotate")
-def key_rotate(wait: WaitOption = DEFAULT_WAIT_S) -> None:
+def key_rotate(wait: WaitOption = DEFAULT_WAIT_S, root_key: RootKeyOption = None) -> None:
     """Make a new signing key the active one here, once hosts can see its public half; retire
     the old one next."""
     with errors():
-        kid, previous = registry().rotate_signing_key(actor=state.actor, wait_s=wait)
+        kid, previous = registry().rotate_signing_key(actor=state.actor, wait_s=wait,
+                                                      root_key=root_key)
     emit({"kid": kid, "previous": previous}, lambda: console.print(
         f"signing key {kid} is active" + (f"; retire {previous} with `loraplane key retire "
                                           f"{previous}`" if previous else "")))
@@ -131,9 +136,10 @@ def key_retire(
         "--force", help="Retire even the active or the last unretired key (gateways then "
         "answer 503 until a key is rotated in).")] = False,
     wait: WaitOption = DEFAULT_WAIT_S,
+    root_key: RootKeyOption = None,
 ) -> None:
     """Retire a signing key: gateways stop signing with it, hosts stop accepting its tickets."""
     with errors():
         registry().retire_signing_key(kid, actor=state.actor, reason=reason, force=force,
-                                      wait_s=wait)
+                                      wait_s=wait, root_key=root_key)
     emit({"kid": kid, "retired": True}, lambda: console.print(f"signing key {kid} retired"))

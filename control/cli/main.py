@@ -31,6 +31,7 @@ from control.cli import (  # noqa: F401  (imported for their registrations)
     ops,
     receipts,
     rollouts,
+    root_keys,
     selftest,
     upgrades,
 )

@@ -166,7 +166,8 @@ class TicketOffice:
     def _replacement(self, retired: frozenset[str]) -> TicketSigner:
         if time.monotonic() - self._failed_scan_at < RESCAN_S:
             raise SigningUnavailable("no unretired ticket signing key")
-        recorded = self.routing.signing_keys()
+        # only keys the offline root vouches for: hosts refuse tickets of any other
+        recorded = self.routing.vouched_signing_keys(self.settings.keys_dir)
         found = key_ring.pick_signer(self.settings.keys_dir,
                                      lambda kid: kid in recorded and kid not in retired)
         if found is None:

@@ -117,7 +117,9 @@ class TritonProbe:
         self.timeout_s = timeout_s
 
     def _signer(self) -> TicketSigner | None:
-        recorded, retired = self.routing.signing_keys(), self.routing.retired_key_ids()
+        # a key the root vouches for: hosts refuse tickets of any other
+        recorded = self.routing.vouched_signing_keys(self.settings.keys_dir)
+        retired = self.routing.retired_key_ids()
         return key_ring.pick_signer(self.settings.keys_dir,
                                     lambda kid: kid in recorded and kid not in retired)
 

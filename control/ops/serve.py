@@ -158,7 +158,7 @@ def sync_public_keys(settings: Settings, routing: RoutingView) -> int:
         public_dir.unlink()
         changed += 1
     public_dir.mkdir(parents=True, exist_ok=True)
-    wanted = _wanted_public_keys(routing)
+    wanted = _wanted_public_keys(routing, settings.keys_dir)
     stale: list[str] = []  # wanted files whose content is not the recorded key
     with os.scandir(public_dir) as it:
         entries = list(it)
@@ -185,11 +185,12 @@ def sync_public_keys(settings: Settings, routing: RoutingView) -> int:
     return changed
 
 
-def _wanted_public_keys(routing: RoutingView) -> dict[str, bytes]:
-    """File name -> raw key of every recorded, unretired signing key whose id is its hash."""
+def _wanted_public_keys(routing: RoutingView, keys_dir: Path) -> dict[str, bytes]:
+    """File name -> raw key of every recorded, unretired signing key whose id is its hash and
+    whose record the offline root vouches for (``control.contracts.root_of_trust``)."""
     retired = routing.retired_key_ids()
     wanted: dict[str, bytes] = {}
-    for kid, b64 in routing.signing_keys().items():
+    for kid, b64 in routing.vouched_signing_keys(keys_dir).items():
         if kid in retired:
             continue
         try:

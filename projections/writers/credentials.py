@@ -39,7 +39,8 @@ def _signing_key_retired(conn: Connection, e: SigningKey.SigningKeyRetired) -> N
 
 def _signing_key_recorded(e: SigningKey.SigningKeyRecorded) -> Rows:
     return [(signing_keys, {"kid": e.kid, "public_key": e.public_key_b64,
-                            "created_at": e.timestamp, "retired_at": None})]
+                            "created_at": e.timestamp, "retired_at": None,
+                            "root_signature": e.root_signature or None})]
 
 
 INSERTS: dict[type, Callable[[Any], Rows]] = {

@@ -31,6 +31,7 @@ from control.app.audit import audit_log
 from control.app.registry import NotYetVisible, Registry
 from control.cli.main import app
 from control.contracts.config import Settings
+from control.contracts.root_of_trust import ROOT_ENV, root_pub_path
 from control.contracts.tickets import TicketSigner, TicketVerifier, load_public_keys
 from control.domain import IllegalTransition, NotFound
 from control.gateway import ticket_office
@@ -266,15 +267,21 @@ class CredentialContract(WithRegistry):
         with pytest.raises(NotFound):
             registry.retire_signing_key("0" * 16, actor="op")
         retired = [e.summary for e in audit_log(registry) if e.event_type == "SigningKeyRetired"]
+        # each retirement carries the root's signature (control.contracts.root_of_trust)
+        assert all(r.pop("root_signature") for r in retired)
         assert retired == [{"kid": first, "reason": "rotated"}, {"kid": kids["second"]}]
 
     def test_hosts_keep_only_unretired_public_keys(
             self, registry: Registry, office: TicketOffice, world: dict[str, str],
-            settings: Settings, view: RoutingView, tmp_path: Path) -> None:
+            settings: Settings, view: RoutingView, tmp_path: Path,
+            monkeypatch: pytest.MonkeyPatch) -> None:
         from control.ops.serve import sync_public_keys
 
         host = Settings(home=tmp_path / "host", db_url=settings.db_url)  # another machine
         first = office.signer.kid
+        # which trusts nothing until its configuration names the root (not the database)
+        assert sync_public_keys(host, view) == 0
+        monkeypatch.setenv(ROOT_ENV, str(root_pub_path(settings.keys_dir)))
         assert sync_public_keys(host, view) == 1
         second, _ = registry.rotate_signing_key(actor="op")
         assert sync_public_keys(host, view) == 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 from uuid import UUID
@@ -106,6 +107,21 @@ class ChainedRecorder(SQLAlchemyApplicationRecorder):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.chain = chain_table(self.events_table_name)
+        # The head this recorder itself last COMMITTED (position, link): when the next save's
+        # first position directly follows it, no other writer can have chained in between
+        # (positions are handed out in commit order under the write lock), so the head need not
+        # be read back. Anything else (another writer, a rollback, a gap) reads it.
+        self._committed_head: tuple[int, str] | None = None
+        self._written = threading.local()
+
+    def insert_events(self, stored_events: Sequence[StoredEvent], *,
+                      session: Session | None = None, **kwargs: Any) -> Sequence[int] | None:
+        self._written.head = None
+        ids = super().insert_events(stored_events, session=session, **kwargs)
+        head = self._written.head
+        if session is None and head is not None:  # committed by the call above
+            self._committed_head = head
+        return ids
 
     def _insert_stored_events(self, session: Session, stored_events: Sequence[StoredEvent],
                               **kwargs: Any) -> Sequence[int]:
@@ -115,7 +131,11 @@ class ChainedRecorder(SQLAlchemyApplicationRecorder):
         # The insert above holds the store's write lock until commit (PostgreSQL: LOCK TABLE
         # ... EXCLUSIVE; SQLite: the database write lock), so no other writer can chain between
         # reading the head and writing after it: positions and links commit in one order.
-        head, prev = chain_head(session, self.chain)
+        known = self._committed_head
+        if known is not None and known[0] == min(ids) - 1:
+            head, prev = known
+        else:
+            head, prev = chain_head(session, self.chain)
         if head >= min(ids):
             # SQLite reuses the highest position once its row is gone: the newest events were
             # deleted from the store. Say so, rather than fail on the chain's primary key as
@@ -129,6 +149,7 @@ class ChainedRecorder(SQLAlchemyApplicationRecorder):
             prev = link(prev, position, eh)
             rows.append({"position": position, "event_hash": eh, "chain_hash": prev})
         session.execute(self.chain.insert(), rows)
+        self._written.head = (max(ids), prev)
         return ids
 
     def create_table(self) -> None:

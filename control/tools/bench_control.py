@@ -6,6 +6,10 @@
   aggregate on the same database, measured in alternating rounds;
   ``command_with_projection_vs_raw_save`` is the same command also catching the projection
   tables up in its own process, as a CLI command run without ``serve`` does;
+- ``chained_vs_plain_save``: what chaining each event in its recording transaction costs
+  (``control.app.chain``): raw ``save()`` per second through the chained recorder divided by the
+  same saves through eventsourcing-sqlalchemy's plain recorder, two applications with their own
+  tables on the same database, in alternating rounds (ABBA);
 - ``projection_events_per_s``: a full projection rebuild (every event replayed into the view
   tables, in batches with tracking writes) on the same database;
 - ``ticket_p50_ms`` / ``ticket_p99_ms``: ``POST /v1/tickets`` through the real aiohttp gateway at
@@ -32,10 +36,13 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import numpy as np
 import sqlalchemy as sa
+from eventsourcing.application import Application
 
+from control.app import chain
 from control.contracts.config import Settings
 from control.contracts.db import dispose_engines, make_engine
 from control.contracts.loops import new_event_loop
@@ -87,6 +94,36 @@ def _command_vs_raw(settings: Settings, n: int) -> dict[str, float]:
     return {"command_per_s": total / spent["command"], "raw_save_per_s": total / spent["raw"],
             "command_vs_raw_save": spent["raw"] / spent["command"],
             "command_with_projection_vs_raw_save": spent["raw"] / spent["following"]}
+
+
+class _PlainApp(Application[UUID]):
+    name = "BenchPlain"  # table benchplain_events
+
+
+class _ChainedApp(Application[UUID]):
+    name = "BenchChained"  # tables benchchained_events and benchchained_events_chain
+
+
+def _chained_vs_plain(settings: Settings, n: int) -> dict[str, float]:
+    """Raw saves through the chained recorder against the plain one (see the module notes)."""
+    apps = {"plain": _PlainApp(env={"PERSISTENCE_MODULE": "eventsourcing_sqlalchemy",
+                                    "SQLALCHEMY_URL": settings.db_url}),
+            "chained": _ChainedApp(env={"PERSISTENCE_MODULE": chain.PERSISTENCE_TOPIC,
+                                        "SQLALCHEMY_URL": settings.db_url})}
+    spent = {"plain": 0.0, "chained": 0.0}
+    rounds = 4
+    per = max(1, n // rounds)
+    for r in range(rounds):
+        order = ("plain", "chained") if r in (0, 3) else ("chained", "plain")
+        for name in order:
+            t0 = time.perf_counter()
+            for i in range(per):
+                apps[name].save(Tenant.create(f"{name}-{r}-{i}", f"lp_{name}-{r}-{i}", "bench"))
+            spent[name] += time.perf_counter() - t0
+    total = per * rounds
+    return {"chained_save_per_s": total / spent["chained"],
+            "plain_save_per_s": total / spent["plain"],
+            "chained_vs_plain_save": spent["plain"] / spent["chained"]}
 
 
 def _projection_rate(settings: Settings) -> dict[str, float]:
@@ -161,6 +198,7 @@ def measure(settings: Settings, work: Path, *, commands: int, tickets: int) -> d
     """All three measurements on one database."""
     out: dict[str, Any] = {}
     out.update(_command_vs_raw(settings, commands))
+    out.update(_chained_vs_plain(settings, commands))
     out.update(_projection_rate(settings))
     out.update(_ticket_latency(settings, work, tickets))
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}

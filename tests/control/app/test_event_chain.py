@@ -113,14 +113,18 @@ class ChainContract:
             registry.create_tenant("t1", actor="op")
         with make_engine(settings.db_url).connect() as conn:
             assert conn.execute(sa.text(f"SELECT max(position) FROM {CHAIN}")).scalar() == before
-        other = open_registry(settings, follow=False)  # a second writer chains after the first
+        # Two writers interleaved: each chains after the other's events, never after the head
+        # it last wrote itself (the recorder reads the head back unless it wrote the last one).
+        other = open_registry(settings, follow=False)
         try:
-            other.create_tenant("x", actor="op")
-            registry.create_tenant("y", actor="op")
+            for i in range(3):
+                other.create_tenant(f"x{i}", actor="op")
+                registry.create_tenant(f"y{i}", actor="op")
+                registry.create_tenant(f"z{i}", actor="op")
         finally:
             close_registry(other)
         report = AuditSeal.for_registry(registry).verify()
-        assert report.ok and report.chained_events == report.events == before + 2
+        assert report.ok and report.chained_events == report.events == before + 9
 
     def test_a_store_from_before_the_chain_is_chained_on_open(
             self, registry: Registry, settings: Settings) -> None:

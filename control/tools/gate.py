@@ -188,7 +188,8 @@ class Gate:
         else:
             combination = self._new_base_combination(adapter, on_new_base)
         view = self.routing
-        usable = set(view.signing_keys()) - view.retired_key_ids()
+        # a key the root vouches for: hosts refuse tickets of any other
+        usable = set(view.vouched_signing_keys(self.t.settings.keys_dir)) - view.retired_key_ids()
         signer = pick_signer(self.t.settings.keys_dir, lambda kid: kid in usable)
         if signer is None:
             raise GateUnavailable("no signing key under the home is recorded (and unretired) "

@@ -233,10 +233,10 @@ def test_a_stream_whose_completion_cannot_be_written_is_recorded_as_received(
         real = Ledger.write
         down = {"on": True}
 
-        def write(self: Ledger, entries: Any, completions: Any, now: Any = None) -> None:
+        def write(self: Ledger, entries: Any, completions: Any, *rest: Any) -> None:
             if completions and down["on"]:
                 raise OSError("database away")
-            real(self, entries, completions, now)
+            real(self, entries, completions, *rest)
 
         monkeypatch.setattr(Ledger, "write", write)
         sink = Sink()

@@ -34,14 +34,9 @@ anything starts, with the message the engine would give from inside Triton.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import contextlib
 import ipaddress
 import logging
 import os
-import secrets
-import shutil
 import socket
 import threading
 import time
@@ -53,6 +48,7 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 
 from backend.serving.memory import MemoryPlan, plan_for_host
+from control.app.ledger_audit import keep_verifying
 from control.app.registry import Registry
 from control.app.serving_steps import keep_folding
 from control.app.sessions import SessionPins
@@ -68,7 +64,7 @@ from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger, request_ledger
 from control.contracts.loops import new_event_loop
 from control.contracts.store import ArtifactStore
-from control.contracts.tickets import TicketSigner, key_id
+from control.contracts.tickets import TicketSigner
 from control.gateway.ticket_office import TicketOffice
 from control.ops.engine_watch import EngineWatch
 from control.ops.front_door import (
@@ -78,6 +74,7 @@ from control.ops.front_door import (
     find_haproxy,
     local_door,
 )
+from control.ops.key_sync import sync_public_keys
 from control.ops.rollout_controller import RolloutController, liveness_metrics
 from control.ops.triton_access import TOKEN_EXPOSED_FIX, command_line_exposure
 from control.ops.triton_server import (
@@ -133,101 +130,6 @@ def open_signer(settings: Settings, registry: Registry, actor: str) -> TicketSig
     if signer.kid not in RoutingView(make_engine(settings.db_url)).signing_keys():
         registry.record_signing_key(signer.kid, signer.public_b64, actor=actor)
     return signer
-
-
-def sync_public_keys(settings: Settings, routing: RoutingView) -> int:
-    """Make ``keys/public`` hold exactly the recorded, unretired signing public keys: one
-    regular file ``<kid>.pub`` each, holding the recorded key. Returns how many files were
-    written or removed.
-
-    A Triton host trusts exactly the keys the control plane recorded as events, wherever the
-    gateway that signs with them runs, and stops trusting a key once it is retired. The verifier
-    (``load_public_keys``) trusts every ``*.pub`` in the folder and names each key by its
-    content, not its file name, so everything else goes: a stranger's file, a recorded kid's file
-    that holds another key (rewritten), a symlink (its target can change behind our back), a
-    folder, a file under any other name, and ``keys/public`` itself when it is a symlink. A
-    recorded key whose id is not the hash of its key is not written (the verifier would trust it
-    under another id).
-
-    Each step is one rename or one unlink, so the verifier, reading the folder at any moment,
-    sees whole files only: never half a key, and a replaced key either old or new.
-    """
-    public_dir = settings.keys_dir / "public"
-    changed = 0
-    if public_dir.is_symlink():
-        public_dir.unlink()
-        changed += 1
-    public_dir.mkdir(parents=True, exist_ok=True)
-    wanted = _wanted_public_keys(routing, settings.keys_dir)
-    stale: list[str] = []  # wanted files whose content is not the recorded key
-    with os.scandir(public_dir) as it:
-        entries = list(it)
-    for entry in entries:
-        raw = wanted.get(entry.name)
-        if raw is not None and entry.is_file(follow_symlinks=False):
-            if _holds_key(Path(entry.path), raw):
-                del wanted[entry.name]
-            else:
-                stale.append(entry.name)  # replaced in one rename below, never left missing
-            continue
-        if entry.is_dir(follow_symlinks=False):
-            shutil.rmtree(entry.path, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
-        changed += 1
-    for name, raw in wanted.items():
-        _write_atomically(public_dir, name, base64.b64encode(raw).decode("ascii") + "\n")
-        changed += 1
-    if stale:
-        log.warning("rewrote %d public key file(s) in %s whose content was not the recorded key",
-                    len(stale), public_dir)
-    return changed
-
-
-def _wanted_public_keys(routing: RoutingView, keys_dir: Path) -> dict[str, bytes]:
-    """File name -> raw key of every recorded, unretired signing key whose id is its hash and
-    whose record the offline root vouches for (``control.contracts.root_of_trust``)."""
-    retired = routing.retired_key_ids()
-    wanted: dict[str, bytes] = {}
-    for kid, b64 in routing.vouched_signing_keys(keys_dir).items():
-        if kid in retired:
-            continue
-        try:
-            raw = base64.b64decode(b64, validate=True)  # never a file the verifier cannot read
-        except (binascii.Error, ValueError):
-            log.warning("recorded signing key %s is not base64: not trusted", kid)
-            continue
-        if key_id(raw) != kid:
-            log.warning("recorded signing key %s is not the hash of its key: not trusted", kid)
-            continue
-        wanted[f"{kid}.pub"] = raw
-    return wanted
-
-
-def _holds_key(path: Path, raw: bytes) -> bool:
-    """Whether the file holds exactly ``raw``, as the verifier would read it."""
-    try:
-        with path.open("rb") as f:
-            text = f.read(4096)
-        return base64.b64decode(text.strip(), validate=True) == raw
-    except (OSError, binascii.Error, ValueError):
-        return False
-
-
-def _write_atomically(folder: Path, name: str, text: str) -> None:
-    """``folder/name`` holds ``text``, put in place by one rename (mode 0644). The temporary
-    name does not end in ``.pub``, so the verifier never reads it."""
-    tmp = folder / f".sync-{secrets.token_hex(8)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, folder / name)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 _WARNED: set[str] = set()
@@ -351,9 +253,11 @@ class Deployment:
             follower = ProjectionFollower.from_settings(s)
             follower.catch_up()
             self._thread("follower", follower.run)
-            # Hosts report revocation steps into a table (no event): folded into events here.
-            self._thread("serving-steps",
-                         lambda stop: keep_folding(registry, make_engine(s.db_url), stop))
+            # Hosts report revocation steps into a table (no event), and sign checkpoints of
+            # their ledger logs: the steps folded into events, the checkpoints verified here.
+            db = make_engine(s.db_url)
+            self._thread("serving-steps", lambda stop: keep_folding(registry, db, stop))
+            self._thread("ledger-audit", lambda stop: keep_verifying(registry, db, stop))
             interval = seal_interval_from_env()  # checked at start (check_timing) already
             self._thread("audit-seal", lambda stop: keep_sealed(registry, stop, interval))
             # The ticket path answers from memory, refreshed as the projection moves. Session

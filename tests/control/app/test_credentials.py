@@ -275,7 +275,7 @@ class CredentialContract(WithRegistry):
             self, registry: Registry, office: TicketOffice, world: dict[str, str],
             settings: Settings, view: RoutingView, tmp_path: Path,
             monkeypatch: pytest.MonkeyPatch) -> None:
-        from control.ops.serve import sync_public_keys
+        from control.ops.key_sync import sync_public_keys
 
         host = Settings(home=tmp_path / "host", db_url=settings.db_url)  # another machine
         first = office.signer.kid

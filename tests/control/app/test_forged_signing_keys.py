@@ -26,7 +26,7 @@ from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.tickets import TicketSigner
 from control.domain import SigningKey
-from control.ops.serve import sync_public_keys
+from control.ops.key_sync import sync_public_keys
 from projections.follower import open_registry
 from projections.host_view import HostGovernance
 from projections.routing import RoutingView

@@ -19,18 +19,20 @@ from control.contracts.tickets import (
     TicketVerifier,
     load_public_keys,
 )
-from control.ops.serve import sync_public_keys
+from control.ops.key_sync import sync_public_keys
 
 DIGEST = "sha256:" + "0" * 64
 
 
 class Recorded:
-    """The two reads of the routing projection that key sync makes."""
+    """The two reads of the routing projection that key sync makes (every key here vouched for
+    by the root: which keys the root vouches for is tests/control/app/test_forged_signing_keys's
+    question; this file is about the folder)."""
 
     def __init__(self, keys: dict[str, str], retired: frozenset[str] = frozenset()) -> None:
         self.keys, self.retired = keys, retired
 
-    def signing_keys(self) -> dict[str, str]:
+    def vouched_signing_keys(self, keys_dir: Path) -> dict[str, str]:
         return dict(self.keys)
 
     def retired_key_ids(self) -> frozenset[str]:

@@ -186,6 +186,32 @@ def pick_base(routing: RoutingView, base: str | None) -> str:
     return digests[0]
 
 
+def door_wanted(front_door: str, bind: str) -> bool:
+    """Whether a Triton host with these settings runs its own front door; raises when it needs
+    one and haproxy is missing."""
+    if front_door not in FRONT_DOORS:
+        raise ValueError(f"front door is one of {', '.join(FRONT_DOORS)}, "
+                         f"not {front_door!r}")
+    if front_door == "external":
+        return False
+    if find_haproxy() is not None:
+        return True
+    if front_door == "haproxy":
+        raise HaproxyUnavailable(
+            f"--front-door haproxy: haproxy is not installed (Debian/Ubuntu: apt-get "
+            f"install {HAPROXY_PACKAGE})")
+    if not _loopback(bind):
+        raise HaproxyUnavailable(
+            f"--listen {bind} serves other machines, which reach Triton only through "
+            f"the front door, and haproxy is not installed: install it (Debian/Ubuntu: "
+            f"apt-get install {HAPROXY_PACKAGE}), or pass --front-door external when "
+            "another proxy is the only way to this host")
+    _warn_once("no-haproxy", "haproxy is not installed: Triton serves this machine's "
+               "clients directly, without the front door (apt-get install %s)",
+               HAPROXY_PACKAGE)
+    return False
+
+
 @dataclass
 class Deployment:
     settings: Settings
@@ -226,7 +252,7 @@ class Deployment:
             raise ValueError(f"role is one of {', '.join(ROLES)}, not {self.role!r}")
         s = self.settings
         s.ensure_dirs()
-        with_door = self.role != "control" and self._door_wanted()
+        with_door = self.role != "control" and door_wanted(self.front_door, self.bind)
         self.ports = self.ports.resolved()
         # Every port this deployment will listen on, checked before anything starts: a second
         # `serve` on ports in use is refused, never left talking to the first one's servers.
@@ -312,31 +338,6 @@ class Deployment:
         t = threading.Thread(target=target, args=(self._stop,), name=name, daemon=True)
         t.start()
         self._threads.append(t)
-
-    def _door_wanted(self) -> bool:
-        """Whether this host runs its own front door; raises when it needs one and haproxy is
-        missing."""
-        if self.front_door not in FRONT_DOORS:
-            raise ValueError(f"front door is one of {', '.join(FRONT_DOORS)}, "
-                             f"not {self.front_door!r}")
-        if self.front_door == "external":
-            return False
-        if find_haproxy() is not None:
-            return True
-        if self.front_door == "haproxy":
-            raise HaproxyUnavailable(
-                f"--front-door haproxy: haproxy is not installed (Debian/Ubuntu: apt-get "
-                f"install {HAPROXY_PACKAGE})")
-        if not _loopback(self.bind):
-            raise HaproxyUnavailable(
-                f"--listen {self.bind} serves other machines, which reach Triton only through "
-                f"the front door, and haproxy is not installed: install it (Debian/Ubuntu: "
-                f"apt-get install {HAPROXY_PACKAGE}), or pass --front-door external when "
-                "another proxy is the only way to this host")
-        _warn_once("no-haproxy", "haproxy is not installed: Triton serves this machine's "
-                   "clients directly, without the front door (apt-get install %s)",
-                   HAPROXY_PACKAGE)
-        return False
 
     def _start_triton(self, routing: RoutingView, with_door: bool) -> None:
         s = self.settings

@@ -61,7 +61,7 @@ def test_when_the_door_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, doo
                             listen: str, installed: bool, wanted: bool) -> None:
     monkeypatch.setattr(serve, "find_haproxy",
                         lambda: "/usr/sbin/haproxy" if installed else None)
-    assert _deployment(tmp_path, front_door=door, bind=listen)._door_wanted() is wanted
+    assert serve.door_wanted(door, listen) is wanted
 
 
 def test_ports_left_at_zero_are_chosen_at_start() -> None:

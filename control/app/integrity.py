@@ -48,7 +48,7 @@ from control.app.chain import GENESIS, event_hash, link
 from control.contracts import root_of_trust
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
-from control.contracts.keys import load_or_create_ed25519
+from control.contracts.keys import load_or_create_ed25519, write_atomically
 from control.contracts.schema import Component, declare, open_component
 from control.contracts.tickets import key_id
 
@@ -118,8 +118,9 @@ class AuditKey:
         key, _created = load_or_create_ed25519(
             d / "private.pem",
             "audit key",
-            before_publish=lambda k: (d / "public.pem").write_bytes(k.public_key().public_bytes(
-                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)),
+            before_publish=lambda k: write_atomically(
+                d / "public.pem", k.public_key().public_bytes(
+                    serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)),
         )
         return cls(key)
 

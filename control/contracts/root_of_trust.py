@@ -33,7 +33,12 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from control.contracts.keys import load_ed25519, load_or_create_ed25519, write_new_ed25519
+from control.contracts.keys import (
+    load_ed25519,
+    load_or_create_ed25519,
+    write_atomically,
+    write_new_ed25519,
+)
 
 ROOT_ENV = "LORAPLANE_ROOT_PUBKEY"
 RECORD = "record"
@@ -164,7 +169,7 @@ def dev_root(keys_dir: Path) -> Ed25519PrivateKey:
     os.chmod(path.parent, 0o700)
 
     def publish(k: Ed25519PrivateKey) -> None:
-        root_pub_path(keys_dir).write_text(public_b64(k.public_key()) + "\n")
+        write_atomically(root_pub_path(keys_dir), (public_b64(k.public_key()) + "\n").encode())
 
     key, _created = load_or_create_ed25519(path, "root key", before_publish=publish)
     return key

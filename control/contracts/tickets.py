@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from control.contracts.config import DEFAULT_TICKET_MAX_TTL_S
 from control.contracts.digests import DIGEST_RE
-from control.contracts.keys import load_or_create_ed25519
+from control.contracts.keys import load_or_create_ed25519, write_atomically
 
 TOKEN_PREFIX = "v4.public."
 MAX_TOKEN_BYTES = 4096
@@ -189,7 +189,7 @@ def encode_v4_public(private: Ed25519PrivateKey, payload: bytes, footer: bytes) 
 def write_public_key(public_dir: Path, public_raw: bytes) -> Path:
     """Write ``<kid>.pub`` (the base64 raw key) where hosts load keys from; returns its path."""
     path = public_dir / f"{key_id(public_raw)}.pub"
-    path.write_text(base64.b64encode(public_raw).decode("ascii") + "\n")
+    write_atomically(path, (base64.b64encode(public_raw).decode("ascii") + "\n").encode())
     return path
 
 

@@ -22,10 +22,19 @@ COPY model_repository ./model_repository
 # The Triton image's pins as constraints: both images run the same versions of everything.
 RUN python -m pip install --no-cache-dir -c docker/requirements.txt -e ".[postgres]"
 
+# A dedicated unprivileged user, the Triton image's uid (both share the store volume); HOME is
+# /tmp, the one writable scratch under docker/compose.yaml's read-only root filesystem.
+RUN groupadd --system --gid 10001 loraplane \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /tmp \
+      --shell /usr/sbin/nologin loraplane \
+ && mkdir -p /var/lib/loraplane/store \
+ && chown -R 10001:10001 /var/lib/loraplane
 ENV LORAPLANE_HOME=/var/lib/loraplane \
     LORAPLANE_LOG_FORMAT=json \
-    PYTHONUNBUFFERED=1
-RUN mkdir -p /var/lib/loraplane/store
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/tmp
+USER 10001:10001
 VOLUME ["/var/lib/loraplane"]
 EXPOSE 8080
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \

@@ -43,16 +43,28 @@ COPY model_repository ./model_repository
 RUN python3 -m pip install --no-cache-dir --no-deps --no-build-isolation -e . \
  && python3 -m pip check
 
+# The launcher, tritonserver and its Python backend run as this dedicated unprivileged user
+# (fixed uid, so volumes and Kubernetes' runAsUser agree); docker/compose.yaml adds a read-only
+# root filesystem. HOME is /tmp, the one writable scratch (a tmpfs there): caches of torch,
+# the Triton compiler and Hugging Face go there. The home is the user's, so a new volume
+# mounted on it starts owned by the user.
+RUN groupadd --system --gid 10001 loraplane \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /tmp \
+      --shell /usr/sbin/nologin loraplane \
+ && mkdir -p /var/lib/loraplane/store \
+ && chown -R 10001:10001 /var/lib/loraplane
 ENV LORAPLANE_HOME=/var/lib/loraplane \
     LORAPLANE_LOG_FORMAT=json \
-    PYTHONUNBUFFERED=1
-RUN mkdir -p /var/lib/loraplane/store
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/tmp
+USER 10001:10001
 VOLUME ["/var/lib/loraplane"]
 EXPOSE 8000 8001 8002
 # The same check as docker/compose.yaml's Triton hosts (see there; tests/docker/test_docker_consistency.py
 # holds the two to control/ops/triton_server.py's READY_PATHS and READY_TIMEOUT_S).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
   CMD ["python3", "-c", "import urllib.request as u; [u.urlopen('http://127.0.0.1:8000' + p, timeout=1) for p in ('/v2/health/ready', '/v2/models/lora_llm_stream/ready', '/v2/models/lora_llm/ready')]"]
-# The launcher runs as root; tritonserver runs as the image's own unprivileged user triton-server
-# (uid 1000), who cannot read the operator token or the signing keys (control/ops/triton_user.py).
-CMD ["loraplane", "triton-host", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002", "--triton-user", "triton-server"]
+# Not root, so tritonserver runs as this same user (control/ops/triton_user.py switches users
+# only when started as root).
+CMD ["loraplane", "triton-host", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002"]

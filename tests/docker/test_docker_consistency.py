@@ -42,7 +42,8 @@ DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
 SOURCES = [p for d in ("control", "projections", "backend") for p in (ROOT / d).rglob("*.py")]
 # Variables read by libraries or by other images, not by this project's code.
 FOREIGN_VARS = {"PYTHONUNBUFFERED", "OTEL_EXPORTER_OTLP_ENDPOINT", "POSTGRES_USER",
-                "POSTGRES_PASSWORD", "POSTGRES_DB", "PATH", "VIRTUAL_ENV"}
+                "POSTGRES_PASSWORD", "POSTGRES_DB", "PATH", "VIRTUAL_ENV", "HOME",
+                "PYTHONDONTWRITEBYTECODE"}
 FIRST_FIXED_TRITON = (25, 7)  # fixes CVE-2025-23319, -23320, -23334 (August 2025)
 
 
@@ -253,8 +254,8 @@ def test_the_front_door_is_the_only_published_way_to_triton() -> None:
     """The haproxy service publishes the tenant ports 8000 and 8001 (never Triton's metrics),
     runs the configuration control/ops/front_door.py renders (checked in as docker/haproxy.cfg,
     byte for byte), and forwards to every Triton host of the file on the ports they listen on;
-    the hosts publish nothing, listen for the door on the compose network, and run tritonserver
-    as the Triton image's unprivileged user."""
+    the hosts publish nothing and listen for the door on the compose network (as the images'
+    unprivileged user: test_every_loraplane_container_is_least_privileged)."""
     compose = _compose()
     services = compose["services"]
     door = services["haproxy"]
@@ -274,7 +275,6 @@ def test_the_front_door_is_the_only_published_way_to_triton() -> None:
     argv = [str(a) for a in compose["x-triton-host"]["command"]]
     flag = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
     assert flag["--listen"] == "0.0.0.0" and flag["--front-door"] == "external"
-    assert flag["--triton-user"] == "triton-server"
     servers = re.findall(r"^    server (\S+) (\S+):(\d+)", compose_config(), re.MULTILINE)
     assert sorted({name for name, _h, _p in servers}) == hosts
     assert {(h, p) for _n, h, p in servers} == {(h, flag[f"--{k}-port"]) for h in hosts
@@ -284,10 +284,6 @@ def test_the_front_door_is_the_only_published_way_to_triton() -> None:
         assert not services[name].get("ports"), name
     published = {str(m).split(":")[0] for svc in services.values() for m in svc.get("ports", [])}
     assert flag["--metrics-port"] not in published
-    for path in DOCKERFILES:
-        cmd = [a for op, r in _instructions(path) if op == "CMD" for a in yaml.safe_load(r)]
-        if "triton-host" in cmd:
-            assert cmd[cmd.index("--triton-user") + 1] == "triton-server", path.name
 
 
 def test_the_triton_image_refuses_releases_before_the_advisory_fixes() -> None:
@@ -394,3 +390,69 @@ def test_health_check_and_ready_agree_when_any_part_is_not_ready(failing: str | 
         assert not process.ready()
         if failing:
             assert "503" in check.stderr
+
+
+# -- least privilege (issue 23) -----------------------------------------------------------------
+
+LORAPLANE_UID = "10001"
+
+
+def _target(volume: str) -> str:
+    """The container path of a short-syntax volume (its source may hold ${VAR:-x})."""
+    parts = volume.rsplit(":", 2)
+    return parts[-2] if parts[-1] in ("ro", "rw") else parts[-1]
+
+
+def _loraplane_services() -> dict[str, dict[str, Any]]:
+    """Every service that runs a loraplane image (Triton hosts, control plane, one-shots)."""
+    return {name: svc for name, svc in _compose()["services"].items()
+            if str(svc.get("image", "")).startswith("loraplane/")}
+
+
+def test_images_run_as_a_dedicated_unprivileged_user_owning_the_home() -> None:
+    for path in DOCKERFILES:
+        steps = _instructions(path)
+        users = [rest for op, rest in steps if op == "USER"]
+        assert users and users[-1] == f"{LORAPLANE_UID}:{LORAPLANE_UID}", (
+            f"{path.name} must end as the unprivileged user {LORAPLANE_UID}, not {users}")
+        # The user exists with that uid, and owns the home that volumes are seeded from.
+        made = " ".join(_runs(path))
+        assert f"useradd --system --uid {LORAPLANE_UID}" in made, path.name
+        assert f"chown -R {LORAPLANE_UID}:{LORAPLANE_UID} /var/lib/loraplane" in made, path.name
+        env = " ".join(rest for op, rest in steps if op == "ENV")
+        assert "HOME=/tmp" in env, f"{path.name}: HOME must be the writable tmpfs"
+        # Not root: nothing may ask to switch users (only root can, triton_user.py).
+        cmd = next(rest for op, rest in reversed(steps) if op == "CMD")
+        assert "--triton-user" not in cmd, path.name
+
+
+def test_every_loraplane_container_is_least_privileged() -> None:
+    services = _loraplane_services()
+    assert {"triton-a", "triton-b", "control", "migrate", "db-roles"} <= set(services)
+    for name, svc in services.items():
+        assert str(svc.get("user")) == f"{LORAPLANE_UID}:{LORAPLANE_UID}", name
+        assert svc.get("read_only") is True, f"{name}: root filesystem must be read-only"
+        assert svc.get("cap_drop") == ["ALL"], f"{name}: must drop every capability"
+        assert not svc.get("cap_add"), f"{name}: adds capabilities back"
+        assert "no-new-privileges:true" in svc.get("security_opt", []), name
+        assert not svc.get("privileged"), name
+        tmp = [t for t in svc.get("tmpfs", []) if t.split(":")[0] == "/tmp"]
+        assert tmp and "size=" in tmp[0], f"{name}: /tmp must be a bounded tmpfs (HOME)"
+        assert "--triton-user" not in svc.get("command", []), name
+        # Whatever else is written lives on a named volume, never on the image.
+        for volume in svc.get("volumes", []):
+            assert _target(volume).startswith(("/var/lib/loraplane", "/models")), (name, volume)
+
+
+def test_triton_hosts_write_only_their_home_tmp_and_shared_memory() -> None:
+    services = _compose()["services"]
+    for name in ("triton-a", "triton-b"):
+        svc = services[name]
+        assert svc["shm_size"], f"{name}: the Python backend needs a sized /dev/shm"
+        writable = [v for v in svc["volumes"] if not v.endswith(":ro")]
+        assert [_target(v) for v in writable] == ["/var/lib/loraplane"], writable
+        store = [v for v in svc["volumes"] if _target(v) == "/var/lib/loraplane/store"]
+        assert store and store[0].endswith(":ro"), f"{name}: the store is the control plane's"
+    # The launcher writes under the home only: run/ (work_dir, logs) and keys/.
+    source = inspect.getsource(Deployment)
+    assert "work_dir=s.run_dir" in source

@@ -1,8 +1,11 @@
 """The control plane's side of the hosts' ledger logs (``control.contracts.ledger_log``).
 
-``sync`` records each host's published checkpoint key (``HostLedger.KeyRecorded``: its own step,
-which a root of trust can later sign) and verifies each new checkpoint against the last one it
-verified: the note must be signed by a recorded key of that host, and the entries appended since
+``sync`` records each host's published checkpoint key (``HostLedger.KeyRecorded``) and verifies
+each new checkpoint against the last one it verified: the note must be signed by a key *enrolled*
+for that host (``HostLedger.KeyEnrolled``, the root of trust's signature over it checked against
+the root public key of this home's configuration, ``control.contracts.host_keys``: ``loraplane
+host enroll``, or, in a development home, the development root enrolling each presented key, as
+it vouches for signing keys), and the entries appended since
 must extend the verified tree's frontier to the signed root (consistency by recomputation, which
 hashes only the new entries). A verified checkpoint becomes a ``CheckpointVerified`` event, a
 failed one a ``CheckpointRefused`` event naming the check; later checkpoints of that host wait
@@ -23,12 +26,14 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 from eventsourcing.application import AggregateNotFoundError, Application
 from sqlalchemy.engine import Connection, Engine
 
+from control.contracts.host_keys import enrolled, read_vkey, sign_enrollment, vkey_path
 from control.contracts.ledger import Outcome, request_ledger
 from control.contracts.ledger_log import (
     hosts,
@@ -41,6 +46,7 @@ from control.contracts.ledger_log import (
     origin_of,
     parse_leaf,
 )
+from control.contracts.root_of_trust import RootError, root_public_key, signing_root
 from control.contracts.tlog import (
     Checkpoint,
     Frontier,
@@ -81,10 +87,40 @@ class SyncReport:
     refused: list[tuple[str, int, str]] = field(default_factory=list)
 
 
-def sync(app: Application[Any], engine: Engine, actor: str = ACTOR) -> SyncReport:
-    """Record new host keys and verify new checkpoints (module notes)."""
+def keys_dir_of(app: Application[Any], keys_dir: Path | None = None) -> Path | None:
+    """``keys_dir``, else the keys folder of ``app``'s settings (a Registry has them)."""
+    if keys_dir is not None:
+        return keys_dir
+    settings = getattr(app, "settings", None)
+    return getattr(settings, "keys_dir", None)
+
+
+def trusted_keys_of(agg: HostLedger, root: Any) -> list[str]:
+    """The verifier keys of ``agg``'s host that ``root`` (an Ed25519 public key, or None)
+    enrolled: the only keys its checkpoints are verified with."""
+    return [v for v, sig in agg.enrolled.items() if enrolled(root, sig, agg.host, v)]
+
+
+def _dev_root(keys_dir: Path | None) -> Any:
+    """The development root that enrols presented keys, or None: a home whose root was moved
+    offline (``root.pub`` or LORAPLANE_ROOT_PUBKEY, no development root) enrols by hand."""
+    if keys_dir is None:
+        return None
+    try:
+        return signing_root(keys_dir)
+    except RootError:
+        return None
+
+
+def sync(app: Application[Any], engine: Engine, actor: str = ACTOR,
+         keys_dir: Path | None = None) -> SyncReport:
+    """Record new host keys and verify new checkpoints (module notes); ``keys_dir``: this
+    home's (default: ``app.settings``'), where the root of trust is configured."""
     report = SyncReport()
     engine = opened(engine)
+    keys_dir = keys_dir_of(app, keys_dir)
+    dev = _dev_root(keys_dir)
+    root = root_public_key(keys_dir)
     with engine.connect() as conn:
         for host in hosts(conn):
             agg = load(app, host) or HostLedger(host=host, actor=actor)
@@ -93,11 +129,34 @@ def sync(app: Application[Any], engine: Engine, actor: str = ACTOR) -> SyncRepor
                     ledger_host_keys.c.host == host).order_by(
                     ledger_host_keys.c.published_at)).scalars():
                 agg.record_key(vkey, actor)
+                if dev is not None and vkey not in agg.enrolled:
+                    agg.enroll(vkey, sign_enrollment(dev, host, vkey), actor)
             report.keys_recorded += len(agg.vkeys) - before
-            _verify_new(conn, agg, actor, report)
+            _verify_new(conn, agg, actor, report, trusted_keys_of(agg, root))
             if agg.pending_events:
                 app.save(agg)
     return report
+
+
+def enroll(app: Application[Any], host: str, key_file: Path, root_key: Path | None = None,
+           keys_dir: Path | None = None, actor: str = ACTOR) -> str:
+    """Enrol the checkpoint key in ``key_file`` (the host's ``keys/ledger/<host>.vkey``) for
+    ``host``, signed by the root key file ``root_key`` (else a development home's root);
+    returns the verifier key. ValueError or RootError, saying what to do, otherwise."""
+    keys_dir = keys_dir_of(app, keys_dir)
+    if keys_dir is None:
+        raise ValueError("enrolling a host key needs this home's keys folder (the root of trust)")
+    try:
+        text = key_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read the host key file {key_file}: {e}") from None
+    vkey = read_vkey(text, origin_of(host), str(key_file))
+    root = signing_root(keys_dir, root_key)
+    agg = load(app, host) or HostLedger(host=host, actor=actor)
+    agg.enroll(vkey, sign_enrollment(root, host, vkey), actor)
+    if agg.pending_events:
+        app.save(agg)
+    return vkey
 
 
 def keep_verifying(app: Application[Any], engine: Engine, stop: threading.Event,
@@ -112,8 +171,9 @@ def keep_verifying(app: Application[Any], engine: Engine, stop: threading.Event,
             log.warning("verifying host ledger checkpoints failed; retrying", exc_info=True)
 
 
-def _verify_new(conn: Connection, agg: HostLedger, actor: str, report: SyncReport) -> None:
-    trusted = [Verifier.parse(v) for v in agg.vkeys]
+def _verify_new(conn: Connection, agg: HostLedger, actor: str, report: SyncReport,
+                vkeys: Sequence[str]) -> None:
+    trusted = [Verifier.parse(v) for v in vkeys]
     frontier = Frontier.from_json(json.loads(agg.frontier))
     notes = conn.execute(sa.select(ledger_checkpoints.c.size, ledger_checkpoints.c.note).where(
         ledger_checkpoints.c.host == agg.host, ledger_checkpoints.c.size > frontier.size)
@@ -132,8 +192,14 @@ def _verify_new(conn: Connection, agg: HostLedger, actor: str, report: SyncRepor
                 raise ProofError("consistency", f"entries {frontier.size}..{size - 1} do not "
                                  f"extend the verified tree of {frontier.size} to the signed root")
         except ProofError as e:
-            agg.refuse(size, e.check, str(e), actor)
-            report.refused.append((agg.host, size, str(e)))
+            why = str(e)
+            if e.check == "unknown key":
+                why = (f"unknown key: no key enrolled for host {agg.host} signed this "
+                       f"checkpoint (enrol the host's key: loraplane host enroll "
+                        f"{agg.host} --key-file keys/ledger/{vkey_path(Path(), agg.host).name} "
+                        "--root-key ROOT)")
+            agg.refuse(size, e.check, why, actor)
+            report.refused.append((agg.host, size, why))
             return
         agg.verify(size, b64(cp.root), note, json.dumps(new.to_json()), actor)
         report.verified.append((agg.host, size))
@@ -144,7 +210,8 @@ def _verify_new(conn: Connection, agg: HostLedger, actor: str, report: SyncRepor
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # modified | deleted | inserted | reordered | root | refused
+    # modified | deleted | inserted | reordered | root | refused | unenrolled | unvouched
+    kind: str
     host: str
     position: int | None
     detail: str
@@ -180,17 +247,38 @@ def _rows(conn: Connection, host: str, ids: Iterable[str]) -> dict[str, dict[str
     return found
 
 
-def verify(app: Application[Any], engine: Engine) -> LedgerReport:
-    """Every host's log against its rows and its verified checkpoints (module notes)."""
+def verify(app: Application[Any], engine: Engine, keys_dir: Path | None = None) -> LedgerReport:
+    """Every host's log against its rows and its verified checkpoints, and its checkpoint
+    keys against the root of trust (module notes)."""
     report = LedgerReport()
     engine = opened(engine)
+    root = root_public_key(keys_dir_of(app, keys_dir))
     with engine.connect() as conn:
         logged = set(hosts(conn))
         every = logged | set(conn.execute(sa.select(request_ledger.c.host).distinct()).scalars())
         for host in sorted(every):
             report.hosts += 1
             _verify_host(conn, app, host, report)
+            _check_keys(conn, host, load(app, host), root, report)
     return report
+
+
+def _check_keys(conn: Connection, host: str, agg: HostLedger | None, root: Any,
+                report: LedgerReport) -> None:
+    """Keys a host presented that no root enrolled (their checkpoints are refused), and
+    enrolments whose signature the configured root does not verify (forged in the store)."""
+    trusted = set(trusted_keys_of(agg, root)) if agg is not None else set()
+    for vkey in sorted(set(conn.execute(sa.select(ledger_host_keys.c.vkey).where(
+            ledger_host_keys.c.host == host)).scalars()) - trusted):
+        named = "+".join(vkey.split("+", 2)[:2])  # name and key id: enough to tell keys apart
+        report.findings.append(Finding(
+            "unenrolled", host, None, f"checkpoint key {named} is not enrolled: checkpoints it "
+            f"signs are refused (if it is the host's key: loraplane host enroll {host} "
+            "--key-file <its keys/ledger/*.vkey> --root-key ROOT)"))
+    for vkey in sorted(set(agg.enrolled if agg is not None else ()) - trusted):
+        report.findings.append(Finding(
+            "unvouched", host, None, f"an enrolment of key {vkey[:60]} carries no signature "
+            "of the configured root: forged, or made under a former root (enrol again)"))
 
 
 def _verify_host(conn: Connection, app: Application[Any], host: str,
@@ -257,7 +345,7 @@ def _check_roots(host: str, hashes: Sequence[bytes], agg: HostLedger | None,
         start = size
     report.verified += agg.verified_size
     report.findings += [Finding("refused", host, size, detail)
-                        for size, _check, detail in agg.refused]
+                        for size, _check, detail in agg.open_refusals]
 
 
 # -- coverage and receipts -------------------------------------------------------------------
@@ -309,8 +397,8 @@ def coverage(app: Application[Any], engine: Engine, request_ids: Sequence[str]) 
         host, idx = at[rid]
         if host not in ledgers:
             ledgers[host] = agg = load(app, host)
-            if agg is not None and agg.refused:
-                c.failed_hosts[host] = agg.refused[-1][2]
+            if agg is not None and agg.open_refusals:
+                c.failed_hosts[host] = agg.open_refusals[-1][2]
         agg = ledgers[host]
         if host in c.failed_hosts:  # what the failure touched only `audit verify` tells
             c.status[rid] = "log failed"

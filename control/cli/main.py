@@ -28,6 +28,7 @@ from control.cli import (  # noqa: F401  (imported for their registrations)
     credentials,
     database,
     gate,
+    hosts,
     ops,
     receipts,
     rollouts,

@@ -56,11 +56,12 @@ def receipt_get(
 def receipt_keys(
     out: Annotated[Path | None, typer.Option(help="File to write (default: stdout).")] = None,
 ) -> None:
-    """The host checkpoint keys the control plane recorded, one verifier key a line."""
+    """The host checkpoint keys the root of trust enrolled, one verifier key a line."""
     # the registry and the hosts' logs (eventsourcing, SQLAlchemy): only when a verb runs
-    from control.app.ledger_audit import load, sync
+    from control.app.ledger_audit import load, sync, trusted_keys_of
     from control.contracts.db import make_engine
     from control.contracts.ledger_log import hosts, opened
+    from control.contracts.root_of_trust import root_public_key
 
     with errors():
         reg = registry(existing=True)
@@ -68,7 +69,10 @@ def receipt_keys(
         sync(reg, engine)
         with opened(engine).connect() as conn:
             names = hosts(conn)
-        keys = [k for h in names if (agg := load(reg, h)) is not None for k in agg.vkeys]
+        # only keys the root of trust enrolled: a key a host merely presented vouches for nothing
+        root = root_public_key(reg.settings.keys_dir)
+        keys = [k for h in names if (agg := load(reg, h)) is not None
+                for k in trusted_keys_of(agg, root)]
     text = "".join(k + "\n" for k in keys)
     if out is None:
         sys.stdout.write(text)

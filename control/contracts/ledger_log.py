@@ -7,8 +7,9 @@ the database holds it after the write, every column, plus ``index`` (its positio
 canonical JSON (:func:`leaf_doc`). One log per host, so hosts never wait on each other: the
 host's head row (``ledger_log_heads``) hands out positions, and its lock serialises only that
 host's own writers. At a fixed interval and on shutdown, the host signs a checkpoint of what it
-appended itself (origin ``loraplane.ledger/<host>``, size, root) with a key made at start, whose
-public half it publishes in ``ledger_host_keys``; the control plane records the key as an event
+appended itself (origin ``loraplane.ledger/<host>``, size, root) with its kept key
+(``control.contracts.host_keys``: stable across restarts), whose public half it publishes in
+``ledger_host_keys``; the control plane trusts it only once enrolled through the root of trust,
 and verifies each checkpoint against the previous one (``control.app.ledger_audit``).
 
 Tables (schema component ``ledger_log``): ``ledger_log`` (host, idx, request_id, leaf),
@@ -22,14 +23,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from control.contracts.host_keys import key_path, load_or_create_signer
 from control.contracts.ledger import Outcome, request_ledger
 from control.contracts.schema import Component, declare, open_component
 from control.contracts.tlog import Checkpoint, Frontier, NoteSigner, canonical, leaf_hash
@@ -37,6 +41,7 @@ from control.contracts.tlog import Checkpoint, Frontier, NoteSigner, canonical, 
 log = logging.getLogger("loraplane.ledger_log")
 
 LEAF_VERSION = 1
+HOME_ENV = "LORAPLANE_HOME"
 ORIGIN_PREFIX = "loraplane.ledger/"
 
 metadata = sa.MetaData()
@@ -108,11 +113,15 @@ class HostLog:
     not whatever the table holds when it is signed.
     """
 
-    def __init__(self, engine: Engine, host: str, signer: NoteSigner | None = None) -> None:
+    def __init__(self, engine: Engine, host: str, signer: NoteSigner | None = None,
+                 keys_dir: Path | None = None) -> None:
+        """``signer``, else the host's kept key in ``keys_dir`` (default: ``<LORAPLANE_HOME>/keys``
+        when that is set, as in every Triton process ``serve`` starts), else a key for this
+        process alone, which the control plane trusts only in a development home."""
         self.engine = opened(engine)
         self.host = host
         self.origin = origin_of(host)
-        self.signer = signer or NoteSigner.generate(self.origin)
+        self.signer = signer or _host_signer(host, self.origin, keys_dir)
         self.frontier = Frontier()
         self.signed_size = -1
         self._table = engine.dialect.identifier_preparer.format_table(ledger_log)
@@ -204,6 +213,23 @@ class HostLog:
                            "signed_at": time.time() if now is None else now}])
         self.signed_size = cp.size
         return note
+
+
+def _host_signer(host: str, origin: str, keys_dir: Path | None) -> NoteSigner:
+    """The host's checkpoint key, kept across restarts (``control.contracts.host_keys``)."""
+    if keys_dir is None and os.environ.get(HOME_ENV):
+        keys_dir = Path(os.environ[HOME_ENV]).resolve() / "keys"
+    if keys_dir is None:
+        return NoteSigner.generate(origin)
+    try:
+        return load_or_create_signer(keys_dir, host, origin)
+    except OSError as e:
+        # Serving goes on; the control plane refuses this key's checkpoints (not enrolled), so
+        # the gap is loud there rather than a backend that fails to load.
+        log.error("cannot keep the ledger checkpoint key of %s in %s (%s): signing with a key "
+                  "for this process only, which must be enrolled to count", host,
+                  key_path(keys_dir, host).parent, e)
+        return NoteSigner.generate(origin)
 
 
 def _insert_absent(conn: Connection, table: sa.Table, keys: list[str]) -> sa.Insert:

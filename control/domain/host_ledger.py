@@ -2,9 +2,11 @@
 
 A host publishes its checkpoint key and signs checkpoints of its Merkle log
 (``control.contracts.ledger_log``); none of that is trusted until the control plane records it
-here. Recording a key is its own event (``KeyRecorded``): a root of trust that signs key records
-can later vouch for exactly that step. Each checkpoint the control plane verified (signed by a
-recorded key, its tree extending the previous verified one) is a ``CheckpointVerified`` event
+here. Recording a presented key is its own event (``KeyRecorded``); a key counts only once the
+root of trust enrolled it (``KeyEnrolled``, carrying the root's signature, which readers check
+against the root public key from their configuration: ``control.contracts.host_keys``). Each
+checkpoint the control plane verified (signed by an enrolled key, its tree extending the
+previous verified one) is a ``CheckpointVerified`` event
 carrying the tree's frontier, so the next check hashes only the entries appended since; a
 checkpoint that failed is a ``CheckpointRefused`` event naming the check. Being events, they are
 covered by the event store's own chain and seals.
@@ -34,6 +36,11 @@ class HostLedger(Aggregate):
         vkey: str  # signed-note verifier key: <name>+<hex key id>+<base64 key>
         actor: str
 
+    class KeyEnrolled(Aggregate.Event):
+        vkey: str
+        root_signature: str  # base64: the root's signature of host_keys.statement(host, vkey)
+        actor: str
+
     class CheckpointVerified(Aggregate.Event):
         size: int
         root_b64: str
@@ -59,6 +66,7 @@ class HostLedger(Aggregate):
         self.notes: dict[int, str] = {}  # size -> the verified signed checkpoint
         self.frontier = '{"size": 0, "nodes": []}'
         self.refused: list[tuple[int, str, str]] = []  # (size, check, detail)
+        self.enrolled: dict[str, str] = {}  # vkey -> the root's enrolment signature
 
     @property
     def verified_size(self) -> int:
@@ -71,6 +79,23 @@ class HostLedger(Aggregate):
     @event(KeyRecorded)
     def _key(self, vkey: str, actor: str) -> None:
         self.vkeys.append(vkey)
+
+    def enroll(self, vkey: str, root_signature: str, actor: str) -> None:
+        """Record the root's enrolment of ``vkey``; whether the signature is the configured
+        root's is checked by every reader (the event store is not trusted for that)."""
+        if self.enrolled.get(vkey) != root_signature:
+            self._enrolled(vkey=vkey, root_signature=root_signature, actor=check_actor(actor))
+
+    @event(KeyEnrolled)
+    def _enrolled(self, vkey: str, root_signature: str, actor: str) -> None:
+        self.enrolled[vkey] = root_signature
+
+    @property
+    def open_refusals(self) -> list[tuple[int, str, str]]:
+        """Refusals not since resolved: a checkpoint refused for an unknown key counts as
+        resolved once a later check verified the log past it (its key was enrolled since)."""
+        return [r for r in self.refused
+                if not (r[1] == "unknown key" and r[0] <= self.verified_size)]
 
     def verify(self, size: int, root_b64: str, note: str, frontier: str, actor: str) -> None:
         self._verified(size=size, root_b64=root_b64, note=note, frontier=frontier,

@@ -32,6 +32,7 @@ from pathlib import Path
 from sqlalchemy.engine import make_url
 
 from control.contracts.config import Settings
+from control.contracts.host_keys import LEDGER_KEYS_DIR
 
 DEFAULT_TRITON_USER = "loraplane-triton"
 KEEP_ROOT = "root"  # --triton-user root: Triton stays root (warned), as before this option
@@ -125,6 +126,14 @@ def grant_home(settings: Settings, user: ServiceUser) -> Path:
     public = settings.keys_dir / "public"
     public.mkdir(parents=True, exist_ok=True)
     _chgrp(public, gid, stat.S_IRGRP | stat.S_IXGRP)
+    # keys/ledger/: the host's ledger checkpoint key, which the engine inside Triton signs
+    # with (control.contracts.host_keys); the Triton user's own folder, so root's keys stay root's.
+    ledger_keys = settings.keys_dir / LEDGER_KEYS_DIR
+    ledger_keys.mkdir(exist_ok=True)
+    for path in (ledger_keys, *ledger_keys.iterdir()):
+        if not path.is_symlink():
+            os.chown(path, user.uid, gid)
+    os.chmod(ledger_keys, 0o700)
     _chgrp(settings.store_dir, gid, stat.S_IRGRP | stat.S_IXGRP)
     _chgrp(settings.run_dir, gid, stat.S_IRGRP | stat.S_IXGRP)
     db = sqlite_path(settings.db_url)

@@ -9,7 +9,9 @@ schema the connection's ``search_path`` names:
   writes everything, creates and upgrades the schema, and is not subject to row-level security.
 - ``<prefix>_gateway`` (LOGIN): reads the routing projections; reads the request ledger's
   usage columns (the OpenAI route's ``usage``, ``/v1/stats``, the feedback route's ownership
-  check) and inserts ratings into ``request_feedback``. Nothing else.
+  check) and inserts ratings into ``request_feedback``; reads the hosts' ledger logs and the
+  control plane's verified checkpoints (``ledger_log``, ``ledger_verified``: the receipts
+  route). Nothing else.
 - ``<prefix>_host`` (NOLOGIN), and one LOGIN role per Triton host, named by its host id
   (``LORAPLANE_HOST_ID``) and a member of ``<prefix>_host``: reads the host view (revocations,
   signing keys, releases, bases, the tenants' ticket cut-offs, the projections' position),
@@ -126,8 +128,12 @@ GRANTS: dict[str, dict[str, Grant]] = {
     # a host's revocation steps, folded into events by the control plane
     "serving_step_reports": {HOST: Grant(select=EVERY_COLUMN, insert=True, own_rows=OWN_HOST)},
     # each host's Merkle log of its ledger rows (control.contracts.ledger_log): a host appends
-    # to its own log, moves its own head, signs its own checkpoints and publishes its own key
-    "ledger_log": {HOST: Grant(select=EVERY_COLUMN, insert=True, own_rows=OWN_HOST)},
+    # to its own log, moves its own head, signs its own checkpoints and publishes its own key;
+    # the gateway reads the log and the control plane's verified checkpoints to build a
+    # tenant's receipt (control.gateway.receipts), never the unverified notes or host keys
+    "ledger_log": {GATEWAY: READ,
+                   HOST: Grant(select=EVERY_COLUMN, insert=True, own_rows=OWN_HOST)},
+    "ledger_verified": {GATEWAY: READ},  # written by the control plane alone
     "ledger_log_heads": {HOST: Grant(select=EVERY_COLUMN, insert=True, update=("size",),
                                      own_rows=OWN_HOST)},
     "ledger_checkpoints": {HOST: Grant(select=EVERY_COLUMN, insert=True, own_rows=OWN_HOST)},

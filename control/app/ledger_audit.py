@@ -37,6 +37,7 @@ from control.contracts.host_keys import enrolled, read_vkey, sign_enrollment, vk
 from control.contracts.ledger import Outcome, request_ledger
 from control.contracts.ledger_log import (
     hosts,
+    leaf,
     leaves,
     ledger_checkpoints,
     ledger_host_keys,
@@ -45,6 +46,7 @@ from control.contracts.ledger_log import (
     opened,
     origin_of,
     parse_leaf,
+    publish_verified,
 )
 from control.contracts.root_of_trust import RootError, root_public_key, signing_root
 from control.contracts.tlog import (
@@ -135,6 +137,10 @@ def sync(app: Application[Any], engine: Engine, actor: str = ACTOR,
             _verify_new(conn, agg, actor, report, trusted_keys_of(agg, root))
             if agg.pending_events:
                 app.save(agg)
+            if agg.verified:  # after the events: the gateway's read model for receipts
+                with engine.begin() as out:
+                    publish_verified(out, host, [(size, r, agg.notes[size])
+                                                 for size, r in agg.verified])
     return report
 
 
@@ -312,6 +318,12 @@ def _verify_host(conn: Connection, app: Application[Any], host: str,
             out.append(Finding("deleted", host, idx, f"request {logged_id}'s ledger row is gone"))
             continue
         changed = [c for c in row if doc.get(c) != row[c]]
+        # The entry must also be, byte for byte, the leaf the writer makes of this row (the
+        # one leaf function): an entry with a key added, or its text re-encoded, is modified.
+        at = doc.get("index")
+        if not changed and text != leaf(row, at if isinstance(at, int) else idx,
+                                        doc.get("output_sha256")):
+            changed = ["the entry's text"]
         if changed or logged_id != rid:
             out.append(Finding("modified", host, idx, f"request {logged_id}: "
                                f"{', '.join(changed) or 'request_id'} differ from the log"))

@@ -23,10 +23,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import time
 from collections.abc import Mapping, Sequence
+from json.encoder import encode_basestring
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,17 @@ from sqlalchemy.engine import Connection, Engine
 from control.contracts.host_keys import key_path, load_or_create_signer
 from control.contracts.ledger import Outcome, request_ledger
 from control.contracts.schema import Component, declare, open_component
-from control.contracts.tlog import Checkpoint, Frontier, NoteSigner, canonical, leaf_hash
+from control.contracts.tlog import (
+    Checkpoint,
+    Frontier,
+    NoteSigner,
+    TlogProof,
+    b64,
+    canonical,
+    inclusion_proof,
+    leaf_hash,
+    root,
+)
 
 log = logging.getLogger("loraplane.ledger_log")
 
@@ -73,7 +85,29 @@ ledger_host_keys = sa.Table(
     sa.Column("vkey", sa.String(256), primary_key=True),  # <name>+<hex id>+<base64 key>
     sa.Column("published_at", sa.Float, nullable=False),
 )
-LEDGER_LOG = declare(Component("ledger_log", 1, metadata, lambda _insp: 1))
+# The control plane's read model of the checkpoints it verified (``ledger_audit.sync`` writes a
+# row with each ``CheckpointVerified`` event): what the gateway serves receipts from, since it
+# may not read the event store. Neither hosts nor gateways may write it.
+ledger_verified = sa.Table(
+    "ledger_verified", metadata,
+    sa.Column("host", _host, primary_key=True),
+    sa.Column("size", sa.BigInteger, primary_key=True, autoincrement=False),
+    sa.Column("root", sa.String(64), nullable=False),  # base64 of the tree's root hash
+    sa.Column("note", sa.Text, nullable=False),  # the verified signed checkpoint
+    sa.Column("verified_at", sa.Float, nullable=False),
+)
+
+
+def _ledger_log_version(insp: sa.Inspector) -> int:
+    return 2 if insp.has_table("ledger_verified") else 1
+
+
+def _ledger_log_1_to_2(conn: Connection) -> None:
+    ledger_verified.create(conn, checkfirst=True)
+
+
+LEDGER_LOG = declare(Component("ledger_log", 2, metadata, _ledger_log_version,
+                               {1: _ledger_log_1_to_2}))
 
 
 def origin_of(host: str) -> str:
@@ -86,6 +120,8 @@ def output_sha256(text: str | bytes) -> str:
 
 
 _COLUMNS = tuple(c.name for c in request_ledger.columns)
+_OUTCOME = _COLUMNS.index("outcome")
+_RUNNING = Outcome.RUNNING.value
 
 
 def leaf_doc(row: Mapping[str, Any], index: int, output: str | None) -> dict[str, Any]:
@@ -97,6 +133,36 @@ def leaf_doc(row: Mapping[str, Any], index: int, output: str | None) -> dict[str
 
 def leaf_text(doc: Mapping[str, Any]) -> str:
     return canonical(doc).decode()
+
+
+# The leaf's keys in canonical (sorted) order, each with the text that precedes its value.
+_LEAF_KEYS = tuple(sorted((*_COLUMNS, "v", "index", "output_sha256")))
+_LEAF_PREFIXES = tuple(("{" if k == 0 else ",") + encode_basestring(key) + ":"
+                       for k, key in enumerate(_LEAF_KEYS))
+_LEAF_PLAN = tuple(zip(_LEAF_PREFIXES, _LEAF_KEYS, strict=True))
+
+
+def _json_value(v: object) -> str:
+    """One value as ``canonical`` writes it (json.dumps: repr for ints and finite floats)."""
+    t = type(v)
+    if t is str:
+        return encode_basestring(v)  # type: ignore[arg-type]
+    if v is None:
+        return "null"
+    if t is int or (t is float and math.isfinite(v)):  # type: ignore[arg-type]
+        return repr(v)
+    return json.dumps(v, ensure_ascii=False)  # bools, NaN, anything else: json's own text
+
+
+def leaf(row: Mapping[str, Any], index: int, output: str | None) -> str:
+    """``leaf_text(leaf_doc(row, index, output))``, without building the document: the one
+    leaf function, used by the writer (from the values it wrote) and by ``audit verify``
+    (from the stored row). Its keys are fixed, so their sorted order and the separators are
+    computed once; per row only the values are encoded (half the cost of json.dumps with
+    sort_keys, which the writer paid for every final row)."""
+    extra = {"v": LEAF_VERSION, "index": index, "output_sha256": output}
+    return "".join([p + _json_value(extra[k] if k in extra else row[k])
+                    for p, k in _LEAF_PLAN]) + "}"
 
 
 def opened(engine: Engine) -> Engine:
@@ -124,7 +190,13 @@ class HostLog:
         self.signer = signer or _host_signer(host, self.origin, keys_dir)
         self.frontier = Frontier()
         self.signed_size = -1
-        self._table = engine.dialect.identifier_preparer.format_table(ledger_log)
+        quote = engine.dialect.identifier_preparer
+        self._table = quote.format_table(ledger_log)
+        self._heads = quote.format_table(ledger_log_heads)
+        self._ledger = quote.format_table(request_ledger)
+        self._columns = ", ".join("r." + quote.quote(c) for c in _COLUMNS)
+        self._mark = "?" if engine.dialect.paramstyle == "qmark" else "%s"
+        self._head: int | None = None  # where this writer left the head (None: unknown)
         with self.engine.begin() as conn:
             conn.execute(_insert_absent(conn, ledger_log_heads, ["host"]),
                          [{"host": host, "size": 0}])
@@ -146,49 +218,87 @@ class HostLog:
                     break
                 f.append(leaf_hash(r.leaf.encode()))
         self.frontier = f
+        self._head = f.size
 
     def append(self, conn: Connection, request_ids: Sequence[str],
                outputs: Mapping[str, str | None]) -> list[tuple[int, bytes]]:
         """Append the final rows of ``request_ids`` not yet in the log, inside the caller's
-        transaction (after its ledger writes); returns (index, leaf hash) of each."""
+        transaction (after its ledger writes); returns (index, leaf hash) of each.
+
+        Three statements whatever the batch's size, each through the driver itself
+        (SQLAlchemy's per-row result and parameter handling cost as much as the rest of the
+        append: ``loraplane bench ledger``): one read of the rows, one move of the head, one
+        insert of every leaf; on PostgreSQL the last two are one statement (one round trip
+        fewer, which is most of what a one-row transaction pays for the log)."""
         ids = list(dict.fromkeys(request_ids))
         if not ids:
             return []
-        # The rows and whether they are logged already (a retried write), in one round trip;
-        # joined by request id alone, so the planner takes its index (with the host in the
-        # condition, SQLite walked the host's whole log by the primary key).
-        rows: dict[str, dict[str, Any]] = {}
-        have: set[str] = set()
-        for r in conn.execute(sa.select(*[request_ledger.c[c] for c in _COLUMNS],
-                                        ledger_log.c.host).select_from(request_ledger.outerjoin(
-                ledger_log, ledger_log.c.request_id == request_ledger.c.request_id)).where(
-                request_ledger.c.request_id.in_(ids))).tuples():
-            rows[r[0]] = dict(zip(_COLUMNS, r[:-1], strict=True))
-            if r[-1] == self.host:
-                have.add(r[0])
-        final = [i for i in ids if i not in have and i in rows
-                 and rows[i]["outcome"] != Outcome.RUNNING.value]
+        rows = self._final_rows(conn, ids)
+        final = [i for i in ids if i in rows]
         if not final:
             return []
+        if conn.dialect.name == "postgresql" and self._head is not None:
+            made = self._leaves(rows, final, outputs, self._head)
+            if self._put_at_head(conn, made):
+                return [(idx, h) for _, idx, _, _, h in made]
         # Positions come from the head's row, moved and read in one statement under its row
         # lock (the write lock on SQLite): two writers of one host never get the same ones.
         size = conn.execute(ledger_log_heads.update().where(
             ledger_log_heads.c.host == self.host).values(
             size=ledger_log_heads.c.size + len(final)).returning(
             ledger_log_heads.c.size)).scalar_one()
-        start = int(size) - len(final)
-        values = []
-        appended = []
-        for k, rid in enumerate(final):
-            text = leaf_text(leaf_doc(rows[rid], start + k, outputs.get(rid)))
-            values.append((self.host, start + k, rid, text))
-            appended.append((start + k, leaf_hash(text.encode())))
-        # The driver's own executemany: SQLAlchemy's per-row parameter handling cost as much
-        # as the rest of the append (``loraplane bench ledger``).
-        mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+        made = self._leaves(rows, final, outputs, int(size) - len(final))
         conn.exec_driver_sql(f"INSERT INTO {self._table} (host, idx, request_id, leaf) "
-                             f"VALUES ({mark}, {mark}, {mark}, {mark})", values)
-        return appended
+                             f"VALUES ({self._mark}, {self._mark}, {self._mark}, {self._mark})",
+                             [(self.host, idx, rid, text) for _, idx, rid, text, _ in made])
+        return [(idx, h) for _, idx, _, _, h in made]
+
+    def _final_rows(self, conn: Connection, ids: list[str]) -> dict[str, tuple[Any, ...]]:
+        """The final rows among ``ids`` that this host's log does not hold yet (a retried write
+        finds its rows logged), in one read. Joined by request id alone, so the planner takes
+        its index (with the host in the condition, SQLite walked the host's whole log)."""
+        params: tuple[Any, ...]
+        if conn.dialect.name == "postgresql":
+            where, params = "r.request_id = ANY(%b)", (ids,)
+        else:
+            where, params = f"r.request_id IN ({', '.join('?' * len(ids))})", tuple(ids)
+        rows: dict[str, tuple[Any, ...]] = {}
+        have: set[str] = set()
+        for r in conn.exec_driver_sql(
+                f"SELECT {self._columns}, l.host FROM {self._ledger} r LEFT OUTER JOIN "
+                f"{self._table} l ON l.request_id = r.request_id WHERE {where}", params):
+            rows[r[0]] = tuple(r[:-1])
+            if r[-1] == self.host:
+                have.add(r[0])
+        return {i: r for i, r in rows.items() if i not in have and r[_OUTCOME] != _RUNNING}
+
+    def _leaves(self, rows: Mapping[str, tuple[Any, ...]], final: Sequence[str],
+                outputs: Mapping[str, str | None],
+                start: int) -> list[tuple[str, int, str, str, bytes]]:
+        """(host, index, request id, leaf text, leaf hash) of each row from ``start`` on."""
+        made = []
+        for k, rid in enumerate(final):
+            text = leaf(dict(zip(_COLUMNS, rows[rid], strict=True)), start + k,
+                        outputs.get(rid))
+            made.append((self.host, start + k, rid, text, leaf_hash(text.encode())))
+        return made
+
+    def _put_at_head(self, conn: Connection, made: Sequence[tuple[str, int, str, str, bytes]]
+                     ) -> bool:
+        """PostgreSQL: move the head from where this writer last left it and insert the leaves,
+        in one statement; False (nothing written) when the head is elsewhere (another writer
+        of this host, or the table changed), and the caller claims positions under the lock.
+        The arrays go in psycopg's binary format (``%b``): its text format quotes every element
+        with a regular expression, which cost more than the rest of the append together."""
+        start = made[0][1]
+        result = conn.exec_driver_sql(
+            f"WITH head AS (UPDATE {self._heads} SET size = size + %s WHERE host = %s AND "
+            f"size = %s RETURNING size) INSERT INTO {self._table} (host, idx, request_id, leaf) "
+            f"SELECT %s, t.idx, t.rid, t.leaf FROM head, unnest(%b::bigint[], %b::text[], "
+            f"%b::text[]) AS t(idx, rid, leaf)",
+            (len(made), self.host, start, self.host, [m[1] for m in made],
+             [m[2] for m in made], [m[3] for m in made]))
+        return bool(result.rowcount == len(made))
 
     def committed(self, appended: Sequence[tuple[int, bytes]]) -> None:
         """Take leaves whose transaction committed into the frontier."""
@@ -199,6 +309,8 @@ class HostLog:
             return
         for _idx, h in appended:
             self.frontier.append(h)
+        if appended:
+            self._head = appended[-1][0] + 1
 
     def checkpoint(self, now: float | None = None) -> str | None:
         """Sign and store a checkpoint of the frontier if it grew since the last one; returns
@@ -266,3 +378,49 @@ def parse_leaf(text: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise ValueError("a leaf is a JSON object")
     return doc
+
+
+# -- verified checkpoints and proofs (receipts: the CLI and the gateway) -----------------------
+
+def publish_verified(conn: Connection, host: str,
+                     verified: Sequence[tuple[int, str, str]], now: float | None = None) -> int:
+    """Write the control plane's verified checkpoints of ``host`` ((size, base64 root, note)
+    each) that ``ledger_verified`` lacks; returns how many were new."""
+    have = set(conn.execute(sa.select(ledger_verified.c.size).where(
+        ledger_verified.c.host == host)).scalars())
+    new = [{"host": host, "size": size, "root": root_b64, "note": note,
+            "verified_at": time.time() if now is None else now}
+           for size, root_b64, note in verified if size not in have]
+    if new:
+        conn.execute(_insert_absent(conn, ledger_verified, ["host", "size"]), new)
+    return len(new)
+
+
+def first_verified(conn: Connection, host: str, index: int) -> tuple[int, str, str] | None:
+    """(size, base64 root, note) of ``host``'s first verified checkpoint covering entry
+    ``index``; None when none does (yet)."""
+    r = conn.execute(sa.select(ledger_verified.c.size, ledger_verified.c.root,
+                               ledger_verified.c.note).where(
+        ledger_verified.c.host == host, ledger_verified.c.size > index).order_by(
+        ledger_verified.c.size).limit(1)).first()
+    return None if r is None else (int(r.size), r.root, r.note)
+
+
+def prove(conn: Connection, host: str, index: int, size: int, root_b64: str,
+          note: str) -> str | None:
+    """The c2sp.org/tlog-proof of ``host``'s entry ``index`` against the verified checkpoint
+    (``size``, ``root_b64``, ``note``), carrying the entry; None when the stored entries no
+    longer give that root (the log was changed since: ``audit verify --ledger`` says where)."""
+    entries = leaves(conn, host, 0, size)
+    hashes = [leaf_hash(text.encode()) for _, _, text in entries]
+    if len(hashes) != size or b64(root(hashes)) != root_b64:
+        return None
+    return TlogProof(index, tuple(inclusion_proof(index, hashes)), note,
+                     entries[index][2].encode()).text()
+
+
+def position(conn: Connection, request_id: str) -> tuple[str, int] | None:
+    """(host, index) of ``request_id``'s entry, None when it is in no log."""
+    r = conn.execute(sa.select(ledger_log.c.host, ledger_log.c.idx).where(
+        ledger_log.c.request_id == request_id).order_by(ledger_log.c.idx).limit(1)).first()
+    return None if r is None else (r.host, int(r.idx))

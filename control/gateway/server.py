@@ -31,6 +31,10 @@ is refused with 409 and the first stays (a window's recorded figures must match 
 auditor reads later). A rating of a request that did not end ``ok`` is recorded as given and
 counts as a failure, never a success.
 
+``GET /v1/receipts/{request_id}`` answers the receipt of one of the caller's own requests
+(:mod:`control.gateway.receipts`): 404 alike for unknown and other tenants' ids, 409 with
+``Retry-After`` until a verified checkpoint covers it.
+
 Bodies (tickets and feedback) are read whole, at most 4096 bytes, and parsed strictly
 (:mod:`control.gateway.bodies`): 413 above the limit, whether or not Content-Length is sent;
 400 for anything but one JSON object (a key given twice included); 408 for a body that does
@@ -53,7 +57,7 @@ from control.contracts import telemetry
 from control.contracts.db import make_engine
 from control.contracts.ledger import AlreadyRated, Ledger, NotRatable, NotTheOwner
 from control.domain import SESSION_RE, DomainError
-from control.gateway import observability, openai_api
+from control.gateway import observability, openai_api, receipts
 from control.gateway.bodies import (
     OPENAI_BODY_LIMIT,
     TICKET_BODY_LIMIT,
@@ -238,6 +242,7 @@ def make_app(
     app[OFFICE_KEY] = office
     # The request ledger the feedback route checks ownership in and writes ratings to.
     app[LEDGER_KEY] = ledger or Ledger(make_engine(office.settings.gateway_db_url))
+    receipts.add_routes(app, office, app[LEDGER_KEY].engine)  # GET /v1/receipts/{request_id}
     app.router.add_post("/v1/tickets", issue_ticket)
     app.router.add_post("/v1/feedback", rate_request)
     app.router.add_delete("/v1/sessions/{session}", end_session)

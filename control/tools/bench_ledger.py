@@ -32,8 +32,11 @@ from control.contracts.db import dispose_engines, make_engine
 from control.contracts.ledger import Completion, Ledger, LedgerEntry, Outcome
 
 GOAL = 0.9
-QUICK = {"rows": 2000, "paced_rows": 100, "runs": 5}
-FULL = {"rows": 10000, "paced_rows": 500, "runs": 9}
+# Sized so that one side of a round lasts long enough (a fraction of a second, not the tens of
+# milliseconds 2000 burst rows took) for the machine's other work to even out, and enough rounds
+# (odd: a true median) that one disturbed round cannot pass for the result.
+QUICK = {"rows": 5000, "paced_rows": 300, "runs": 7}
+FULL = {"rows": 20000, "paced_rows": 1000, "runs": 11}
 _D = "sha256:" + "a" * 64
 
 

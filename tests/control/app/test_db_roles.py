@@ -296,8 +296,34 @@ class TestGatewayRole:
     def test_reads_nothing_beyond_its_columns(self, deployment: Deployment) -> None:
         for sql in ("SELECT host FROM request_ledger", "SELECT ticket_id FROM request_ledger",
                     "SELECT * FROM adapter_loads", "SELECT * FROM registry_events",
-                    "SELECT * FROM audit_checkpoints", "SELECT success FROM request_feedback"):
+                    "SELECT * FROM audit_checkpoints", "SELECT success FROM request_feedback",
+                    "SELECT * FROM ledger_checkpoints", "SELECT * FROM ledger_host_keys",
+                    "SELECT * FROM ledger_log_heads"):
             _refused(deployment.gateway, sql)
+
+    def test_reads_the_logs_and_verified_checkpoints_for_receipts_and_writes_neither(
+            self, deployment: Deployment) -> None:
+        # Every host's log is readable (a receipt's proof hashes its neighbours' entries),
+        # through the policy that lets the gateway see rows hosts see only their own of.
+        with deployment.admin.begin() as conn:
+            conn.execute(sa.text("INSERT INTO ledger_log (host, idx, request_id, leaf) VALUES "
+                                 "(:h, :i, 'r', '{}')"), {"h": deployment.host_a_id,
+                                                          "i": uuid.uuid4().int % 10 ** 12})
+        with deployment.gateway.connect() as conn:
+            for table in ("ledger_log", "ledger_verified"):
+                conn.execute(sa.text(f"SELECT * FROM {table}")).all()
+            seen = conn.execute(sa.text("SELECT count(*) FROM ledger_log")).scalar()
+        assert seen is not None and seen >= 1
+        assert seen == _count(deployment.admin, "SELECT * FROM ledger_log")
+        _refused(deployment.gateway, "INSERT INTO ledger_verified (host, size, root, note, "
+                 "verified_at) VALUES ('h', 1, 'r', 'n', 0)")
+        _refused(deployment.gateway, "INSERT INTO ledger_log (host, idx, request_id, leaf) "
+                 "VALUES ('h', 0, 'r', '{}')")
+        for table in ("ledger_log", "ledger_verified"):
+            _refused(deployment.gateway, f"DELETE FROM {table}")
+        _refused(deployment.host_a, "SELECT * FROM ledger_verified")
+        _refused(deployment.host_a, "INSERT INTO ledger_verified (host, size, root, note, "
+                 "verified_at) VALUES (:h, 1, 'r', 'n', 0)", h=deployment.host_a_id)
 
 
 @pytest.mark.postgres

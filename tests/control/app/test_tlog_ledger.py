@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 from typer.testing import CliRunner
 
 from backend.serving.recorder import LedgerWriter
@@ -30,20 +31,29 @@ from control.app.ledger_audit import (
 from control.cli.main import app
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
-from control.contracts.ledger import Completion, Ledger, LedgerEntry, Outcome
+from control.contracts.ledger import Completion, Ledger, LedgerEntry, Outcome, request_ledger
 from control.contracts.ledger_log import (
+    LEDGER_LOG,
     HostLog,
+    leaf,
+    leaf_doc,
+    leaf_text,
     ledger_checkpoints,
     ledger_log,
+    ledger_verified,
+    opened,
     output_sha256,
+    publish_verified,
 )
 from control.contracts.receipt import trusted_keys, verify_receipt
+from control.contracts.schema import SchemaOutdated, upgrade
 from control.contracts.tlog import ProofError, TlogProof
 from tests.fixtures_control import OnPostgres, OnSQLite, close_registry
 
 D = "sha256:" + "a" * 64
 BASE = "sha256:" + "b" * 64
 TOK = "sha256:" + "c" * 64
+LEDGER_COLUMNS = [c.name for c in request_ledger.columns]
 
 
 def serve(settings: Settings, host: str, n: int, start: int = 0) -> list[str]:
@@ -260,6 +270,39 @@ class LedgerLogContract:
             assert conn.execute(sa.select(sa.func.count()).select_from(ledger_log)).scalar() == 1
         assert host_log.frontier.size == 1
 
+    def test_an_entry_re_encoded_with_its_row_s_values_is_found_modified(
+            self, settings: Settings, reg: Any) -> None:
+        # Every value still equals the row's; only the entry's bytes differ from the leaf the
+        # writer makes of that row (one leaf function for writer and auditor).
+        serve(settings, "host-a", 3)
+        engine = make_engine(settings.db_url)
+        sync(reg, engine)
+        self.sql(settings, "UPDATE ledger_log SET leaf = :head || substr(leaf, 2) "
+                 "WHERE host = 'host-a' AND idx = 1", head='{"x":1,')
+        kinds = {(f.kind, f.position) for f in verify(reg, engine).findings}
+        assert ("modified", 1) in kinds
+
+    def test_two_writers_of_one_host_never_share_a_position(self, settings: Settings) -> None:
+        ledger = Ledger(make_engine(settings.db_url))
+        first, second = HostLog(ledger.engine, "host-a"), HostLog(ledger.engine, "host-a")
+        for n, writer in enumerate([first, second, first, first, second]):
+            ids = [f"r-{n}-{k}" for k in range(3)]
+            entries = [LedgerEntry(i, None, None, "lora_llm", "host-a", BASE, None, None, 1.0,
+                                   finished_at=2.0, outcome=Outcome.REJECTED, reason="busy")
+                       for i in ids]
+            appended: list[tuple[int, bytes]] = []
+
+            def hook(conn: Connection, w: HostLog = writer, i: list[str] = ids,
+                     out: list[tuple[int, bytes]] = appended) -> None:
+                out.extend(w.append(conn, i, {}))
+
+            ledger.write(entries, [], None, hook)
+            writer.committed(appended)
+            assert [a for a, _ in appended] == list(range(3 * n, 3 * n + 3))
+        first.resync()
+        assert (first.frontier.size, second.frontier.size) == (15, 15)
+        assert first.frontier.root() == second.frontier.root()
+
     def test_the_control_planes_loop_verifies_checkpoints_as_hosts_sign_them(
             self, settings: Settings, reg: Any) -> None:
         stop = threading.Event()
@@ -279,9 +322,38 @@ class LedgerLogContract:
             loop.join(5)
 
 
+def test_the_leaf_function_writes_the_canonical_json_of_the_leaf_document() -> None:
+    # The writer's fast encoder and the canonical form must agree on every kind of value a
+    # row can hold (text needing escapes, None, big ints, floats json writes its own way).
+    odd: list[Any] = [None, 'q"\\\n\x01\u00e9\u2028\U0001d11e', D, 0, -7, 2 ** 70, 1.5, 1e16, 1e-7,
+                      0.1 + 0.2, -0.0, float("nan"), float("-inf"), True]
+    for k in range(len(odd) * 3):
+        row = {c: odd[(k + n) % len(odd)] for n, c in enumerate(LEDGER_COLUMNS)}
+        for out in (None, "f" * 64):
+            assert leaf(row, k, out) == leaf_text(leaf_doc(row, k, out))
+
+
 class TestLedgerLogSQLite(OnSQLite, LedgerLogContract):
     pass
 
 
 class TestLedgerLogPostgres(OnPostgres, LedgerLogContract):
     pass
+
+
+def test_a_version_1_log_is_refused_until_upgraded_then_holds_verified_checkpoints(
+        tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'v1.db'}")
+    opened(engine)
+    with engine.begin() as conn:  # the log as version 1 left it: no verified read model
+        ledger_verified.drop(conn)
+        conn.execute(sa.text("UPDATE loraplane_schema SET version = 1 "
+                             "WHERE component = 'ledger_log'"))
+    with pytest.raises(SchemaOutdated):
+        opened(engine)
+    changes = {c.component: c.action
+               for c in upgrade(engine, rebuild=None, components=(LEDGER_LOG,))}
+    assert changes == {"ledger_log": "upgraded"}
+    with opened(engine).begin() as conn:
+        assert publish_verified(conn, "h", [(3, "cm9vdA==", "note")]) == 1
+        assert publish_verified(conn, "h", [(3, "cm9vdA==", "note")]) == 0

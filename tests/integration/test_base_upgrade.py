@@ -231,9 +231,15 @@ def test_the_matrix_alpha_and_beta_pass_on_the_new_base_gamma_fails_and_stays(
                 cell.adapter, world.bases["base-v2"])
             assert release.evaluation_report_digest == cell.new.report
     gamma = cells["gamma"]
-    # it falls below the old base's rate, the floor and the margin over the base alone
-    assert {line.split(":")[0] for line in gamma.new.failures} == {
-        "success_rate", "min_success_rate", "gain_over_base"}
+    # It falls below the old base's rate and the floor. Whether it also misses the margin over
+    # the base alone depends on how much of gamma the kit's base-v2 edit leaves (the build only
+    # asks for a loss of 10 tasks or more; kit.json's base_v2_golden: 2 of 60 on one CPU, 9 on
+    # another), so that rule is judged here from the figures its report carries.
+    failed = {line.split(":")[0] for line in gamma.new.failures}
+    assert {"success_rate", "min_success_rate"} <= failed
+    assert failed <= {"success_rate", "min_success_rate", "gain_over_base"}
+    g = GateDesk(reg).gate_report(gamma.new.report or "")["figures"]
+    assert ("gain_over_base" in failed) == (g["success_rate"] - g["base_success_rate"] < 0.1)
     # nothing of gamma moved: no release on the new base, its alias where it was
     assert gamma.new.release is None and not gamma.moves
     assert reg.alias("globex-gamma").stable == gamma.old.release

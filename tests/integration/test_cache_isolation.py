@@ -25,8 +25,11 @@ from tests.integration.conftest import ACTOR, Stack
 
 pytestmark = pytest.mark.triton
 
-A, B = "acme", "globex"
+# Tenants of this test alone, so the session's acme and globex see no alias, adapter or
+# statistics of it (other tests list their tenants' aliases and stats).
+A, B = "iso-a", "iso-b"
 SHARED_ALIAS = "iso-shared"  # an adapter of A's, granted to B as well
+SHARED_FACTOR = 1.0917  # a perturbation no other test registers: the bytes are this test's
 ROUNDS, PER_ROUND = 2, 4  # per condition and route: 8 of B's requests
 HITS = 'loraplane_backend_prefix_cache_total{event="hit"}'
 MISSES = 'loraplane_backend_prefix_cache_total{event="miss"}'
@@ -90,18 +93,23 @@ def _ttft(stack: Stack, ticket: str, prompt: str) -> float:
 
 
 def _shared_adapter(stack: Stack, tmp_path: Path) -> None:
-    """A's adapter on ``SHARED_ALIAS``, granted to both tenants; waits until B may use it."""
+    """Tenants A and B, both granted the base; A's adapter on ``SHARED_ALIAS``, granted to both;
+    waits until B may use it."""
+    for tenant in (A, B):
+        stack.api_keys[tenant] = stack.registry.create_tenant(tenant, actor=ACTOR)
+        stack.registry.grant(tenant, "base", actor=ACTOR)
     alpha = stack.kit_dir / stack.kit.adapters["alpha"].path
-    digest = stack.registry.register_adapter(perturbed_copy(alpha, tmp_path / "shared", 1.02),
-                                             tenant=A, alias=SHARED_ALIAS, actor=ACTOR)
+    digest = stack.registry.register_adapter(
+        perturbed_copy(alpha, tmp_path / "shared", SHARED_FACTOR), tenant=A, alias=SHARED_ALIAS,
+        actor=ACTOR)
     stack.registry.advance(digest, external=True, evaluation={"suite": "smoke", "passed": True},
                            actor=ACTOR)
     for tenant in (A, B):
         stack.registry.grant(tenant, SHARED_ALIAS, actor=ACTOR)
     deadline = time.monotonic() + 30
-    while request_ticket(stack.deployment.gateway_url, stack.api_keys[B],
-                         SHARED_ALIAS)[0] != 200:
-        assert time.monotonic() < deadline, "B's grant never became visible"
+    while any(request_ticket(stack.deployment.gateway_url, stack.api_keys[t], alias)[0] != 200
+              for t in (A, B) for alias in ("base", SHARED_ALIAS)):
+        assert time.monotonic() < deadline, "the tenants' grants never became visible"
         time.sleep(0.1)
 
 

@@ -8,6 +8,7 @@ incident query covers requests served by both hosts. Skipped without LORAPLANE_T
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ import openai
 import pytest
 
 from control.app.registry import Registry
+from control.contracts import root_of_trust
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
@@ -75,6 +77,18 @@ def cluster(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         for name in ("gw-2", "host-a", "host-b"):
             # the shared artifact store: one volume mounted on every host in production
             (homes[name] / "store").symlink_to(settings["gw-1"].store_dir)
+        # One root of trust for the deployment, as an operator configures it: every process gets
+        # its public half (root.pub); the gateways, which record their own signing keys here,
+        # also hold the (development) root that vouches for them. Hosts never hold it.
+        root_of_trust.dev_root(settings["gw-1"].keys_dir)
+        for name in ("gw-2", "host-a", "host-b"):
+            keys = settings[name].keys_dir
+            keys.mkdir(parents=True, exist_ok=True)
+            shutil.copy(root_of_trust.root_pub_path(settings["gw-1"].keys_dir),
+                        root_of_trust.root_pub_path(keys))
+        dev = root_of_trust.dev_root_path(settings["gw-2"].keys_dir)
+        dev.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        shutil.copy(root_of_trust.dev_root_path(settings["gw-1"].keys_dir), dev)
         kit = KitManifest.load(kit_dir)
         reg = open_registry(settings["gw-1"])
         reg.register_base(kit_dir / kit.base_path, kit_dir / kit.tokenizer_path,

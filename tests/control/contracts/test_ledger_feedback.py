@@ -304,7 +304,8 @@ def test_p95_is_the_nearest_rank() -> None:
 def test_the_refusal_reasons_a_window_counts_are_the_ones_serving_writes() -> None:
     """``BUSY_REASON`` and ``MEMORY_REFUSALS`` name what backend/serving writes on the ledger:
     the service's busy refusals and ``adapter_`` + the cache's out-of-room reasons."""
-    service = (REPO / "backend" / "serving" / "service.py").read_text()
+    # wherever in the serving package the service writes its refusals
+    service = "\n".join(f.read_text() for f in sorted((REPO / "backend" / "serving").glob("*.py")))
     cache = (REPO / "backend" / "serving" / "cache.py").read_text()
     assert f'reason="{BUSY_REASON}"' in service and '"adapter_{e.reason}"' in service
     cache_reasons = set(re.findall(r'CacheRefused\("([a-z_]+)"', cache))

@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,7 +20,6 @@ from control.app.rollouts import RolloutDesk
 from control.contracts.config import Settings
 from control.contracts.tickets import unverified_claims
 from control.domain import CANARY, STABLE, RolloutPolicy
-from control.ops.clients import TritonRefused, infer_with, post_feedback, request_ticket
 from control.ops.serve import Deployment
 from control.tools.canary_traffic import CanaryTraffic
 from control.tools.kit import KitManifest
@@ -127,33 +125,6 @@ def ticket_release(token: str) -> str | None:
 
 
 class ArmTraffic(CanaryTraffic):
-    """:class:`control.tools.canary_traffic.CanaryTraffic` whose counts and prompts know the
-    arm each request landed on, from the ticket's claims (see :func:`ticket_release`)."""
-
-    def once(self, client: Any) -> None:
-        with self._lock:
-            self._n += 1
-            n = self._n
-        status, body = request_ticket(self.gateway_url, self.api_key, self.alias)
-        if status != 200:
-            with self._lock:
-                self.errors[f"ticket {status}"] += 1
-            return
-        release = ticket_release(body["ticket"])
-        try:
-            answer = infer_with(client, "http", self.prompt_for(release, n), body["ticket"],
-                                max_tokens=16)
-        except TritonRefused as e:
-            self._count(release, "refused")
-            with self._lock:
-                self.errors[f"triton {e.status}"] += 1
-            return
-        good = answer.text.startswith(self.marker)
-        self._count(release, "good" if good else "bad")
-        if self.rate:
-            code, _ = post_feedback(self.gateway_url, self.api_key, answer.request_id, good)
-            if code == 201:
-                self._count(release, "rated")
-            else:
-                with self._lock:
-                    self.errors[f"feedback {code}"] += 1
+    """:class:`control.tools.canary_traffic.CanaryTraffic` as the rollout tests drive it: it
+    already counts and prompts per arm from each ticket's own claims (see
+    :func:`ticket_release`), so the tests use it as it is."""

@@ -16,12 +16,16 @@ it alive, it
    meantime, and the front model records the requests it could not forward:
    ``backend.triton.front_ledger``).
 
-A tritonserver that exits on its own is treated the same way.
+A tritonserver that exits on its own is treated the same way. One that is being stopped, killed
+or started on purpose is not: a graceful stop unloads the engine first, which from outside looks
+just like a crash, so the watch acts only if no such step happened since it looked
+(:meth:`TritonProcess.restart_if`); otherwise a deliberate restart and the watch's would race.
 """
 
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -69,17 +73,20 @@ class EngineWatch:
         self.ready_timeout_s = ready_timeout_s
         self.restarts = 0
         self._seen: int | None = None  # the engine stub's pid, once it was found
+        self._generation = -1  # the server's lifecycle generation _seen belongs to
 
     def run(self, stop: threading.Event) -> None:
         while not stop.wait(CHECK_S):
             try:
-                if self._crashed(stop):
-                    self._recover(stop)
+                generation, proc = self.triton.observed()
+                if generation != self._generation:  # a new launch: its stub is not seen yet
+                    self._generation, self._seen = generation, None
+                if self._crashed(stop, proc):
+                    self._recover(stop, generation)
             except Exception:  # the watch must outlive whatever went wrong in one check
                 log.exception("watching the engine model failed; still watching")
 
-    def _crashed(self, stop: threading.Event) -> bool:
-        proc = self.triton.proc
+    def _crashed(self, stop: threading.Event, proc: subprocess.Popen[bytes] | None) -> bool:
         if proc is None:
             return False
         if proc.poll() is not None:
@@ -95,19 +102,26 @@ class EngineWatch:
             return False
         return self._seen is not None  # seen alive before, gone now
 
-    def _recover(self, stop: threading.Event) -> None:
+    def _recover(self, stop: threading.Event, generation: int) -> None:
         if stop.is_set():
             return  # the deployment is stopping tritonserver itself
-        failed = self.ledger.fail_running(self.host, reason=ENGINE_CRASHED)
-        log.error("the engine model's stub (pid %s) died: %d running requests recorded as "
-                  "failed (%s); restarting tritonserver", self._seen, failed, ENGINE_CRASHED)
-        self.progress(f"engine model crashed: {failed} running request(s) recorded as failed; "
-                      "restarting tritonserver")
-        self._seen = None
+        failed: list[int] = []
+        seen, self._seen = self._seen, None
+
+        def record() -> None:  # under the server's lifecycle lock: no deliberate step meanwhile
+            failed.append(self.ledger.fail_running(self.host, reason=ENGINE_CRASHED))
+            log.error("the engine model's stub (pid %s) died: %d running requests recorded as "
+                      "failed (%s); restarting tritonserver", seen, failed[0],
+                      ENGINE_CRASHED)
+            self.progress(f"engine model crashed: {failed[0]} running request(s) recorded as "
+                          "failed; restarting tritonserver")
+
         # The engine is dead: nothing with state is left to stop gracefully (the front stubs
         # hold none), so the group goes at once instead of waiting for an unload that cannot come.
-        self.triton.kill()
-        self.triton.start()
+        if not self.triton.restart_if(generation, before=record):
+            log.info("tritonserver was stopped or restarted on purpose meanwhile; the watch "
+                     "leaves it to whoever did")
+            return
         self.triton.wait_ready(self.ready_timeout_s)
         self.restarts += 1
         self.progress(f"tritonserver restarted and ready (log {self.triton.log_path})")

@@ -24,9 +24,11 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -102,10 +104,11 @@ def find_triton(work_dir: Path) -> TritonInstall:
         "triton_python_backend_stub": stub,
     }
     for name, target in links.items():
-        link = py_dir / name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(target)
+        # Made beside and renamed over: two launches sharing a work dir (a restart racing
+        # another) each see a whole link, never a missing one or an "exists" error.
+        staged = py_dir / f".{name}.{os.getpid()}.{secrets.token_hex(4)}"
+        staged.symlink_to(target)
+        os.replace(staged, py_dir / name)
     return TritonInstall(root / "bin" / "tritonserver", py_dir.parent)
 
 
@@ -168,6 +171,11 @@ class TritonProcess:
     # answers with it, so a second ``serve`` on ports another server holds never mistakes that
     # server for its own; it also names this launch's log file.
     server_id: str = field(default="", init=False)
+    # Counts deliberate lifecycle steps (start, stop, kill). A watcher that saw a crash acts
+    # only if nobody started, stopped or killed the server since it looked (:meth:`restart_if`):
+    # a graceful stop unloads the engine first, which looks like a crash from outside.
+    generation: int = field(default=0, init=False)
+    _lifecycle: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
     _operator: OperatorAccess | None = field(default=None, init=False, repr=False)
 
     @property
@@ -244,8 +252,30 @@ class TritonProcess:
                 f"--trace-config=opentelemetry,url={endpoint}/v1/traces",
                 "--trace-config=opentelemetry,resource=service.name=triton"]
 
+    def observed(self) -> tuple[int, subprocess.Popen[bytes] | None]:
+        """The current generation and process, read together."""
+        with self._lifecycle:
+            return self.generation, self.proc
+
+    def restart_if(self, generation: int, before: Callable[[], None] = lambda: None) -> bool:
+        """Kill and start again, running ``before`` first, only if nothing started, stopped or
+        killed this server since ``generation`` was observed; False (and nothing done) if
+        something did: whoever did it owns the server's state now."""
+        with self._lifecycle:
+            if generation != self.generation:
+                return False
+            before()
+            self.kill()
+            self.start()
+            return True
+
     def start(self) -> None:
         """Launch tritonserver; raises :class:`PortInUse` first when a port is taken."""
+        with self._lifecycle:
+            self.generation += 1
+            self._launch()
+
+    def _launch(self) -> None:
         check_ports_free(self.listen, self.ports())
         install = find_triton(self.work_dir)
         self.server_id = f"loraplane-{os.getpid()}-{secrets.token_hex(4)}"
@@ -331,10 +361,13 @@ class TritonProcess:
         raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f}s; see {self.log_path}")
 
     def kill(self) -> None:
-        """SIGKILL the server and its stubs (fault tests)."""
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        """SIGKILL the server and its stubs (fault tests, and a dead engine's restart)."""
+        with self._lifecycle:
+            self.generation += 1
+            if self.proc and self.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """Stop gracefully, then by force; never leaves a stub behind.
@@ -346,6 +379,11 @@ class TritonProcess:
         them one by one (past its exit timeout), so the group is killed then rather than waited
         for.
         """
+        with self._lifecycle:  # a watcher that saw the engine unload does not restart it
+            self.generation += 1
+            self._halt(timeout_s)
+
+    def _halt(self, timeout_s: float) -> None:
         if self.proc is None:
             return
         if self.proc.poll() is None:

@@ -146,6 +146,14 @@ class Scheduler:
         with self._cv:
             return len(self._running), len(self._queue)
 
+    def adapters_in_flight(self) -> tuple[list[str], list[str]]:
+        """The adapter digests of the running and of the queued sequences right now (the
+        placement metrics, ``backend.triton.placement_metrics``); the base model has none."""
+        with self._cv:
+            running = {d for j in self._running for d in _digests(j.seq)}
+            queued = {d for j in self._queue for d in _digests(j.seq)}
+        return sorted(running), sorted(queued - running)
+
     def running_batch(self) -> DecodeBatch | None:
         """The batch being decoded now, or None (memory accounting reads its KV and copies)."""
         with self._cv:

@@ -59,6 +59,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from backend.serving.memory_report import MEMORY_CATEGORIES, resident_memory
+from backend.triton.placement_metrics import PlacementMetrics
 from control.contracts.ledger import adapter_loads, request_ledger
 from control.contracts.telemetry import (
     LOG_FORMAT_ENV,
@@ -341,8 +342,10 @@ class Telemetry:
     the same order. Tracing is configured by ``LORAPLANE_TRACES`` and off by default.
     """
 
-    def __init__(self, metrics: BackendMetrics, tracer: Any) -> None:
+    def __init__(self, metrics: BackendMetrics, tracer: Any,
+                 placement: PlacementMetrics | None = None) -> None:
         self.metrics = metrics
+        self.placement = placement  # the balancer's series (backend.triton.placement_metrics)
         self.tracer = tracer
         self.tracing = tracer.__class__.__name__ != "NoOpTracer"
 
@@ -355,7 +358,8 @@ class Telemetry:
                                  engine=service.engine, health=service.health,
                                  violations=service.engine.violations.snapshot,
                                  memory_report=service.memory_report).start()
-        return cls(metrics, tracer("loraplane-backend"))
+        placement = PlacementMetrics.for_service(pb_utils, service).start()
+        return cls(metrics, tracer("loraplane-backend"), placement)
 
     def batch_done(self, incoming: Sequence[Any], answers: Sequence[Any],
                    started_ns: int) -> None:
@@ -387,3 +391,5 @@ class Telemetry:
 
     def close(self) -> None:
         self.metrics.close()
+        if self.placement is not None:
+            self.placement.close()

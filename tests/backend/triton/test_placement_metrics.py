@@ -1,0 +1,70 @@
+"""The placement series as the endpoint picker reads them: one lora_requests_info series, the
+last busy one standing when idle, residency series dropped when an adapter leaves."""
+
+from __future__ import annotations
+
+from backend.triton.placement_metrics import PlacementMetrics, PlacementState
+from tests.integration.router_protocol import lora_affinity, parse
+
+A, B, C = ("sha256:" + c * 64 for c in "abc")
+
+
+def _text(m: PlacementMetrics) -> str:
+    lines = []
+    for (name, labels), value in m.values.items():
+        inner = ",".join(f'{k}="{v}"' for k, v in labels)
+        lines.append(f"{name}{{{inner}}} {value}" if inner else f"{name} {value}")
+    return "\n".join(lines)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+def _metrics(states: list[PlacementState]) -> PlacementMetrics:
+    it = iter(states)
+    return PlacementMetrics(None, lambda: next(it), clock=_Clock())
+
+
+def test_fresh_host_has_the_family_but_no_adapters() -> None:
+    m = _metrics([PlacementState(0, 0, 0.0, 4)])
+    m.publish()
+    pod = parse(_text(m))
+    assert pod.errors == []
+    assert pod.running == 0 and pod.waiting == 0 and pod.kv_usage == 0.0
+    assert pod.active_models is None  # the picker keeps what it had
+
+
+def test_busy_then_idle_keeps_one_series_the_last_busy_one() -> None:
+    m = _metrics([
+        PlacementState(2, 1, 0.5, 2, (A,), (B,), {A: "device"}),
+        PlacementState(1, 0, 0.25, 2, (B,), (), {A: "host", B: "device"}),
+        PlacementState(0, 0, 0.0, 2, (), (), {B: "device"}),
+    ])
+    m.publish()
+    first = parse(_text(m))
+    assert first.active_models == {A, B} and first.max_active_models == 2
+    assert first.running == 2 and first.waiting == 1 and first.kv_usage == 0.5
+    m.publish()
+    second = parse(_text(m))
+    assert second.active_models == {B}
+    assert second.loaded == {"host": {A}, "device": {B}}
+    m.publish()  # idle: the last busy series stands; A is no longer resident at all
+    idle = parse(_text(m))
+    assert idle.active_models == {B} and idle.running == 0
+    assert idle.loaded == {"device": {B}}
+    info = [k for k in m.values if k[0] == "vllm:lora_requests_info"]
+    assert len(info) == 1  # bounded: old series are dropped
+    assert lora_affinity(idle, B) == 1.0 and lora_affinity(idle, C) == 0.8
+
+
+def test_at_capacity_scores_zero_and_lists_stay_bounded_by_slots() -> None:
+    m = _metrics([PlacementState(2, 0, 1.0, 2, (A, B), (), {A: "device", B: "device"})])
+    m.publish()
+    pod = parse(_text(m))
+    assert lora_affinity(pod, C) == 0.0 and lora_affinity(pod, A) == 1.0

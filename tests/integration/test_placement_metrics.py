@@ -1,0 +1,94 @@
+"""Contract: a live host's metrics port, read as the endpoint picker reads it
+(``tests.integration.router_protocol``): queue, KV and LoRA series in vLLM's names, adapter
+digests only, residency by level."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from control.ops.clients import generate
+from tests.integration.conftest import Stack
+from tests.integration.router_protocol import PodMetrics, families, parse
+
+DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def _scrape(stack: Stack) -> str:
+    url = f"http://127.0.0.1:{stack.deployment.ports.metrics}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return str(r.read().decode())
+
+
+def _until(stack: Stack, ok: object, timeout_s: float = 30.0) -> PodMetrics:
+    assert callable(ok)
+    deadline = time.monotonic() + timeout_s
+    pod = parse(_scrape(stack))
+    while not ok(pod) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        pod = parse(_scrape(stack))
+    return pod
+
+
+def test_live_host_speaks_the_pickers_protocol(stack: Stack) -> None:
+    alpha, beta = stack.digests["alpha"], stack.digests["beta"]
+    tickets = [stack.ticket("acme", "acme-alpha"), stack.ticket("acme", "acme-beta")]
+    seen: list[PodMetrics] = []
+    stop = threading.Event()
+
+    def watch() -> None:  # what the picker would have seen while the burst ran
+        while not stop.is_set():
+            seen.append(parse(_scrape(stack)))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda i: generate(stack.http, f"placement {i}",
+                                                    tickets[i % 2], max_tokens=64), range(12)))
+    finally:
+        stop.set()
+        watcher.join(10)
+    assert {o.adapter_digest for o in outs} == {alpha, beta}
+    assert seen and all(p.errors == [] for p in seen), seen[-1].errors
+    busy = [p for p in seen if p.active_models]
+    assert busy, "no scrape saw an adapter in flight"
+    assert any((p.running or 0) + (p.waiting or 0) > 0 for p in busy)
+    for p in busy:
+        assert p.active_models is not None and p.active_models <= {alpha, beta}
+        assert p.max_active_models is not None and p.max_active_models >= 1
+        assert len(p.active_models) <= 2 * p.max_active_models
+        assert p.kv_usage is not None and 0.0 <= p.kv_usage <= 1.0
+
+    idle = _until(stack, lambda p: p.running == 0 and p.waiting == 0)
+    assert idle.running == 0 and idle.waiting == 0
+    # idle: the last busy series stands (the picker skips empty ones), residency is reported
+    assert idle.active_models and idle.active_models <= {alpha, beta}
+    resident = set().union(*idle.loaded.values())
+    assert {alpha, beta} <= resident
+    assert set(idle.loaded) <= {"device", "host"}
+
+
+def test_series_name_digests_only_and_stay_bounded(stack: Stack) -> None:
+    generate(stack.http, "bounded", stack.ticket("globex", "globex-gamma"), max_tokens=4)
+    text = _scrape(stack)
+    fams = families(text)
+    info = fams["vllm:lora_requests_info"]
+    assert len(info) == 1  # one series, however many adapters passed through
+    for s in info:
+        max_lora = int(s.labels["max_lora"])
+        for key in ("running_lora_adapters", "waiting_lora_adapters"):
+            names = [n for n in s.labels[key].split(",") if n]
+            assert len(names) <= max_lora
+            assert all(DIGEST.match(n) for n in names), names
+    for s in fams["vllm:lora_adapter_loaded"]:
+        assert set(s.labels) == {"adapter_name", "level"}
+        assert DIGEST.match(s.labels["adapter_name"]) and s.labels["level"] in ("device", "host")
+    secrets = ["acme", "globex", "alpha", "gamma", *stack.api_keys.values()]
+    for line in text.splitlines():
+        if line.startswith("vllm:"):
+            assert not any(x in line for x in secrets), line

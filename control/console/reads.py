@@ -1,0 +1,187 @@
+"""What the console pages show, read from the same places the CLI reads them.
+
+Adapter timelines come from the event store per aggregate (the adapter's own events, then the
+alias and rollout events that name its release), not from a scan of the whole history: a page
+costs the same with a million other events recorded. Incident rows are the ones ``loraplane
+incident requests --json`` prints (``projections.incidents.requests_for``, the same fields, the
+same ``ledger_proof``); the audit status is ``AuditSeal.verify``, as ``audit verify`` runs it;
+rollouts are read through the ``RolloutDesk`` the rollout verbs use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import time
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+import sqlalchemy as sa
+from eventsourcing.utils import get_topic
+
+from control.app.integrity import AuditSeal, audit_checkpoints
+from control.app.ledger_audit import coverage, sync
+from control.contracts.db import make_engine
+from control.contracts.event_log import page_after
+from control.contracts.ledger import request_ledger
+from control.domain import Rollout, event_fields
+from control.domain.ids import adapter_id, alias_id
+from control.domain.rollout import rollout_id
+from projections.incidents import requests_for
+from projections.routing import RoutingView
+
+if TYPE_CHECKING:
+    from control.app.registry import Registry
+    from control.app.rollouts import RolloutDesk
+
+# Fields never shown, whatever event carries them (as in the audit log).
+_SECRET = ("api_key", "key_hash")
+_STARTED = get_topic(Rollout.RolloutStarted)
+
+
+def iso(t: float | None) -> str:
+    """Epoch seconds as ISO 8601 UTC with milliseconds ("" for None): the CLI's format."""
+    if t is None:
+        return ""
+    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="milliseconds")
+
+
+def _details(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in fields.items()
+            if k != "actor" and not any(s in k for s in _SECRET)}
+
+
+def _mentions(fields: dict[str, Any], wanted: set[str]) -> bool:
+    return any(isinstance(v, str) and v in wanted for v in fields.values())
+
+
+def timeline(reg: Registry, digest: str) -> list[dict[str, Any]]:
+    """The lifecycle of one adapter, oldest first: its own events (registered, evaluated, gate
+    verdict, promoted, revoked, drained, purged, unloaded), the alias events that pointed to or
+    canaried its release, and the rollouts of that release. Each: time, actor, event, details."""
+    store = reg.repository.event_store
+    own: list[Any] = list(store.get(adapter_id(digest)))  # aggregate events: timestamped
+    out: list[tuple[Any, str, dict[str, Any]]] = [
+        (e.timestamp, type(e).__name__, event_fields(e)) for e in own]
+    routing = RoutingView(reg.follower.engine)
+    row = routing.adapter(digest)
+    wanted = {digest} | ({row.release_digest} if row and row.release_digest else set())
+    for f in (event_fields(e) for e in own):
+        if isinstance(f.get("release"), str):
+            wanted.add(f["release"])
+    if row is not None and row.alias:
+        alias_events: list[Any] = list(store.get(alias_id(row.alias)))
+        for e in alias_events:
+            fields = event_fields(e)
+            if _mentions(fields, wanted):
+                out.append((e.timestamp, type(e).__name__, fields))
+        for r in rollouts(reg, alias=row.alias):
+            if r["target"] in wanted:
+                for name, fields, stamp in _rollout_events(reg, r["id"]):
+                    if name in ("RolloutStarted", "RolloutCompleted", "RolloutRolledBack",
+                                "RolloutPaused", "RolloutResumed", "RolloutAborted",
+                                "RolloutStepEntered"):
+                        out.append((stamp, name, fields))
+    out.sort(key=lambda x: x[0])
+    return [{"time": t.isoformat(timespec="milliseconds"), "actor": str(f.get("actor", "")),
+             "event": name, "details": _details(f)} for t, name, f in out]
+
+
+def _rollout_events(reg: Registry, rid: UUID) -> list[tuple[str, dict[str, Any], Any]]:
+    events: list[Any] = list(reg.repository.event_store.get(rid))
+    return [(type(e).__name__, event_fields(e), e.timestamp) for e in events]
+
+
+def rollouts(reg: Registry, alias: str | None = None) -> list[dict[str, Any]]:
+    """Every rollout ever started (newest first), found by the topic of its first event."""
+    found: list[UUID] = []
+    after = 0
+    while True:
+        page = page_after(reg.recorder, after, 500, topics=(_STARTED,))
+        if not page:
+            break
+        found += [UUID(str(n.originator_id)) for n in page]
+        after = page[-1].id
+    out = []
+    for rid in reversed(found):
+        r = reg.load(Rollout, rid, "rollout")
+        if alias is not None and r.alias != alias:
+            continue
+        out.append({"id": rid, "alias": r.alias, "number": r.number, "status": r.status.value,
+                    "target": r.target, "baseline": r.baseline, "percent": r.percent,
+                    "steps": list(r.steps), "step": r.step + 1, "started_at": r.started_at,
+                    "reasons": list(r.reasons)})
+    return out
+
+
+def rollout_detail(desk: RolloutDesk, alias: str, number: int | None = None) -> dict[str, Any]:
+    """One rollout (the alias's latest unless ``number``): its state, steps, and every
+    window's figures and decision, from its recorded events."""
+    r = desk.current(alias) if number is None else desk.get(rollout_id(alias, number))
+    windows: list[dict[str, Any]] = []
+    moves: list[dict[str, Any]] = []
+    for name, fields in desk.history(r.id):
+        if name == "RolloutWindowEvaluated":
+            windows.append(fields)
+        elif name != "RolloutStarted":
+            moves.append({"event": name, "actor": fields.get("actor", ""),
+                          "details": _details({k: v for k, v in fields.items()
+                                               if k not in ("alias", "evidence", "metrics")})})
+    return {"alias": r.alias, "number": r.number, "status": r.status.value, "target": r.target,
+            "baseline": r.baseline, "steps": list(r.steps), "step": r.step + 1,
+            "percent": r.percent, "window_s": r.window_s, "reasons": list(r.reasons),
+            "started_at": r.started_at, "windows": windows, "moves": moves,
+            "live": r.status.value in ("running", "paused")}
+
+
+def incident_rows(reg: Registry, *, adapter: str | None = None, base: str | None = None,
+                  release: str | None = None, training_data_version: str | None = None,
+                  since: float | None = None, until: float | None = None,
+                  include_refused: bool = False) -> list[dict[str, Any]]:
+    """The rows ``loraplane --json incident requests`` prints for the same question."""
+    rows = requests_for(reg.settings, adapter=adapter, base=base, release=release,
+                        training_data_version=training_data_version, since=since, until=until)
+    if not include_refused:
+        rows = [r for r in rows if r.outcome != "rejected"]
+    data = [dataclasses.asdict(r) for r in rows]
+    for d in data:
+        d["admitted_at_iso"] = iso(d["admitted_at"])
+    engine = make_engine(reg.settings.db_url)
+    sync(reg, engine)
+    cover = coverage(reg, engine, [r.request_id for r in rows])
+    for d in data:
+        d["ledger_proof"] = cover.status.get(d["request_id"], "unlogged")
+    return data
+
+
+def audit_status(reg: Registry, seal: AuditSeal) -> dict[str, Any]:
+    """``audit verify``'s report, when it ran, and the latest signed checkpoints."""
+    report = seal.verify()
+    with seal.engine.connect() as conn:
+        latest = [dict(r._mapping) for r in conn.execute(
+            sa.select(audit_checkpoints.c.seq, audit_checkpoints.c.first_position,
+                      audit_checkpoints.c.last_position, audit_checkpoints.c.chain_hash,
+                      audit_checkpoints.c.created_at, audit_checkpoints.c.kid)
+            .order_by(audit_checkpoints.c.seq.desc()).limit(10))]
+    for c in latest:
+        c["created_iso"] = iso(c["created_at"])
+    return {"report": report.to_json(), "verified_at": time.time(), "checkpoints": latest}
+
+
+def hosts(reg: Registry, window_s: float = 3600.0) -> list[dict[str, Any]]:
+    """Each host that wrote ledger rows: its last request, and the last hour's requests by
+    outcome (what the ledger tells cheaply; slots and tiers are not recorded centrally)."""
+    c = request_ledger.c
+    since = time.time() - window_s
+    engine = make_engine(reg.settings.db_url)
+    with engine.connect() as conn:
+        last = {r.host: r.last for r in conn.execute(
+            sa.select(c.host, sa.func.max(c.admitted_at).label("last")).group_by(c.host))}
+        recent = conn.execute(
+            sa.select(c.host, c.outcome, sa.func.count().label("n"))
+            .where(c.admitted_at >= since).group_by(c.host, c.outcome)).all()
+    out: dict[str, dict[str, Any]] = {
+        h: {"host": h, "last": iso(t), "last_at": t, "outcomes": {}} for h, t in last.items()}
+    for r in recent:
+        out[r.host]["outcomes"][r.outcome] = int(r.n)
+    return sorted(out.values(), key=lambda h: h["host"])

@@ -56,6 +56,7 @@ from aiohttp.typedefs import Handler
 from control.contracts import telemetry
 from control.contracts.db import make_engine
 from control.contracts.ledger import AlreadyRated, Ledger, NotRatable, NotTheOwner
+from control.contracts.placement import affinity_of
 from control.domain import SESSION_RE, DomainError
 from control.gateway import observability, openai_api, receipts
 from control.gateway.bodies import (
@@ -130,8 +131,11 @@ async def issue_ticket(request: web.Request) -> web.Response:
         return _json(403, FORBIDDEN)
     c = issued.claims
     # No release and no adapter digest: the arm stays server-side (see the module notes).
+    # ``affinity``: what a balancer places by, a hash of the route, equal on every arm
+    # (control.contracts.placement).
     return _json(200, {"ticket": issued.token, "ticket_id": c.jti, "expires_at": c.exp,
-                       "model": c.model, "alias": alias})
+                       "model": c.model, "alias": alias,
+                       "affinity": affinity_of(tenant, alias)})
 
 
 async def end_session(request: web.Request) -> web.Response:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from control.contracts.placement import AFFINITY_HEADER
 from control.contracts.wire import (
     ADAPTER_DIGEST,
     ENGINE_MODEL,
@@ -117,6 +118,7 @@ def infer_with(
     parameters: Mapping[str, Any] | None = None,
     headers: Mapping[str, str] | None = None,
     inputs: Mapping[str, float | int] | None = None,
+    affinity: str | None = None,
 ) -> Generation:
     """One lora_llm inference through an open ``tritonclient`` client of ``protocol`` (http or
     grpc); raises TritonRefused on an error answer.
@@ -132,6 +134,8 @@ def infer_with(
     mod = _client_module(protocol)
     params = dict(parameters or {})
     sent_headers = dict(headers or {})
+    if affinity is not None:  # the ticket answer's placement value, for a balancer
+        sent_headers[AFFINITY_HEADER] = affinity
     if ticket is not None:
         if header:
             sent_headers[TICKET_HEADER] = ticket
@@ -158,13 +162,16 @@ def generate(
     parameters: Mapping[str, Any] | None = None,
     headers: Mapping[str, str] | None = None,
     inputs: Mapping[str, float | int] | None = None,
+    affinity: str | None = None,
 ) -> Generation:
     """One lora_llm inference over HTTP or gRPC on a client of its own (see
-    :func:`infer_with` for the arguments); raises TritonRefused on an error answer."""
+    :func:`infer_with` for the arguments; ``affinity``: the ticket answer's, sent as the
+    balancer's placement header); raises TritonRefused on an error answer."""
     client = _client_module(protocol).InferenceServerClient(url)
     try:
         return infer_with(client, protocol, text, ticket, max_tokens=max_tokens, header=header,
-                          parameters=parameters, headers=headers, inputs=inputs)
+                          parameters=parameters, headers=headers, inputs=inputs,
+                          affinity=affinity)
     finally:
         client.close()
 

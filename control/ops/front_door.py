@@ -130,6 +130,10 @@ class DoorConfig:
     uid: int | None = None
     gid: int | None = None
     max_body_bytes: int = MAX_BODY_BYTES
+    # Several hosts (control.ops.balancer): place by consistent hashing on this header (the
+    # ticket answer's affinity); None: round robin. Health checks every ``check_ms``.
+    affinity_header: str | None = None
+    check_ms: int = 5000
 
 
 def _json_body(message: str) -> str:
@@ -220,14 +224,32 @@ def render(c: DoorConfig) -> str:
         "",
         "backend triton_http",
         *(["    option httpchk GET /v2/health/ready"] if c.health_checks else []),
+        *_placement(c),
         *(_server(i, u, u.http_port, c, "") for i, u in enumerate(c.upstreams)),
         "",
         "backend triton_grpc",
         *(["    option httpchk GET /v2/health/ready"] if c.health_checks else []),
+        *_placement(c),
         *(_server(i, u, u.grpc_port, c, " proto h2") for i, u in enumerate(c.upstreams)),
         "",
     ]
     return "\n".join(lines)
+
+
+def _placement(c: DoorConfig) -> list[str]:
+    if c.affinity_header is None:
+        return []
+    return [
+        # one affinity value, one host while it is up; a host that goes takes only its share
+        # of values elsewhere (consistent hashing), and no header at all is round robin
+        f"    balance hdr({c.affinity_header})",
+        "    hash-type consistent",
+        # a connection refused (a host just gone, not yet marked down) is tried on another
+        # host: the request never reached the first one, so it cannot run twice
+        "    retries 2",
+        "    retry-on conn-failure",
+        "    option redispatch 1",
+    ]
 
 
 def _server(i: int, u: Upstream, port: int, c: DoorConfig, proto: str) -> str:
@@ -235,7 +257,10 @@ def _server(i: int, u: Upstream, port: int, c: DoorConfig, proto: str) -> str:
     opts = proto
     if c.health_checks:
         # every host is checked on its HTTP port, in HTTP/1.1 even behind an HTTP/2 server
-        opts += f" check port {u.http_port} check-proto h1 inter 5s"
+        inter = "5s" if c.check_ms == 5000 else f"{c.check_ms}ms"
+        opts += f" check port {u.http_port} check-proto h1 inter {inter}"
+        if c.check_ms != 5000:
+            opts += " fall 1 rise 1"
     if c.docker_dns:
         opts += " resolvers docker init-addr last,libc,none"
     return f"    server {name} {u.host}:{port}{opts}"

@@ -78,7 +78,8 @@ class TestTenantView(OnSQLite, WithRegistry):
             status, body = call("POST", "/v1/tickets", world["key"],
                                 {"alias": "chat", "session": f"s{session}"})
             assert status == 200
-            assert set(body) == {"ticket", "ticket_id", "expires_at", "model", "alias"}
+            assert set(body) == {"ticket", "ticket_id", "expires_at", "model", "alias",
+                                 "affinity"}
             rest = json.dumps({k: v for k, v in body.items() if k != "ticket"})
             assert "sha256:" not in rest
             seen.append(rest)

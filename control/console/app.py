@@ -47,8 +47,10 @@ CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self';
        "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
        "frame-ancestors 'none'")
 HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
-           "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer",
-           "Cache-Control": "no-store"}
+           "X-Frame-Options": "DENY", "Cache-Control": "no-store",
+           # same-origin, not no-referrer: under no-referrer Chromium sends ``Origin: null`` with
+           # the console's own forms, and the origin check below would refuse them
+           "Referrer-Policy": "same-origin"}
 REFRESH_S = 2  # live fragments: the interval each page states
 ACTIONS = {"pause": "RolloutPaused", "resume": "RolloutResumed", "abort": "RolloutAborted"}
 PUBLIC = ("/login", "/static/")

@@ -45,7 +45,7 @@ def windows_chart(windows: Sequence[dict[str, Any]], metric: str, title: str) ->
         parts.append(f'<line class="grid" x1="{LEFT}" x2="{W - RIGHT}" y1="{y:.1f}" '
                      f'y2="{y:.1f}"/><text class="axis" x="{LEFT - 6}" y="{y + 4:.1f}" '
                      f'text-anchor="end">{pct}%</text>')
-    for arm, cls in (("target", "canary"), ("baseline", "stable")):
+    for arm, cls in (("baseline", "stable"), ("target", "canary")):  # canary on top, dashed
         pts = [(_x(i, n), _y(float(w[arm][metric])))
                for i, w in enumerate(windows) if w.get(arm, {}).get(metric) is not None]
         parts.append(_line(pts, cls))

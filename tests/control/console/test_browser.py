@@ -1,0 +1,247 @@
+"""The operator console in a real browser: Debian's chromium, headless, driven by Selenium
+through the system chromedriver, against the console serving a real registry (SQLite).
+
+It checks what only a browser shows: the login form's cookie works; a tenant's
+``<script>alert(1)</script>`` renders as text and never runs; the page's own script runs under
+the strict CSP and no CSP violation is reported; the rollout's windows appear without a reload
+as traffic flows, and the pause button, through its confirmation page, records
+``RolloutPaused``; the incident search shows the CLI's rows and its CSV export holds them; a
+tampered event turns the audit page red. Screenshots of each page go to
+``$LORAPLANE_TEST_ARTIFACTS/console`` (default: the pytest temporary folder).
+
+Skipped where chromium or chromedriver is missing, except in CI (``tests/required.py``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import sqlalchemy as sa
+from typer.testing import CliRunner
+
+from control.app.integrity import AuditSeal
+from control.cli.main import app as cli
+from control.console.access import COOKIE, load_or_create_token
+from control.console.app import Console
+from control.contracts.db import make_engine
+from control.domain import AdapterMetadata, RolloutPolicy
+from tests.control.app.rollout_world import ALIAS, WINDOW, RolloutWorld, World
+from tests.control.console.server import serving
+from tests.fixtures_control import OnSQLite
+from tests.required import unavailable
+
+XSS = "<script>alert(1)</script>"
+POLICY = RolloutPolicy(min_requests=20, min_ratings=20, margin_pp=10, settle_s=1.0,
+                       probe_attempts=2)
+ARTIFACTS_ENV = "LORAPLANE_TEST_ARTIFACTS"
+
+
+def _chromium() -> tuple[str, str]:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if browser is None or driver is None:
+        unavailable("chromium", "apt-get install chromium chromium-driver (the console's "
+                    "browser tests drive it headless)")
+    try:
+        import selenium  # noqa: F401  (the dev extra)
+    except ImportError:
+        unavailable("selenium", "pip install -e '.[dev]'")
+    return browser, driver
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = os.environ.get(ARTIFACTS_ENV)
+    out = Path(root) / "console" if root else tmp_path_factory.mktemp("console-screenshots")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+@pytest.fixture
+def driver(tmp_path: Path) -> Iterator[Any]:
+    browser, chromedriver = _chromium()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = browser
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1280,1400", f"--user-data-dir={tmp_path / 'chromium'}",
+                "--no-first-run", "--disable-extensions"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    d = webdriver.Chrome(options=opts, service=Service(chromedriver))
+    d.set_page_load_timeout(30)
+    try:
+        yield d
+    finally:
+        d.quit()
+
+
+def wait_for(check: Callable[[], Any], timeout: float = 20.0, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or check}")
+        time.sleep(0.1)
+
+
+def csp_violations(d: Any) -> list[str]:
+    return [e["message"] for e in d.get_log("browser")
+            if "Content Security Policy" in e.get("message", "")]
+
+
+class TestConsoleInChromium(RolloutWorld, OnSQLite):
+    @pytest.fixture
+    def console(self, world: World) -> Console:
+        return Console(world.reg, actor="op", verify_every_s=0.0, refresh_s=1)
+
+    @pytest.fixture
+    def base(self, console: Console) -> Iterator[str]:
+        with serving(console) as url:
+            yield url
+
+    def login(self, d: Any, base: str, console: Console, shots: Path) -> None:
+        from selenium.webdriver.common.by import By
+
+        d.get(f"{base}/adapters")
+        assert d.current_url.endswith("/login")  # no credential: the login form
+        d.find_element(By.ID, "token").send_keys("lp_not-the-console-token")
+        d.find_element(By.ID, "login").click()
+        wait_for(lambda: d.find_elements(By.ID, "error"), what="the refusal")
+        assert "not the console token" in d.find_element(By.ID, "error").text
+        d.find_element(By.ID, "token").send_keys(
+            load_or_create_token(console.reg.settings.home))
+        d.save_screenshot(str(shots / "login.png"))
+        d.find_element(By.ID, "login").click()
+        wait_for(lambda: d.current_url.endswith("/adapters"), what="the adapters page")
+        cookie = d.get_cookie(COOKIE)
+        assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+
+    def test_timeline_escaping_incidents_and_audit(self, world: World, base: str,
+                                                   console: Console, driver: Any,
+                                                   shots: Path) -> None:
+        from selenium.common.exceptions import NoAlertPresentException
+        from selenium.webdriver.common.by import By
+
+        d = driver
+        reg = world.reg
+        digest = reg.register_adapter(world.artifacts.adapters["gamma"], tenant="acme",
+                                      alias="xss", actor="op",
+                                      metadata=AdapterMetadata(owner=XSS))
+        reg.advance(digest, evaluation={"suite": "smoke", "passed": True}, to="stable",
+                    actor="rel", external=True)
+        reg.revoke(digest, f"leak {XSS}", actor="sec")
+        self.login(d, base, console, shots)
+        d.save_screenshot(str(shots / "adapters.png"))
+
+        # the timeline after register -> release -> revoke, in order; the tenant's text as text
+        d.get(f"{base}/adapters/{digest}")
+        events = [e.text for e in d.find_elements(By.CSS_SELECTOR, "#timeline .event")]
+        assert events[0] == "AdapterRegistered"
+        assert events.index("EvaluationRecorded") < events.index("AdapterPromoted") \
+            < events.index("AdapterRevoked")
+        assert XSS in d.find_element(By.ID, "timeline").text  # shown, as text
+        with pytest.raises(NoAlertPresentException):
+            d.switch_to.alert.text  # noqa: B018  (it never ran)
+        assert not d.find_elements(By.CSS_SELECTOR, "#timeline script")
+        d.save_screenshot(str(shots / "adapter-timeline.png"))
+
+        # incident search: the CLI's rows, and the CSV export holds them
+        stable, _ = world.releases()
+        world.traffic(stable, world.stable, 4)
+        run = CliRunner().invoke(cli, ["--json", "--home", str(reg.settings.home), "incident",
+                                       "requests", "--adapter", world.stable])
+        assert run.exit_code == 0, run.output
+        cli_rows = json.loads(run.output.strip().splitlines()[-1])
+        d.get(f"{base}/incidents")
+        d.find_element(By.NAME, "adapter").send_keys(world.stable)
+        d.find_element(By.ID, "search-go").click()
+        wait_for(lambda: d.find_elements(By.ID, "incident-rows"), what="the incident rows")
+        shown = [tr.find_element(By.TAG_NAME, "td").text
+                 for tr in d.find_elements(By.CSS_SELECTOR, "#incident-rows tbody tr")]
+        assert shown == [r["request_id"] for r in cli_rows] and len(shown) == 4
+        d.save_screenshot(str(shots / "incidents.png"))
+        href = d.find_element(By.ID, "csv").get_attribute("href")
+        exported = requests.get(href, cookies={COOKIE: d.get_cookie(COOKIE)["value"]},
+                                timeout=10)
+        assert list(csv.DictReader(io.StringIO(exported.text))) == [
+            {k: "" if v is None else str(v) for k, v in r.items()} for r in cli_rows]
+
+        # audit: green, then red once an event is edited in the database
+        assert AuditSeal.for_registry(reg).seal() is not None
+        d.get(f"{base}/audit")
+        assert "INTACT" in d.find_element(By.ID, "verdict").text
+        d.save_screenshot(str(shots / "audit.png"))
+        with make_engine(reg.settings.db_url).begin() as conn:
+            state = bytes(conn.execute(
+                sa.text("SELECT state FROM registry_events WHERE id = 3")).scalar_one())
+            conn.execute(sa.text("UPDATE registry_events SET state = :s WHERE id = 3"),
+                         {"s": state.replace(b'"op"', b'"eve"')})
+        d.refresh()
+        verdict = d.find_element(By.ID, "verdict")
+        assert "TAMPERED" in verdict.text
+        assert verdict.value_of_css_property("background-color") in (
+            "rgba(192, 21, 27, 1)", "rgb(192, 21, 27)")
+        d.save_screenshot(str(shots / "audit-tampered.png"))
+        d.get(f"{base}/hosts")
+        d.save_screenshot(str(shots / "hosts.png"))
+        assert csp_violations(d) == []
+
+    def test_rollout_windows_arrive_live_and_pause_records_the_event(
+            self, world: World, base: str, console: Console, driver: Any,
+            shots: Path) -> None:
+        from selenium.webdriver.common.by import By
+
+        d, w = driver, world
+        w.desk.start(ALIAS, w.target, steps=[10, 25, 50, 100], window_s=WINDOW, policy=POLICY,
+                     actor="alice")
+        c = w.controller()
+        assert c.tick() == 1
+        self.login(d, base, console, shots)
+        d.get(f"{base}/rollouts/{ALIAS}")
+        assert "no window judged yet" in d.find_element(By.ID, "windows").text
+
+        def window() -> None:
+            w.clock.now += POLICY.settle_s
+            stable, canary = w.releases()
+            w.traffic(canary, w.target, 40, rated=True)
+            w.traffic(stable, w.stable, 40, rated=True)
+            w.clock.now += WINDOW
+            assert c.tick() >= 1
+
+        for n in (1, 2):  # each window appears without a reload, through the page's script
+            window()
+            wait_for(lambda n=n: len(d.find_elements(  # type: ignore[misc]
+                By.CSS_SELECTOR, "#windows tr.window")) == n, what=f"window {n} on the page")
+        assert d.find_elements(By.CSS_SELECTOR, "#rollout-live svg.chart polyline.canary")
+        d.save_screenshot(str(shots / "rollout.png"))
+        d.get(f"{base}/rollouts")
+        d.save_screenshot(str(shots / "rollouts.png"))
+
+        d.get(f"{base}/rollouts/{ALIAS}")
+        d.find_element(By.ID, "pause").click()
+        wait_for(lambda: "/confirm" in d.current_url, what="the confirmation page")
+        assert not w.events("RolloutPaused")  # a click alone changes nothing
+        d.find_element(By.ID, "reason").send_keys("looking at p95")
+        d.save_screenshot(str(shots / "rollout-confirm.png"))
+        d.find_element(By.ID, "confirm").click()
+        wait_for(lambda: d.find_element(By.ID, "rollout-status").text == "paused",
+                 what="the paused status")
+        paused = w.events("RolloutPaused")
+        assert len(paused) == 1 and paused[0].actor == "op@console"
+        assert paused[0].summary.get("reason") == "looking at p95"
+        assert csp_violations(d) == []

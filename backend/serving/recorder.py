@@ -41,9 +41,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 
 from control.contracts.ledger import Completion, Ledger, LedgerConflict, LedgerEntry, Outcome
-from control.contracts.ledger_log import HostLog, output_sha256
+from control.contracts.ledger_log import HostLog, LogRead, output_sha256
 
 log = logging.getLogger("loraplane.backend.ledger")
 
@@ -241,8 +242,14 @@ class LedgerWriter:
 
         def write() -> None:
             appended: list[tuple[int, bytes]] = []
-            self.ledger.write(entries, completions, None,
-                              lambda conn: appended.extend(host_log.append(conn, final, outputs)))
+            seen: list[LogRead] = []
+
+            def read(conn: Connection, ids: list[str]) -> dict[str, tuple[object, ...]]:
+                seen.append(host_log.read(conn, ids))  # one read: the check's and the leaves'
+                return seen[-1].rows
+
+            self.ledger.write(entries, completions, None, lambda conn: appended.extend(
+                host_log.append(conn, final, outputs, seen[-1] if seen else None)), read=read)
             host_log.committed(appended)
 
         write_durably(write, attempts)

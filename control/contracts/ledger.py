@@ -39,9 +39,10 @@ a tenant could rate its own failed request as a success):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -342,7 +343,8 @@ class Ledger:
         self.write((), completions, now)
 
     def write(self, entries: Sequence[LedgerEntry], completions: Sequence[Completion],
-              now: float | None = None, also: Callable[[Connection], None] | None = None) -> None:
+              now: float | None = None, also: Callable[[Connection], None] | None = None,
+              read: RowReader | None = None) -> None:
         """Insert ``entries`` and apply ``completions``, all in one transaction.
 
         Idempotent by request id, so a write retried after its commit was not acknowledged
@@ -352,6 +354,8 @@ class Ledger:
         :class:`LedgerConflict` naming those request ids (a row with that id from another
         request, a completion for a row that does not exist or ended otherwise), and the
         transaction writes nothing. ``also`` runs last in the transaction (the host's log).
+        ``read``: how the check reads the rows back (whole rows, in column order): the host's
+        log reads them once for the check and its leaves, instead of a second time.
         """
         if not entries and not completions:
             return
@@ -360,7 +364,7 @@ class Ledger:
                 conn.execute(_insert_new(conn), [_row(e) for e in entries])
             if completions:
                 _complete(conn, completions, time.time() if now is None else now)
-            conflicts = _conflicts(conn, entries, completions)
+            conflicts = _conflicts(conn, entries, completions, read)
             if conflicts:
                 raise LedgerConflict(conflicts)
             if also is not None:
@@ -572,22 +576,33 @@ def _insert_new(conn: Connection) -> sa.Insert:
     return request_ledger.insert()
 
 
+# A RowReader returns the rows of the given request ids, whole and in column order.
+RowReader = Callable[[Connection, list[str]], Mapping[str, Sequence[Any]]]
+_CHECKED = tuple(c.name for c in request_ledger.columns).index
+_HOST, _ADMITTED, _OUTCOME, _REASON = (_CHECKED(c) for c in
+                                       ("host", "admitted_at", "outcome", "reason"))
+
+
 def _conflicts(conn: Connection, entries: Sequence[LedgerEntry],
-               completions: Sequence[Completion]) -> list[str]:
+               completions: Sequence[Completion], read: RowReader | None = None) -> list[str]:
     """Request ids of ``entries`` and ``completions`` that the table, as this transaction sees
     it, does not hold as written: another request's row under the id, or a completion whose row
     is missing or ended in another way."""
-    ids = {e.request_id for e in entries} | {c.request_id for c in completions}
-    t = request_ledger
-    held = {r.request_id: r for r in conn.execute(
-        sa.select(t.c.request_id, t.c.host, t.c.admitted_at, t.c.outcome, t.c.reason)
-        .where(t.c.request_id.in_(sorted(ids))))}
+    ids = sorted({e.request_id for e in entries} | {c.request_id for c in completions})
+    held: dict[str, tuple[Any, ...]]
+    if read is not None:
+        held = {i: (r[_HOST], r[_ADMITTED], r[_OUTCOME], r[_REASON])
+                for i, r in read(conn, ids).items()}
+    else:
+        t = request_ledger
+        held = {r[0]: tuple(r[1:]) for r in conn.execute(
+            sa.select(t.c.request_id, t.c.host, t.c.admitted_at, t.c.outcome, t.c.reason)
+            .where(t.c.request_id.in_(ids)))}
     bad = [e.request_id for e in entries
-           if (r := held.get(e.request_id)) is None
-           or (r.host, r.admitted_at) != (e.host, e.admitted_at)]
+           if (r := held.get(e.request_id)) is None or r[:2] != (e.host, e.admitted_at)]
     bad += [c.request_id for c in completions
             if (r := held.get(c.request_id)) is None
-            or (r.outcome, r.reason) != (str(c.outcome), c.reason)]
+            or r[2:] != (str(c.outcome), c.reason)]
     return sorted(set(bad))
 
 

@@ -28,6 +28,7 @@ import os
 import re
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from json.encoder import encode_basestring
 from pathlib import Path
 from typing import Any
@@ -156,13 +157,36 @@ def _json_value(v: object) -> str:
 
 def leaf(row: Mapping[str, Any], index: int, output: str | None) -> str:
     """``leaf_text(leaf_doc(row, index, output))``, without building the document: the one
-    leaf function, used by the writer (from the values it wrote) and by ``audit verify``
-    (from the stored row). Its keys are fixed, so their sorted order and the separators are
-    computed once; per row only the values are encoded (half the cost of json.dumps with
-    sort_keys, which the writer paid for every final row)."""
-    extra = {"v": LEAF_VERSION, "index": index, "output_sha256": output}
-    return "".join([p + _json_value(extra[k] if k in extra else row[k])
-                    for p, k in _LEAF_PLAN]) + "}"
+    leaf function, used by ``audit verify`` (from the stored row) and, through
+    :func:`leaf_of_values`, by the writer. Its keys are fixed, so their sorted order and the
+    separators are computed once; per row only the values are encoded (half the cost of
+    json.dumps with sort_keys, which the writer paid for every final row)."""
+    return leaf_of_values(tuple(row[c] for c in _COLUMNS), index, output)
+
+
+# Where each of the leaf's keys takes its value: a column's position, or an extra (negative).
+_EXTRAS = ("v", "index", "output_sha256")
+_LEAF_SOURCES = tuple((p, _COLUMNS.index(k) if k in _COLUMNS else -1 - _EXTRAS.index(k))
+                      for p, k in _LEAF_PLAN)
+
+
+def leaf_of_values(values: Sequence[Any], index: int, output: str | None) -> str:
+    """:func:`leaf` of a row given as its values in column order (as the writer reads it)."""
+    extra = (LEAF_VERSION, index, output)
+    return "".join([p + _json_value(values[i] if i >= 0 else extra[-1 - i])
+                    for p, i in _LEAF_SOURCES]) + "}"
+
+
+@dataclass
+class LogRead:
+    """What :meth:`HostLog.read` found for a set of request ids."""
+
+    ids: frozenset[str]
+    rows: dict[str, tuple[Any, ...]] = field(default_factory=dict)  # whole rows, column order
+    logged: set[str] = field(default_factory=set)  # those this host's log holds already
+
+    def covers(self, ids: Sequence[str]) -> bool:
+        return self.ids.issuperset(ids)
 
 
 def opened(engine: Engine) -> Engine:
@@ -221,22 +245,28 @@ class HostLog:
         self._head = f.size
 
     def append(self, conn: Connection, request_ids: Sequence[str],
-               outputs: Mapping[str, str | None]) -> list[tuple[int, bytes]]:
+               outputs: Mapping[str, str | None],
+               known: LogRead | None = None) -> list[tuple[int, bytes]]:
         """Append the final rows of ``request_ids`` not yet in the log, inside the caller's
-        transaction (after its ledger writes); returns (index, leaf hash) of each.
+        transaction (after its ledger writes); returns (index, leaf hash) of each. ``known``:
+        what :meth:`read` returned for these ids earlier in the same transaction (the ledger's
+        own check reads them through it), so they are not read twice.
 
-        Three statements whatever the batch's size, each through the driver itself
+        Two or three statements whatever the batch's size, each through the driver itself
         (SQLAlchemy's per-row result and parameter handling cost as much as the rest of the
-        append: ``loraplane bench ledger``): one read of the rows, one move of the head, one
-        insert of every leaf; on PostgreSQL the last two are one statement (one round trip
-        fewer, which is most of what a one-row transaction pays for the log)."""
+        append: ``loraplane bench ledger``): the read of the rows (unless ``known``), one move
+        of the head, one insert of every leaf; on PostgreSQL the last two are one statement
+        (one round trip fewer, which is most of what a one-row transaction pays for the
+        log)."""
         ids = list(dict.fromkeys(request_ids))
         if not ids:
             return []
-        rows = self._final_rows(conn, ids)
-        final = [i for i in ids if i in rows]
+        got = known if known is not None and known.covers(ids) else self.read(conn, ids)
+        final = [i for i in ids if i in got.rows and i not in got.logged
+                 and got.rows[i][_OUTCOME] != _RUNNING]
         if not final:
             return []
+        rows = got.rows
         if conn.dialect.name == "postgresql" and self._head is not None:
             made = self._leaves(rows, final, outputs, self._head)
             if self._put_at_head(conn, made):
@@ -253,24 +283,24 @@ class HostLog:
                              [(self.host, idx, rid, text) for _, idx, rid, text, _ in made])
         return [(idx, h) for _, idx, _, _, h in made]
 
-    def _final_rows(self, conn: Connection, ids: list[str]) -> dict[str, tuple[Any, ...]]:
-        """The final rows among ``ids`` that this host's log does not hold yet (a retried write
-        finds its rows logged), in one read. Joined by request id alone, so the planner takes
-        its index (with the host in the condition, SQLite walked the host's whole log)."""
+    def read(self, conn: Connection, ids: list[str]) -> LogRead:
+        """The ledger rows of ``ids`` (whole, in column order) and which of them this host's
+        log holds already (a retried write finds its rows logged), in one read. Joined by
+        request id alone, so the planner takes its index (with the host in the condition,
+        SQLite walked the host's whole log)."""
         params: tuple[Any, ...]
         if conn.dialect.name == "postgresql":
             where, params = "r.request_id = ANY(%b)", (ids,)
         else:
             where, params = f"r.request_id IN ({', '.join('?' * len(ids))})", tuple(ids)
-        rows: dict[str, tuple[Any, ...]] = {}
-        have: set[str] = set()
+        got = LogRead(frozenset(ids))
         for r in conn.exec_driver_sql(
                 f"SELECT {self._columns}, l.host FROM {self._ledger} r LEFT OUTER JOIN "
                 f"{self._table} l ON l.request_id = r.request_id WHERE {where}", params):
-            rows[r[0]] = tuple(r[:-1])
+            got.rows[r[0]] = tuple(r[:-1])
             if r[-1] == self.host:
-                have.add(r[0])
-        return {i: r for i, r in rows.items() if i not in have and r[_OUTCOME] != _RUNNING}
+                got.logged.add(r[0])
+        return got
 
     def _leaves(self, rows: Mapping[str, tuple[Any, ...]], final: Sequence[str],
                 outputs: Mapping[str, str | None],
@@ -278,8 +308,7 @@ class HostLog:
         """(host, index, request id, leaf text, leaf hash) of each row from ``start`` on."""
         made = []
         for k, rid in enumerate(final):
-            text = leaf(dict(zip(_COLUMNS, rows[rid], strict=True)), start + k,
-                        outputs.get(rid))
+            text = leaf_of_values(rows[rid], start + k, outputs.get(rid))
             made.append((self.host, start + k, rid, text, leaf_hash(text.encode())))
         return made
 

@@ -233,10 +233,10 @@ def test_a_stream_whose_completion_cannot_be_written_is_recorded_as_received(
         real = Ledger.write
         down = {"on": True}
 
-        def write(self: Ledger, entries: Any, completions: Any, *rest: Any) -> None:
+        def write(self: Ledger, entries: Any, completions: Any, *rest: Any, **kw: Any) -> None:
             if completions and down["on"]:
                 raise OSError("database away")
-            real(self, entries, completions, *rest)
+            real(self, entries, completions, *rest, **kw)
 
         monkeypatch.setattr(Ledger, "write", write)
         sink = Sink()

@@ -357,3 +357,34 @@ def test_a_version_1_log_is_refused_until_upgraded_then_holds_verified_checkpoin
     with opened(engine).begin() as conn:
         assert publish_verified(conn, "h", [(3, "cm9vdA==", "note")]) == 1
         assert publish_verified(conn, "h", [(3, "cm9vdA==", "note")]) == 0
+
+
+def test_the_log_reads_the_rows_once_with_the_ledger_s_own_check(tmp_path: Path) -> None:
+    """A logged completion costs the ledger's transaction two statements more than a plain one
+    (move the head, insert the leaf): the rows the log hashes are the ones the ledger's check
+    read back, not read a second time (before: three more, ``loraplane bench ledger``)."""
+    engine = make_engine(f"sqlite:///{tmp_path / 'ledger.db'}")
+    ledger = Ledger(engine)
+
+    def statements(host: str | None, rid: str) -> int:
+        ledger.admit([LedgerEntry(rid, "t", "tenant", "lora_llm", host or "plain", BASE, D, D,
+                                  admitted_at=1.0)])
+        writer = LedgerWriter(ledger, host=host)
+        seen: list[str] = []
+        done = threading.Event()
+        listen = lambda *a: seen.append(a[2])  # noqa: E731 (conn, cursor, statement, ...)
+        sa.event.listen(engine, "before_cursor_execute", listen)
+        try:
+            writer.complete(Completion(rid, Outcome.OK, 3, 4, served_digest=D),
+                            lambda _ok: done.set(), output="answer")
+            assert done.wait(30)
+        finally:
+            sa.event.remove(engine, "before_cursor_execute", listen)
+            writer.close()
+        assert ledger.get(rid) is not None and ledger.get(rid).outcome == "ok"  # type: ignore[union-attr]
+        return len(seen)
+
+    plain, logged = statements(None, "r-plain"), statements("host-a", "r-logged")
+    assert logged - plain == 2, (plain, logged)
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(ledger_log.c.request_id)).scalars().all() == ["r-logged"]

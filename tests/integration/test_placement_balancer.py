@@ -1,0 +1,284 @@
+"""The local balancer for real: HAProxy (``control.ops.balancer``) in front of three tritonserver
+hosts on one PostgreSQL, many adapters, fewer device slots per host than adapters.
+
+Shows: requests place by the ticket answer's affinity; a forged affinity header gets only what
+the ticket allows; admin routes never pass; affinity beats round robin on adapter hits (the
+figures are printed: ``affinity_vs_roundrobin_tokens`` and each policy's hit rate); a host
+killed mid-burst leaves answers or clear errors, never a hang, the others absorb its share, and
+every answered request has its ledger row on the host that answered it. Skipped without
+LORAPLANE_TEST_PG_URL or haproxy.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from control.app.registry import Registry
+from control.contracts import root_of_trust
+from control.contracts.config import Settings
+from control.contracts.db import make_engine
+from control.contracts.ledger import adapter_loads, request_ledger
+from control.ops.balancer import start_balancer
+from control.ops.clients import Generation, TritonRefused, free_port, generate, request_ticket
+from control.ops.front_door import FrontDoor, Upstream, find_haproxy
+from control.ops.serve import Deployment, Ports
+from control.ops.triton_server import TritonUnavailable, find_triton
+from control.tools.bench_cli import fresh_adapter
+from control.tools.kit import KitManifest
+from projections.follower import open_registry
+from tests.fixtures_control import close_registry, postgres_settings
+from tests.required import unavailable
+
+ACTOR = "placement-test"
+HOSTS = ("host-0", "host-1", "host-2")
+ADAPTERS = 24  # over three hosts of SLOTS device slots each
+SLOTS = 12
+pytestmark = pytest.mark.postgres
+
+
+@dataclass
+class Pool:
+    registry: Registry
+    gateway: Deployment
+    hosts: list[Deployment]
+    api_key: str
+    other_key: str
+    digests: dict[str, str]  # alias -> adapter digest
+    db_url: str
+    affinity: FrontDoor
+    roundrobin: FrontDoor
+
+    def ticket(self, alias: str, key: str | None = None) -> tuple[str, str]:
+        status, body = request_ticket(self.gateway.gateway_url, key or self.api_key, alias)
+        assert status == 200, body
+        return str(body["ticket"]), str(body["affinity"])
+
+    def host_of(self, request_ids: list[str]) -> dict[str, str]:
+        t = request_ledger
+        with make_engine(self.db_url).connect() as conn:
+            rows = conn.execute(sa.select(t.c.request_id, t.c.host)
+                                .where(t.c.request_id.in_(request_ids))).all()
+        return {r.request_id: r.host for r in rows}
+
+    def tokens_out(self, request_ids: list[str]) -> int:
+        t = request_ledger
+        with make_engine(self.db_url).connect() as conn:
+            return int(conn.execute(sa.select(sa.func.coalesce(sa.func.sum(t.c.tokens_out), 0))
+                                    .where(t.c.request_id.in_(request_ids))).scalar() or 0)
+
+    def loads(self) -> int:
+        with make_engine(self.db_url).connect() as conn:
+            return int(conn.execute(sa.select(sa.func.count()).select_from(adapter_loads)
+                                    .where(adapter_loads.c.outcome == "loaded")).scalar() or 0)
+
+
+def _aliases() -> list[str]:
+    return [f"a{i:02d}" for i in range(ADAPTERS)]
+
+
+@pytest.fixture(scope="module")
+def pool(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    root = tmp_path_factory.mktemp("placement")
+    try:
+        find_triton(root)
+    except TritonUnavailable as e:
+        unavailable("the real tritonserver", str(e))
+    if find_haproxy() is None:
+        unavailable("haproxy", "apt-get install haproxy")
+    with postgres_settings(root / "gw") as first:
+        url = first.db_url
+        first.home.mkdir(parents=True, exist_ok=True)
+        first.ensure_dirs()
+        root_of_trust.dev_root(first.keys_dir)
+        host_settings = []
+        for name in HOSTS:
+            # one tenant owns every adapter here: its resident share is the whole device
+            s = Settings(home=root / name, db_url=url, adapter_slots=SLOTS, resident_share=1.0)
+            s.home.mkdir(parents=True)
+            (s.home / "store").symlink_to(first.store_dir)  # one shared artifact store
+            s.keys_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copy(root_of_trust.root_pub_path(first.keys_dir),
+                        root_of_trust.root_pub_path(s.keys_dir))
+            host_settings.append(s)
+        kit = KitManifest.load(kit_dir)
+        reg = open_registry(first)
+        reg.register_base(kit_dir / kit.base_path, kit_dir / kit.tokenizer_path,
+                          name="tiny-llama", actor=ACTOR)
+        key = reg.create_tenant("acme", actor=ACTOR)
+        other = reg.create_tenant("globex", actor=ACTOR)
+        digests: dict[str, str] = {}
+        src = kit_dir / kit.adapters["alpha"].path
+        for i, alias in enumerate(_aliases()):
+            adapter_dir = fresh_adapter(src, root / "adapters" / alias, i + 1)
+            digests[alias] = reg.register_adapter(adapter_dir, tenant="acme", alias=alias,
+                                                  actor=ACTOR)
+            reg.advance(digests[alias], external=True,
+                        evaluation={"suite": "smoke", "passed": True}, actor=ACTOR)
+            reg.grant("acme", alias, actor=ACTOR)
+        digests["globex-gamma"] = reg.register_adapter(
+            kit_dir / kit.adapters["gamma"].path, tenant="globex", alias="globex-gamma",
+            actor=ACTOR)
+        reg.advance(digests["globex-gamma"], external=True,
+                    evaluation={"suite": "smoke", "passed": True}, actor=ACTOR)
+        reg.grant("globex", "globex-gamma", actor=ACTOR)
+        gateway = Deployment(first, Ports(free_port(), free_port(), free_port(), free_port()),
+                             role="control", actor=ACTOR)
+        hosts = [Deployment(s, Ports(free_port(), free_port(), free_port(), free_port()),
+                            role="triton", host_id=name, actor=ACTOR, front_door="external")
+                 for name, s in zip(HOSTS, host_settings, strict=True)]
+        doors: list[FrontDoor] = []
+        try:
+            gateway.start()
+            with ThreadPoolExecutor(len(hosts)) as ex:
+                list(ex.map(lambda d: d.start(), hosts))
+            upstreams = [Upstream("127.0.0.1", h.ports.http, h.ports.grpc) for h in hosts]
+            for policy in ("affinity", "roundrobin"):
+                doors.append(start_balancer(root / f"balancer-{policy}", upstreams,
+                                            http_port=free_port(), grpc_port=free_port(),
+                                            policy=policy))
+            yield Pool(reg, gateway, hosts, key, other, digests, url, doors[0], doors[1])
+        finally:
+            for door in doors:
+                door.stop()
+            for d in (*hosts, gateway):
+                d.stop()
+            close_registry(reg)
+
+
+def _call(url: str, ticket: str | None, affinity: str | None, text: str,
+          protocol: str = "http") -> Generation:
+    return generate(url, text, ticket, max_tokens=4, affinity=affinity, protocol=protocol)
+
+
+def test_requests_place_by_affinity(pool: Pool) -> None:
+    placed: dict[str, set[str]] = {}
+    for alias in _aliases()[:6]:
+        ticket, affinity = pool.ticket(alias)
+        ids = [_call(pool.affinity.http_url, ticket, affinity, f"place {alias} {i}").request_id
+               for i in range(3)]
+        ids.append(_call(pool.affinity.grpc_url, ticket, affinity, f"grpc {alias}",
+                         protocol="grpc").request_id)
+        placed[alias] = set(pool.host_of(ids).values())
+    assert all(len(hosts) == 1 for hosts in placed.values()), placed  # one host per route
+    assert len(set().union(*placed.values())) >= 2, placed  # and routes spread over hosts
+
+
+def test_a_forged_affinity_header_gets_only_what_the_ticket_allows(pool: Pool) -> None:
+    ticket, _ = pool.ticket("a00")
+    _, other_affinity = pool.ticket("a05")
+    for forged in (other_affinity, "0" * 16, "x" * 200):
+        g = _call(pool.affinity.http_url, ticket, forged, "forged")
+        assert g.adapter_digest == pool.digests["a00"]  # the ticket's adapter, wherever placed
+    globex_ticket, _ = pool.ticket("globex-gamma", pool.other_key)
+    g = _call(pool.affinity.http_url, globex_ticket, other_affinity, "other tenant")
+    assert g.adapter_digest == pool.digests["globex-gamma"]
+    for bad in (None, "v4.public.forged"):
+        with pytest.raises(TritonRefused):
+            _call(pool.affinity.http_url, bad, other_affinity, "no ticket")
+
+
+def test_admin_routes_never_pass_the_balancer(pool: Pool) -> None:
+    for method, path in (("POST", "/v2/repository/index"), ("GET", "/v2/models/stats"),
+                         ("POST", "/v2/repository/models/lora_llm/unload"),
+                         ("GET", "/v2/trace/setting"), ("GET", "/metrics")):
+        req = urllib.request.Request(f"http://{pool.affinity.http_url}{path}", method=method,
+                                     data=b"{}" if method == "POST" else None)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=10)
+        assert refused.value.code == 403, path
+
+
+def _phase(pool: Pool, url: str, rounds: int) -> tuple[float, int, int, int]:
+    """Every alias ``rounds`` times, four clients; (tokens per second, requests, loads,
+    refusals). A refusal is a cost of the policy: cold loads past the tenant's load rate."""
+    tickets = {a: pool.ticket(a) for a in _aliases()}
+    jobs = [a for _ in range(rounds) for a in _aliases()]
+    before = pool.loads()
+
+    def one(alias: str) -> Generation | None:
+        try:
+            return _call(url, *tickets[alias], f"bench {alias}")
+        except TritonRefused:
+            return None
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(one, jobs))
+    seconds = time.monotonic() - started
+    served = [o for o in outs if o is not None]
+    tokens = pool.tokens_out([o.request_id for o in served])  # as the ledger counted them
+    return tokens / seconds, len(jobs), pool.loads() - before, len(outs) - len(served)
+
+
+def test_affinity_beats_round_robin_on_adapter_hits(pool: Pool) -> None:
+    results = {}
+    for name, door in (("roundrobin", pool.roundrobin), ("affinity", pool.affinity)):
+        _phase(pool, door.http_url, 1)  # warm: the policy's steady state
+        time.sleep(8)  # the load-rate buckets refill between phases
+        rate, requests, loads, refused = _phase(pool, door.http_url, 2)
+        results[name] = (rate, 1.0 - (loads + refused) / requests, refused)
+        time.sleep(8)
+    ratio = results["affinity"][0] / results["roundrobin"][0]
+    print(f"\naffinity_vs_roundrobin_tokens={ratio:.2f} "
+          f"hit_rate_affinity={results['affinity'][1]:.2f} "
+          f"hit_rate_roundrobin={results['roundrobin'][1]:.2f} "
+          f"refused_affinity={results['affinity'][2]} "
+          f"refused_roundrobin={results['roundrobin'][2]}")
+    assert results["affinity"][1] > results["roundrobin"][1]
+    assert results["affinity"][1] >= 0.9 and results["affinity"][2] == 0
+
+
+def test_a_host_killed_mid_burst(pool: Pool) -> None:
+    """Last in this module: it takes a host down for good."""
+    tickets = {a: pool.ticket(a) for a in _aliases()}
+    victim_alias = _aliases()[0]
+    victim = pool.host_of([_call(pool.affinity.http_url, *tickets[victim_alias],
+                                 "where").request_id])
+    victim_host = next(iter(victim.values()))
+    jobs = [a for _ in range(3) for a in _aliases()]
+    killed_at: list[float] = []
+
+    def one(i_alias: tuple[int, str]) -> tuple[str, float, Generation | TritonRefused]:
+        i, alias = i_alias
+        if i == 12:
+            killed_at.append(time.monotonic())
+            dep = pool.hosts[HOSTS.index(victim_host)]
+            assert dep.triton is not None
+            dep.triton.kill()
+        started = time.monotonic()
+        try:
+            return alias, started, _call(pool.affinity.http_url, *tickets[alias], f"burst {i}")
+        except TritonRefused as e:
+            return alias, started, e
+
+    burst_started = time.monotonic()
+    with ThreadPoolExecutor(4) as ex:
+        futures = [ex.submit(one, (i, a)) for i, a in enumerate(jobs)]
+        done = [f.result(timeout=120) for f in futures]  # never a hang
+    answered = [(a, s, g) for a, s, g in done if isinstance(g, Generation)]
+    errors = [g for _, _, g in done if isinstance(g, TritonRefused)]
+    for e in errors:  # clear errors: a status and a message, from HAProxy or Triton
+        assert e.status and e.message, e
+    print(f"\nhost_kill: requests={len(jobs)} answered={len(answered)} "
+          f"clear_errors={len(errors)} ({sorted({e.status for e in errors})}) "
+          f"burst_s={time.monotonic() - burst_started:.1f}")
+    assert len(answered) >= len(jobs) - 8, errors  # only requests on the dying host may fail
+    hosts = pool.host_of([g.request_id for _, _, g in answered])
+    assert set(hosts) == {g.request_id for _, _, g in answered}  # every answer has its row
+    for alias, _, g in answered:
+        assert g.adapter_digest == pool.digests[alias]
+    # once the health check has taken the host out, the others absorb its routes
+    later = [g.request_id for a, s, g in answered if s > killed_at[0] + 2.0]
+    assert later and victim_host not in {hosts[r] for r in later}
+    g = _call(pool.affinity.http_url, *tickets[victim_alias], "after")
+    assert pool.host_of([g.request_id])[g.request_id] != victim_host

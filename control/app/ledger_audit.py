@@ -46,6 +46,7 @@ from control.contracts.ledger_log import (
     opened,
     origin_of,
     parse_leaf,
+    prove,
     publish_verified,
 )
 from control.contracts.root_of_trust import RootError, root_public_key, signing_root
@@ -53,13 +54,10 @@ from control.contracts.tlog import (
     Checkpoint,
     Frontier,
     ProofError,
-    TlogProof,
     Verifier,
     b64,
-    inclusion_proof,
     leaf_hash,
     open_note,
-    root,
 )
 from control.domain.host_ledger import HostLedger, host_ledger_id
 
@@ -443,10 +441,8 @@ def receipt(app: Application[Any], engine: Engine, request_id: str) -> str:
                             "of its host: retry after the next checkpoint and `loraplane audit "
                             "ledger-sync`")
         size = cover[0]
-        entries = leaves(conn, host, 0, size)
-    hashes = [leaf_hash(t.encode()) for _, _, t in entries]
-    if len(hashes) != size or b64(root(hashes)) != cover[1]:
+        proof = prove(conn, host, idx, size, cover[1], agg.notes[size])  # as the gateway does
+    if proof is None:
         raise NoReceipt(f"host {host}'s log no longer gives its verified checkpoint at size "
                         f"{size}: run `loraplane audit verify --ledger`")
-    return TlogProof(idx, tuple(inclusion_proof(idx, hashes)), agg.notes[size],
-                     entries[idx][2].encode()).text()
+    return proof

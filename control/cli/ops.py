@@ -84,6 +84,9 @@ def serve(
     triton_http_port: TritonHttpPortOption = 18000,
     triton_grpc_port: TritonGrpcPortOption = 18001,
     triton_user: TritonUserOption = None,
+    console_port: Annotated[int, typer.Option(
+        help="Also serve the operator console on 127.0.0.1:PORT (0: not at all); never on the "
+             "gateway's port. Log in with `loraplane console token`.")] = 0,
 ) -> None:
     """Run the gateway, the projection follower and tritonserver until interrupted."""
     # the deployment (gateway, follower, Triton process): only the serving verbs pay for it
@@ -96,6 +99,13 @@ def serve(
                      base=base, actor=state.actor, progress=lambda m: err_console.print(m),
                      bind=listen, front_door=front_door,
                      triton_user=default_triton_user(triton_user))
+    if console_port:
+        # the console (aiohttp, Jinja2): only a serve that asks for it loads it
+        from control.console.background import serve_in_thread
+
+        with errors():
+            serve_in_thread(settings(), port=console_port, actor=state.actor)
+        err_console.print(f"operator console on http://127.0.0.1:{console_port}/")
     run_until_stopped(dep)
 
 

@@ -23,7 +23,7 @@ from control.app.integrity import AuditSeal, audit_checkpoints
 from control.app.ledger_audit import coverage, sync
 from control.contracts.db import make_engine
 from control.contracts.event_log import page_after
-from control.contracts.ledger import request_ledger
+from control.contracts.ledger import Ledger, request_ledger
 from control.domain import Rollout, event_fields
 from control.domain.ids import adapter_id, alias_id
 from control.domain.rollout import rollout_id
@@ -168,20 +168,23 @@ def audit_status(reg: Registry, seal: AuditSeal) -> dict[str, Any]:
     return {"report": report.to_json(), "verified_at": time.time(), "checkpoints": latest}
 
 
-def hosts(reg: Registry, window_s: float = 3600.0) -> list[dict[str, Any]]:
-    """Each host that wrote ledger rows: its last request, and the last hour's requests by
-    outcome (what the ledger tells cheaply; slots and tiers are not recorded centrally)."""
+def hosts(reg: Registry, window_s: float = 24 * 3600.0) -> list[dict[str, Any]]:
+    """Each host that wrote ledger rows in the last ``window_s``: its last request, and its
+    requests by outcome (what the ledger tells cheaply: one range over the admission-time index,
+    never a scan of the whole ledger; slots and tiers are not recorded centrally yet)."""
     c = request_ledger.c
     since = time.time() - window_s
-    engine = make_engine(reg.settings.db_url)
+    engine = Ledger(make_engine(reg.settings.db_url)).engine  # the table made if still missing
     with engine.connect() as conn:
-        last = {r.host: r.last for r in conn.execute(
-            sa.select(c.host, sa.func.max(c.admitted_at).label("last")).group_by(c.host))}
         recent = conn.execute(
-            sa.select(c.host, c.outcome, sa.func.count().label("n"))
+            sa.select(c.host, c.outcome, sa.func.count().label("n"),
+                      sa.func.max(c.admitted_at).label("last"))
             .where(c.admitted_at >= since).group_by(c.host, c.outcome)).all()
-    out: dict[str, dict[str, Any]] = {
-        h: {"host": h, "last": iso(t), "last_at": t, "outcomes": {}} for h, t in last.items()}
+    out: dict[str, dict[str, Any]] = {}
     for r in recent:
-        out[r.host]["outcomes"][r.outcome] = int(r.n)
+        h = out.setdefault(r.host, {"host": r.host, "last_at": 0.0, "outcomes": {}})
+        h["outcomes"][r.outcome] = int(r.n)
+        h["last_at"] = max(h["last_at"], float(r.last))
+    for h in out.values():
+        h["last"] = iso(h["last_at"])
     return sorted(out.values(), key=lambda h: h["host"])

@@ -249,3 +249,23 @@ def test_console_token_verb_prints_and_rotates(tmp_path: Path) -> None:
                                              "--rotate"]).output)
     assert rotated["token"] != data["token"]
     assert stat.S_IMODE(os.stat(rotated["path"]).st_mode) == 0o600
+
+
+def test_serve_runs_the_console_on_its_own_loopback_port(tmp_path: Path) -> None:
+    """``serve --console-port``: the console in a thread of the serving process, on loopback;
+    a port already taken is a clear error, not a console that silently never came up."""
+    import socket
+
+    from control.console.background import serve_in_thread
+    from tests.fixtures_control import sqlite_settings
+
+    settings = sqlite_settings(tmp_path / "home")
+    settings.ensure_dirs()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve_in_thread(settings, port=port, actor="op")
+    r = requests.get(f"http://127.0.0.1:{port}/login", timeout=10)
+    assert r.status_code == 200 and r.headers["Content-Security-Policy"] == CSP
+    with pytest.raises(RuntimeError, match="could not listen"):
+        serve_in_thread(settings, port=port, actor="op")

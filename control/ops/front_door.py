@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from control.contracts.placement import AFFINITY_HEADER
 from control.contracts.wire import TICKET_HEADER
 from control.ops.triton_access import GRPC_HEADER_PREFIX, OPERATOR_HEADER
 from control.ops.triton_server import check_ports_free
@@ -268,11 +269,13 @@ def _server(i: int, u: Upstream, port: int, c: DoorConfig, proto: str) -> str:
 
 def compose_config() -> str:
     """The door of ``docker/compose.yaml`` (checked in as ``docker/haproxy.cfg``): every
-    address, the tenant ports 8000 and 8001, both Triton hosts of the compose file."""
+    address, the tenant ports 8000 and 8001, both Triton hosts of the compose file, placed by
+    the ticket answer's affinity (``control.ops.balancer``) when the scale-out profile runs
+    both."""
     return render(DoorConfig(
         listen="*", http_port=8000, grpc_port=8001,
         upstreams=(Upstream("triton-a", 8000, 8001), Upstream("triton-b", 8000, 8001)),
-        docker_dns=True, health_checks=True))
+        docker_dns=True, health_checks=True, affinity_header=AFFINITY_HEADER))
 
 
 @dataclass

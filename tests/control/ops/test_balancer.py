@@ -50,8 +50,10 @@ def test_round_robin_policy_has_no_placement() -> None:
         balancer_config([], http_port=9000, grpc_port=9001)
 
 
-def test_the_compose_door_is_unchanged_by_the_balancer_fields() -> None:
-    assert "balance" not in compose_config() and "inter 5s" in compose_config()
+def test_the_compose_door_places_its_two_hosts_by_affinity() -> None:
+    cfg = compose_config()
+    assert _backend(cfg, "triton_http").count(f"balance hdr({AFFINITY_HEADER})") == 1
+    assert "inter 5s" in cfg  # compose's own check interval stays
 
 
 def test_haproxy_accepts_the_configuration(tmp_path: Path) -> None:

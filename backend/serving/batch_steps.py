@@ -1,0 +1,233 @@
+"""The continuous-batching steps over one mixed batch: prefill, merge, retain, choose, advance.
+
+Rows join and leave between decode steps; the KV bookkeeping is ``backend.serving.batch_ops``.
+Each forward pass goes through the engine's ``_forward`` (handed in as ``forward``), which
+records what every row's slot holds before it calls :meth:`BatchSteps.run_model`: the one
+place the base model runs, with the batch's slot rows set for every ``SlottedLinear``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
+from typing import Any, Protocol
+
+import torch
+from transformers import DynamicCache, LlamaForCausalLM, PreTrainedConfig
+
+from backend.serving.batch_ops import cache_tensors, merged, selected
+from backend.serving.engine_types import (
+    DecodeBatch,
+    GenerationRequest,
+    GenerationResult,
+    Sequence,
+)
+from backend.serving.lora_ops import SlotBatch
+from backend.serving.sampling import sample
+from backend.serving.slots import SlotContext, SlotIdentity
+
+# seqs, slots, ids [batch, n], mask [batch, width], positions [batch, n], cache -> logits
+Forward = Callable[[list[Sequence], SlotBatch, torch.Tensor, torch.Tensor, torch.Tensor,
+                    DynamicCache], torch.Tensor]
+
+
+class BatchSteps:
+    """The steps the scheduler (and ``Engine.generate``) drives, under the engine's lock."""
+
+    def __init__(self, model: LlamaForCausalLM, context: SlotContext, lock: threading.RLock,
+                 device: torch.device, pad_id: int, forward: Forward) -> None:
+        self.model, self.context, self.lock = model, context, lock
+        self.device, self.pad_id, self.forward = device, pad_id, forward
+
+    def prefill(self, seqs: list[Sequence],
+                cached: dict[int, DecodeBatch] | None = None) -> DecodeBatch:
+        """Run the prompts of new sequences (left-padded, one mixed batch) into a DecodeBatch;
+        rows of ``cached`` (restored from a prefix cache) skip the forward pass."""
+        cached = cached or {}
+        todo = [i for i in range(len(seqs)) if i not in cached]
+        with self.lock, torch.inference_mode():
+            parts: list[DecodeBatch] = []
+            if todo:
+                parts.append(self._prefill_rows([seqs[i] for i in todo]))
+            order = todo + [i for i in range(len(seqs)) if i in cached]
+            for i in order[len(todo):]:
+                one = cached[i]
+                seqs[i].observed |= one.observed  # what the slot held when it was computed
+                parts.append(DecodeBatch([seqs[i]], one.keys, one.values, one.mask,
+                                         one.last_pos, one.logits, one.slots))
+            merged = parts[0]
+            for p in parts[1:]:
+                merged = self.merge(merged, p)
+            # restore request order
+            pos = {i: k for k, i in enumerate(order)}
+            out = self.select(merged, [pos[i] for i in range(len(seqs))])
+            # slots come from the sequences now, never from what a cached entry was built with
+            out.slots = SlotBatch.from_slots([s.slot for s in out.seqs], self.device)
+            return out
+
+    def _prefill_rows(self, seqs: list[Sequence]) -> DecodeBatch:
+        prompts = [s.prompt_ids for s in seqs]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)  # [batch, width]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [batch, width]
+        slots = SlotBatch.from_slots([s.slot for s in seqs], self.device)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.forward(seqs, slots, ids, mask, positions, cache)
+        keys, values = cache_tensors(cache)
+        return DecodeBatch(list(seqs), keys, values, mask, positions[:, -1:], logits, slots)
+
+    def run_model(self, slots: SlotBatch, ids: torch.Tensor, mask: torch.Tensor,
+                  positions: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        """One pass of the base model with ``slots`` as every slotted module's rows; the logits
+        of each row's last position."""
+        self.context.batch = slots
+        try:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                             cache=cache, use_cache=True, logits_to_keep=1)
+        finally:
+            self.context.batch = None
+        logits: torch.Tensor = out.logits[:, -1, :]
+        return logits
+
+    def merge(self, a: DecodeBatch, b: DecodeBatch) -> DecodeBatch:
+        """One batch holding the rows of both (``backend.serving.batch_ops.merged``)."""
+        with self.lock, torch.inference_mode():
+            return merged(a, b, self.device)
+
+    def retain(self, batch: DecodeBatch, keep: list[int]) -> DecodeBatch | None:
+        """The batch with only rows ``keep``; None when no row is left."""
+        if not keep:
+            return None
+        if keep == list(range(len(batch))):
+            return batch
+        with self.lock, torch.inference_mode():
+            return self.select(batch, keep)
+
+    def select(self, batch: DecodeBatch, keep: list[int]) -> DecodeBatch:
+        return selected(batch, keep, self.device)
+
+    @staticmethod
+    def choose(batch: DecodeBatch, eos_ids: frozenset[int]) -> list[int | None]:
+        """Pick each row's next token; mark rows that reached eos or their limit as done; a row
+        whose logits are not finite fails alone (``failure = "numerical"``)."""
+        with torch.inference_mode():
+            logits = batch.logits.float()
+            finite = torch.isfinite(logits).all(dim=-1).tolist()  # [batch]
+            chosen: list[int | None] = [int(t) for t in logits.argmax(dim=-1).tolist()]
+            for i, s in enumerate(batch.seqs):
+                if not finite[i]:
+                    chosen[i] = None
+                elif s.generator is not None:
+                    chosen[i] = sample(logits[i], s.request.temperature, s.request.top_p,
+                                       s.generator)
+        for s, token in zip(batch.seqs, chosen, strict=True):
+            if token is None:
+                s.failure, s.done = "numerical", True
+                continue
+            s.produced.append(token)
+            if token in eos_ids or len(s.produced) >= s.request.max_tokens:
+                s.done = True
+        return chosen
+
+    def advance(self, batch: DecodeBatch) -> None:
+        """One decode step: feed each row's last token, extend the KV cache, new logits."""
+        with self.lock, torch.inference_mode():
+            ids = torch.tensor([[s.produced[-1]] for s in batch.seqs], dtype=torch.long,
+                               device=self.device)  # [batch, 1]
+            batch.mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
+            batch.last_pos = batch.last_pos + 1
+            cache = DynamicCache(config=self.model.config)
+            layers: list[Any] = list(cache.layers)
+            for layer, k, v in zip(layers, batch.keys, batch.values, strict=True):
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v
+            batch.logits = self.forward(batch.seqs, batch.slots, ids, batch.mask,
+                                        batch.last_pos, cache)
+            batch.keys, batch.values = cache_tensors(cache)
+
+
+def row_generator(request: GenerationRequest, device: torch.device) -> torch.Generator | None:
+    """The row's sampling generator: none for greedy decoding, else seeded by the request's
+    ``seed`` (or at random)."""
+    if request.temperature == 0.0:
+        return None
+    gen = torch.Generator(device=device)
+    if request.seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(request.seed)
+    return gen
+
+
+# -- whole batches (the oracle's entry points, ``Engine.generate`` and ``next_token_logits``):
+# driven through the engine's own methods, so a subclass's checks and faults apply to them too.
+
+class WholeBatchEngine(Protocol):
+    """What the whole-batch drivers use of ``backend.serving.engine.Engine``: typed here, not
+    imported, because the engine imports this module (tests/test_architecture.py refuses the
+    cycle even under ``TYPE_CHECKING``)."""
+
+    _lock: threading.RLock
+
+    @property
+    def base_config(self) -> PreTrainedConfig: ...
+
+    def _prepare_one(self, r: GenerationRequest) -> tuple[list[int], SlotIdentity | None]: ...
+
+    def open_sequence(self, request: GenerationRequest) -> Sequence: ...
+
+    def close_sequence(self, seq: Sequence) -> None: ...
+
+    def prefill(self, seqs: list[Sequence]) -> DecodeBatch: ...
+
+    def choose(self, batch: DecodeBatch) -> list[int | None]: ...
+
+    def retain(self, batch: DecodeBatch, keep: list[int]) -> DecodeBatch | None: ...
+
+    def advance(self, batch: DecodeBatch) -> None: ...
+
+    def text(self, ids: Sequence_[int]) -> str: ...
+
+
+def first_logits(engine: WholeBatchEngine, requests: Sequence_[GenerationRequest]) -> torch.Tensor:
+    """``[batch, vocab]`` float32 logits of each request's first generated token."""
+    with engine._lock:
+        seqs = _open_all(engine, requests)
+        try:
+            if not seqs:
+                return torch.empty((0, engine.base_config.vocab_size))
+            return engine.prefill(seqs).logits.float().cpu()
+        finally:
+            for s in seqs:
+                engine.close_sequence(s)
+
+
+def generate_all(engine: WholeBatchEngine, requests: Sequence_[GenerationRequest]
+                 ) -> list[GenerationResult]:
+    """Every request continued in one mixed batch, one forward pass per step."""
+    with engine._lock:
+        seqs = _open_all(engine, requests)
+        try:
+            batch = engine.prefill(seqs) if seqs else None
+            while batch is not None:
+                engine.choose(batch)
+                batch = engine.retain(batch, [i for i, s in enumerate(batch.seqs)
+                                              if not s.done])
+                if batch is not None:
+                    engine.advance(batch)
+            return [s.result(engine.text(s.produced)) for s in seqs]
+        finally:
+            for s in seqs:
+                engine.close_sequence(s)
+
+
+def _open_all(engine: WholeBatchEngine, requests: Sequence_[GenerationRequest]) -> list[Sequence]:
+    for r in requests:  # all or nothing: validate every request before pinning any slot
+        engine._prepare_one(r)
+    return [engine.open_sequence(r) for r in requests]

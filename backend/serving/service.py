@@ -34,11 +34,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
 
 from backend.serving.admission import (
     RequestRefused,
@@ -46,29 +42,14 @@ from backend.serving.admission import (
     check_governance,
     ticket_from_parameters,
 )
-from backend.serving.cache import AdapterCache, CacheBudgets, CacheQuota, CacheRefused
-from backend.serving.engine import (
-    DecodeBatch,
-    Engine,
-    EngineError,
-    GenerationRequest,
-    GenerationResult,
-    InvalidRequestError,
-)
-from backend.serving.engine import Sequence as EngineSequence
-from backend.serving.lease import Lease
+from backend.serving.cache import AdapterCache, CacheBudgets, CacheQuota
+from backend.serving.engine import DecodeBatch, Engine, GenerationRequest, GenerationResult
+from backend.serving.intake import Intake
 from backend.serving.memory import AdapterBudget
 from backend.serving.memory_report import resident_memory
-from backend.serving.messages import (
-    BUSY_MESSAGE,
-    CANCELLED_MESSAGE,
-    FAILURE_MESSAGE,
-    INTERNAL_MESSAGE,
-    LIMITS_MESSAGE,
-    PARAMETER_PREFIX,
-    InvalidInput,
-)
-from backend.serving.prefix_cache import PrefixCache, PrefixKey, TenantSalts
+from backend.serving.messages import BUSY_MESSAGE, FAILURE_MESSAGE, LIMITS_MESSAGE, InvalidInput
+from backend.serving.outcomes import Admitted, Collector, Outcomes
+from backend.serving.prefix_cache import PrefixCache, TenantSalts
 from backend.serving.recorder import LedgerWriter, write_durably
 from backend.serving.requests import (
     Answer,
@@ -77,20 +58,15 @@ from backend.serving.requests import (
     RevocationSteps,
     ServiceStats,
 )
-from backend.serving.sampling import InvalidParameter, check_sampling
-from backend.serving.scheduler import AdapterRevoked, QueueFull, Scheduler, SchedulerLimits
+from backend.serving.revocation_watch import RevocationWatch
+from backend.serving.sampling import check_sampling
+from backend.serving.scheduler import Scheduler, SchedulerLimits
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
-from control.contracts.ledger import AdapterLoad, Completion, Ledger, LedgerEntry, Outcome
+from control.contracts.ledger import Ledger, LedgerEntry, Outcome
 from control.contracts.sampling import with_defaults
 from control.contracts.store import ArtifactStore
-from control.contracts.tickets import (
-    GENERIC_REFUSAL,
-    TicketClaims,
-    TicketRejected,
-    TicketVerifier,
-    load_public_keys,
-)
+from control.contracts.tickets import TicketClaims, TicketVerifier, load_public_keys
 from control.contracts.wire import TEXT_INPUT
 from projections.host_view import ChangeListener, GovernanceState, HostGovernance, tokenizer_of
 
@@ -104,58 +80,13 @@ __all__ = ["BUSY_MESSAGE", "FAILURE_MESSAGE", "LIMITS_MESSAGE", "Answer", "Answe
            "ticket_from_parameters"]
 
 
-
-@dataclass
-class _Admitted:
-    request_id: str
-    claims: TicketClaims
-    sink: AnswerSink
-    stream: bool
-    seq: EngineSequence
-    admitted_at: float
-    delivered: int = 0  # tokens the client has received as streamed pieces
-
-
-class _SequenceSink:
-    """Bridges the scheduler's callbacks to the service's completion path."""
-
-    def __init__(self, service: LoraService, adm: _Admitted) -> None:
-        self.service, self.adm = service, adm
-
-    def cancelled(self) -> bool:
-        return self.adm.sink.cancelled()
-
-    def token(self, piece: str) -> None:
-        # The digest the slot's banks held for the passes that computed it (a row whose passes
-        # saw another one is failed before any piece is sent), not the ticket's.
-        served = self.adm.seq.served_digest()
-        self.adm.sink.piece(piece, self.adm.request_id, served or "")
-        self.adm.delivered = len(self.adm.seq.produced)
-
-    def finish(self, result: GenerationResult, outcome: Outcome, reason: str | None) -> None:
-        self.service._finish(self.adm, result, outcome, reason)
-
-
-class _Collector:
-    """A sink for the synchronous ``handle``: waits for one final answer."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.final: Answer | None = None
-
-    def cancelled(self) -> bool:
-        return False
-
-    def piece(self, text: str, request_id: str, adapter_digest: str) -> None:
-        pass
-
-    def answer(self, a: Answer) -> None:
-        self.final = a
-        self.done.set()
-
-
 class LoraService:
-    """Verifies, admits, schedules and records; one per Triton engine model instance."""
+    """Verifies, admits, schedules and records; one per Triton engine model instance.
+
+    Its desks: ``intake`` (``backend.serving.intake``: the in-flight bound and the admission
+    steps), ``outcomes`` (``backend.serving.outcomes``: ledger rows and answers) and
+    ``revocations`` (``backend.serving.revocation_watch``). The steps a subclass or a test may
+    replace stay methods of the service, and the desks call them here."""
 
     def __init__(
         self,
@@ -206,24 +137,14 @@ class LoraService:
         self.scheduler = Scheduler(engine, self.limits, self.prefix_cache)
         self.tickets = VerifiedTickets(self._load_verifier)
         self.stats = ServiceStats()
-        # Revoked before this process started: never resident here, nothing to drain or report.
-        start = self.governance.current()
-        self._known_revoked: frozenset[str] = start.revoked
-        self._known_killed: frozenset[str] = start.killed
-        self._governance_lock = threading.Lock()
-        self._reported_revocations: set[str] = set()
-        self._open_step_log = steps
-        self._step_log: RevocationSteps | None = None
-        self._steps = ThreadPoolExecutor(max_workers=1, thread_name_prefix="revocation-steps")
-        self._inflight = 0
-        self._inflight_lock = threading.Lock()
-        self._admission = ThreadPoolExecutor(max_workers=8, thread_name_prefix="admission")
+        self.outcomes = Outcomes(self)
+        self.intake = Intake(self)
+        start = self.governance.current()  # what was revoked before this process started
         failed = self.ledger.fail_running(self.host)
         if failed:
             log.warning("marked %d requests left running by a previous process as failed", failed)
-        self._closing = threading.Event()
-        self._listener = ChangeListener.for_engine(db)
-        self._watch_interval_s = watch_interval_s
+        self.revocations = RevocationWatch(self, start, steps, ChangeListener.for_engine(db),
+                                           watch_interval_s)
         self._watcher = threading.Thread(target=self._watch, name="governance-watch",
                                          daemon=True)
         self._watcher.start()
@@ -245,24 +166,11 @@ class LoraService:
         Returns at once. Past the bound on requests in flight the sink gets a busy answer,
         after the refusal's ledger row is written.
         """
-        with self._inflight_lock:
-            busy = self._inflight >= self.limits.max_queued + self.limits.max_running
-            if not busy:
-                self._inflight += 1
-        if busy:
-            # No ticket is verified for a busy refusal: under overload the host spends nothing
-            # it can avoid. The row records the refusal, without a tenant.
-            self.stats.refuse("busy")
-            rid = str(uuid.uuid4())
-            self._record_refusal(sink, self._entry(rid, None, time.time(),
-                                                   outcome=Outcome.REJECTED, reason="busy"),
-                                 BUSY_MESSAGE, "unavailable", counted=False)
-            return
-        self._admission.submit(self._admit, req, sink)
+        self.intake.submit(req, sink)
 
     def handle(self, batch: Sequence[IncomingRequest]) -> list[Answer]:
         """Answer every request of a batch, in order (blocking; tests and simple callers)."""
-        sinks = [_Collector() for _ in batch]
+        sinks = [Collector() for _ in batch]
         for req, sink in zip(batch, sinks, strict=True):
             self.submit(req, sink)
         for sink in sinks:
@@ -290,121 +198,15 @@ class LoraService:
 
     def close(self) -> None:
         """Stop the watcher, the scheduler, and the worker threads; write what is queued."""
-        self._closing.set()
+        self.revocations.closing.set()
         self._watcher.join(timeout=5)
         self.scheduler.stop()
-        self._admission.shutdown(wait=True)
-        self._steps.shutdown(wait=True)
+        self.intake.close()
+        self.revocations.close_steps()
         self.writer.close()
-        self._listener.close()
+        self.revocations.listener.close()
 
-    # -- admission --------------------------------------------------------------------------
-
-    def _done(self) -> None:
-        with self._inflight_lock:
-            self._inflight -= 1
-
-    def _record_refusal(self, sink: AnswerSink, entry: LedgerEntry, error: str, status: str,
-                        *, counted: bool = True) -> None:
-        """Write the refusal's row, then answer (the row is durable first, or held for retry:
-        the answer is an error either way)."""
-
-        def answer(_durable: bool) -> None:
-            if counted:
-                self._done()
-            sink.answer(Answer(ok=False, request_id=entry.request_id, error=error, status=status,
-                               outcome=str(entry.outcome)))
-
-        self.writer.insert(entry, answer)
-
-    def _admit(self, req: IncomingRequest, sink: AnswerSink) -> None:
-        rid, now = str(uuid.uuid4()), time.time()
-        try:
-            self._admit_checked(rid, now, req, sink)
-        except Exception:
-            # Nothing was answered or handed to the scheduler, and nothing stays leased (see
-            # _admit_checked): the row records the failure before the answer leaves.
-            log.exception("admission failed")
-            self.stats.failed += 1
-            self._record_refusal(sink, self._entry(rid, None, now, outcome=Outcome.FAILED,
-                                                   reason="admission"),
-                                 INTERNAL_MESSAGE, "internal")
-
-    def _admit_checked(self, rid: str, now: float, req: IncomingRequest,
-                       sink: AnswerSink) -> None:
-        claims: TicketClaims | None = None
-        # 1. the ticket, 2. governance, 3. the request's own parameters; only then may any
-        # adapter bytes be read
-        try:
-            claims, defaults = self._authorize(req)
-            gen = self._generation_request(req, claims, defaults)
-        except (TicketRejected, RequestRefused) as e:
-            self.stats.refuse(e.reason)
-            # Claims of a ticket that failed verification are never recorded: unproven.
-            if isinstance(e, RequestRefused) and e.claims is not None:
-                claims = e.claims  # verified, then refused by governance: on the row
-            self._refuse(sink, rid, claims, now, e.reason, GENERIC_REFUSAL, "invalid_arg")
-            return
-        except InvalidParameter as e:
-            self.stats.refuse(f"invalid_{e.name}")
-            self._refuse(sink, rid, claims, now, f"invalid_{e.name}", str(e), "invalid_arg")
-            return
-        except InvalidInput as e:
-            self.stats.refuse(e.reason)
-            self._refuse(sink, rid, claims, now, e.reason, str(e), "invalid_arg")
-            return
-
-        if claims.adapter is None:
-            lease = Lease(None, self.engine.violations)
-        else:
-            try:
-                lease = self.cache.acquire(claims.adapter, claims.tenant)
-            except CacheRefused as e:
-                # Not served, so "rejected": the incident view lists only what a digest served.
-                self.stats.load_failures += 1
-                revoked = e.reason == "revoked"
-                self._refuse(sink, rid, claims, now,
-                             "revoked" if revoked else f"adapter_{e.reason}"[:64],
-                             GENERIC_REFUSAL if revoked else FAILURE_MESSAGE,
-                             "invalid_arg" if revoked else "unavailable")
-                return
-        # From here the lease is this function's until the scheduler takes it: every way out
-        # below releases it or hands it over, exactly once.
-        try:
-            seq = self.engine.open_sequence(gen, lease)
-        except (InvalidRequestError, EngineError) as e:
-            lease.release()
-            parameter = str(e).startswith(PARAMETER_PREFIX)
-            limits = isinstance(e, InvalidRequestError)
-            self._refuse(sink, rid, claims, now,
-                         "request_limits" if limits else "adapter_load",
-                         str(e) if parameter else LIMITS_MESSAGE if limits else FAILURE_MESSAGE,
-                         "invalid_arg" if limits else "unavailable")
-            return
-        except BaseException:
-            lease.release()
-            raise
-        try:
-            self._write_running(replace(self._entry(rid, claims, now),
-                                        max_tokens=gen.max_tokens, temperature=gen.temperature,
-                                        top_p=gen.top_p, seed=gen.seed))
-        except BaseException:
-            lease.release()  # nothing may stay referenced by a row that was never written
-            raise
-        adm = _Admitted(rid, claims, sink, req.stream, seq, now)
-        key = PrefixKey(self.base_digest, claims.adapter, self.tokenizer_digest,
-                        tuple(seq.prompt_ids), salt=self.salts.of(claims.tenant)
-                        ) if gen.temperature == 0.0 else None
-        try:
-            self.scheduler.submit(seq, _SequenceSink(self, adm), stream=req.stream, key=key)
-        except QueueFull:
-            lease.release()
-            self.stats.refuse("busy")
-            self._finish(adm, seq.result(""), Outcome.REJECTED, "busy")
-        except AdapterRevoked:  # revoked since this request passed governance
-            lease.release()
-            self.stats.refuse("revoked")
-            self._finish(adm, seq.result(""), Outcome.REJECTED, "revoked")
+    # -- the steps a subclass (the open bench peer) or a test may replace -------------------
 
     def _authorize(self, req: IncomingRequest) -> tuple[TicketClaims, Mapping[str, object]]:
         """The verified claims of the request's ticket, if governance allows them now, and the
@@ -419,74 +221,6 @@ class LoraService:
             raise RequestRefused(e.reason, claims) from None
         bound = state.releases.get(claims.release) if claims.release is not None else None
         return claims, bound.defaults if bound is not None else {}
-
-    def _write_running(self, entry: LedgerEntry) -> None:
-        """The admitted request's row, durable before any token is computed."""
-        write_durably(lambda: self.ledger.admit([entry]))
-
-    def _refuse(self, sink: AnswerSink, rid: str, claims: TicketClaims | None, now: float,
-                reason: str, error: str, status: str) -> None:
-        self._record_refusal(sink, self._entry(rid, claims, now, outcome=Outcome.REJECTED,
-                                               reason=reason), error, status)
-
-    # -- completion -------------------------------------------------------------------------
-
-    def _finish(self, adm: _Admitted, result: GenerationResult, outcome: Outcome,
-                reason: str | None) -> None:
-        """Complete the request's row (from the scheduler thread), then answer."""
-        served = result.adapter_digest
-        if outcome == Outcome.OK and served != adm.claims.adapter:
-            outcome, reason = Outcome.IDENTITY_MISMATCH, "slot_digest"
-        if outcome == Outcome.IDENTITY_MISMATCH:
-            self.stats.identity_mismatches += 1
-            # Operators' log: the request id and both digests; the client learns nothing.
-            log.error("identity mismatch on request %s: ticket named %s, slot held %s (%s)",
-                      adm.request_id, adm.claims.adapter, served, reason)
-        # A request ended by the kill switch records what the client received: the pieces
-        # already streamed, nothing of a unary answer that was never sent.
-        delivered = adm.delivered if adm.stream else 0
-        done = Completion(adm.request_id, outcome, result.tokens_in,
-                          delivered if outcome == Outcome.REVOKED else result.tokens_out,
-                          reason=reason, served_digest=served)
-        # If the row cannot be written now, the client gets a failure, and the row held for
-        # retry says so, with the tokens the client did receive as streamed pieces.
-        unrecorded = Completion(adm.request_id, Outcome.FAILED, result.tokens_in, delivered,
-                                reason="ledger_unavailable", served_digest=served)
-        self.writer.complete(
-            done, lambda durable: self._answer(adm, result, outcome if durable
-                                               else Outcome.FAILED, reason, served),
-            if_unrecorded=unrecorded, output=result.text if outcome == Outcome.OK else None)
-
-    def _answer(self, adm: _Admitted, result: GenerationResult, outcome: Outcome,
-                reason: str | None, served: str | None) -> None:
-        self._done()
-        rid = adm.request_id
-        if outcome == Outcome.OK:
-            self.stats.served += 1
-            text = "" if adm.stream else result.text
-            a = Answer(ok=True, text=text, request_id=rid, adapter_digest=served or "",
-                       outcome=outcome)
-        elif outcome == Outcome.CANCELLED:
-            self.stats.cancelled += 1
-            a = Answer(ok=False, request_id=rid, error=CANCELLED_MESSAGE, status="cancelled",
-                       outcome=outcome)
-        elif outcome == Outcome.REVOKED or (outcome == Outcome.REJECTED
-                                            and reason == "revoked"):
-            # Revoked while queued (refused) or running (the kill switch): the one generic
-            # refusal, as for a ticket whose adapter was revoked before it arrived.
-            a = Answer(ok=False, request_id=rid, error=GENERIC_REFUSAL, status="invalid_arg",
-                       outcome=outcome)
-        elif outcome == Outcome.REJECTED:  # busy once admitted: the scheduler queue was full
-            a = Answer(ok=False, request_id=rid, error=BUSY_MESSAGE, status="unavailable",
-                       outcome=outcome)
-        else:
-            if outcome == Outcome.FAILED:
-                self.stats.failed += 1
-            a = Answer(ok=False, request_id=rid, error=INTERNAL_MESSAGE, status="internal",
-                       outcome=outcome)
-        adm.sink.answer(a)
-
-    # -- helpers ----------------------------------------------------------------------------
 
     def _generation_request(self, req: IncomingRequest, claims: TicketClaims,
                             defaults: Mapping[str, object]) -> GenerationRequest:
@@ -517,84 +251,23 @@ class LoraService:
             seed=params.seed,
         )
 
-    def _record_load(self, digest: str, outcome: str, started: float, seconds: float,
-                     nbytes: int | None, reason: str | None) -> None:
-        self.ledger.record_load(AdapterLoad(self.host, digest, started, seconds, outcome,
-                                            nbytes, reason=reason))
-        if outcome == "unloaded" and reason == "revoked":
-            self._report_revocation(digest)
+    def _write_running(self, entry: LedgerEntry) -> None:
+        """The admitted request's row, durable before any token is computed."""
+        write_durably(lambda: self.ledger.admit([entry]))
 
-    # -- revocation, pushed -----------------------------------------------------------------
+    def _finish(self, adm: Admitted, result: GenerationResult, outcome: Outcome,
+                reason: str | None) -> None:
+        """Complete the request's row (from the scheduler thread), then answer."""
+        self.outcomes.finish(adm, result, outcome, reason)
 
     def _watch(self) -> None:
         """Apply governance changes without waiting for a request (see the module notes)."""
-        failing = False
-        while not self._closing.is_set():
-            self._listener.wait(self._watch_interval_s, self._closing)
-            if self._closing.is_set():
-                return
-            try:
-                self._apply_governance(self.governance.current())
-                failing = False
-            except Exception:
-                if not failing:  # once per outage, not ten times a second
-                    log.warning("cannot read governance state; retrying", exc_info=True)
-                failing = True
+        self.revocations.watch()
 
     def _apply_governance(self, state: GovernanceState) -> None:
-        """Apply revocations that are new to this host: purge now; refuse queued requests;
-        unload once drained, or, for the kill switch, end running requests first."""
-        with self._governance_lock:
-            fresh = (state.revoked - self._known_revoked) | (state.killed - self._known_killed)
-            if not fresh:
-                return
-            self._known_revoked = self._known_revoked | state.revoked
-            self._known_killed = self._known_killed | state.killed
-        for digest in sorted(fresh):
-            self.cache.revoke(digest)
-            self.scheduler.revoke(digest, immediate=digest in state.killed)
-            if digest not in self.engine.resident_adapters():
-                # Never resident here, or unloaded at once: nothing left to drain on this host.
-                self._report_revocation(digest)
+        """Apply revocations that are new to this host (``RevocationWatch.apply``)."""
+        self.revocations.apply(state)
 
-    def _report_revocation(self, digest: str) -> None:
-        """Record drained, purged, unloaded for ``digest`` on this host, once, off the hot path."""
-        with self._inflight_lock:
-            if digest in self._reported_revocations:
-                return
-            self._reported_revocations.add(digest)
-        self._steps.submit(self._record_serving_steps, digest)
-
-    def _record_serving_steps(self, digest: str) -> None:
-        try:
-            if self._step_log is None:
-                self._step_log = self._open_step_log(self.settings)
-            done = self._step_log.done(digest, self.host)
-            for step in ("drained", "purged", "unloaded")[len(done):]:
-                self._step_log.record(digest, self.host, step)
-        except Exception:
-            log.exception("could not record the revocation steps of this host")
-
-    def _entry(
-        self,
-        rid: str,
-        claims: TicketClaims | None,
-        now: float,
-        *,
-        outcome: Outcome = Outcome.RUNNING,
-        reason: str | None = None,
-    ) -> LedgerEntry:
-        return LedgerEntry(
-            request_id=rid,
-            ticket_id=claims.jti if claims else None,
-            tenant=claims.tenant if claims else None,
-            model=self.settings.model_name,
-            host=self.host,
-            base_digest=self.base_digest,
-            adapter_digest=claims.adapter if claims else None,
-            tokenizer_digest=self.tokenizer_digest,
-            admitted_at=now,
-            outcome=outcome,
-            reason=reason,
-            release_digest=claims.release if claims else None,
-        )
+    def _record_load(self, digest: str, outcome: str, started: float, seconds: float,
+                     nbytes: int | None, reason: str | None) -> None:
+        self.revocations.record_load(digest, outcome, started, seconds, nbytes, reason)

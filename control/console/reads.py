@@ -23,7 +23,7 @@ from control.app.integrity import AuditSeal, audit_checkpoints
 from control.app.ledger_audit import coverage, sync
 from control.contracts.db import make_engine
 from control.contracts.event_log import page_after
-from control.contracts.ledger import Ledger, request_ledger
+from control.contracts.ledger import Ledger, LedgerEntry, request_ledger
 from control.domain import Rollout, event_fields
 from control.domain.ids import adapter_id, alias_id
 from control.domain.rollout import rollout_id
@@ -143,7 +143,10 @@ def incident_rows(reg: Registry, *, adapter: str | None = None, base: str | None
                         training_data_version=training_data_version, since=since, until=until)
     if not include_refused:
         rows = [r for r in rows if r.outcome != "rejected"]
-    data = [dataclasses.asdict(r) for r in rows]
+    # Shallow, as the CLI's ``as_dict``: ``dataclasses.asdict`` deep-copies every value, a
+    # third of a second for a thousand rows.
+    names = [f.name for f in dataclasses.fields(LedgerEntry)]
+    data = [{k: getattr(r, k) for k in names} for r in rows]
     for d in data:
         d["admitted_at_iso"] = iso(d["admitted_at"])
     engine = make_engine(reg.settings.db_url)

@@ -18,10 +18,16 @@ The header only places a request: every host verifies the ticket itself, so a fo
 costs a cold load, never access. Canary splits stay in the ticket, not here.
 
 ``policy="roundrobin"`` drops the placement (the benchmark's baseline).
+
+``python -m control.ops.balancer --upstream HOST:HTTP:GRPC ...`` runs one in the foreground
+(the scale-out of hosts started by hand: ``loraplane triton-host`` on each).
 """
 
 from __future__ import annotations
 
+import argparse
+import signal
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -60,3 +66,37 @@ def start_balancer(work_dir: Path, upstreams: Sequence[Upstream], *, http_port: 
         door.stop()
         raise
     return door
+
+
+def _upstream(text: str) -> Upstream:
+    host, http, grpc = text.rsplit(":", 2)
+    return Upstream(host, int(http), int(grpc))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run a balancer over the given hosts until interrupted."""
+    p = argparse.ArgumentParser(prog="python -m control.ops.balancer", description=__doc__
+                                and __doc__.splitlines()[0])
+    p.add_argument("--upstream", action="append", type=_upstream, required=True,
+                   metavar="HOST:HTTP:GRPC", help="a Triton host's tenant ports (repeat)")
+    p.add_argument("--listen", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--policy", choices=POLICIES, default="affinity")
+    p.add_argument("--check-ms", type=int, default=CHECK_MS)
+    a = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="loraplane-balancer-") as work:
+        door = start_balancer(Path(work), a.upstream, http_port=a.http_port,
+                              grpc_port=a.grpc_port, listen=a.listen, policy=a.policy,
+                              check_ms=a.check_ms)
+        print(f"balancing {len(a.upstream)} hosts ({a.policy}) on http {door.http_url}, "
+              f"grpc {door.grpc_url}; log {door.log_path}", flush=True)
+        try:
+            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        finally:
+            door.stop()
+
+
+if __name__ == "__main__":
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    main()

@@ -198,6 +198,44 @@ def test_admin_routes_never_pass_the_balancer(pool: Pool) -> None:
         assert refused.value.code == 403, path
 
 
+def test_a_revocation_is_refused_by_every_host_within_a_second(pool: Pool) -> None:
+    ticket, affinity = pool.ticket("globex-gamma", pool.other_key)
+    urls = []
+    for dep in pool.hosts:  # resident and serving on every host before the revocation
+        assert dep.triton is not None
+        urls.append(dep.triton.http_url)
+        assert _call(urls[-1], ticket, None, "before").adapter_digest == \
+            pool.digests["globex-gamma"]
+    pool.registry.revoke(pool.digests["globex-gamma"], reason="placement test", actor=ACTOR)
+    revoked_at, revoked_wall = time.monotonic(), time.time()
+    served_after: list[str] = []
+    refused: dict[int, float] = {}
+
+    def until_refused(i: int) -> None:
+        while time.monotonic() - revoked_at < 5:
+            try:
+                served_after.append(_call(urls[i], ticket, None, "after").request_id)
+            except TritonRefused as e:
+                assert e.status == "400"
+                refused[i] = time.monotonic() - revoked_at
+                return
+
+    with ThreadPoolExecutor(len(urls)) as ex:
+        list(ex.map(until_refused, range(len(urls))))
+    assert not served_after and set(refused) == set(range(len(urls))), (served_after, refused)
+    t = request_ledger
+    with make_engine(pool.db_url).connect() as conn:
+        rows = conn.execute(sa.select(t.c.host, sa.func.min(t.c.admitted_at))
+                            .where(t.c.adapter_digest == pool.digests["globex-gamma"],
+                                   t.c.reason == "revoked", t.c.admitted_at >= revoked_wall)
+                            .group_by(t.c.host)).all()
+    decided = {r[0]: r[1] - revoked_wall for r in rows}
+    print(f"\nrevocation decided on every host within {max(decided.values()):.3f} s")
+    assert set(decided) == set(HOSTS) and max(decided.values()) < 1.0, decided
+    with pytest.raises(TritonRefused):  # and through the balancer, whatever the header says
+        _call(pool.affinity.http_url, ticket, affinity, "balanced")
+
+
 def _phase(pool: Pool, url: str, rounds: int) -> tuple[float, int, int, int]:
     """Every alias ``rounds`` times, four clients; (tokens per second, requests, loads,
     refusals). A refusal is a cost of the policy: cold loads past the tenant's load rate."""

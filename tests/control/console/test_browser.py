@@ -99,6 +99,15 @@ def wait_for(check: Callable[[], Any], timeout: float = 20.0, what: str = "") ->
         time.sleep(0.1)
 
 
+def shot(d: Any, path: Path) -> None:
+    """A screenshot of the whole page, no taller than what it shows."""
+    d.set_window_size(1280, 2400)  # measured at full size: a short window measures itself
+    height = int(d.execute_script(
+        "return Math.max(document.body.scrollHeight, document.body.offsetHeight)"))
+    d.set_window_size(1280, min(max(height + 140, 360), 2400))  # + the browser's own bars
+    d.save_screenshot(str(path))
+
+
 def csp_violations(d: Any) -> list[str]:
     return [e["message"] for e in d.get_log("browser")
             if "Content Security Policy" in e.get("message", "")]
@@ -125,7 +134,7 @@ class TestConsoleInChromium(RolloutWorld, OnSQLite):
         assert "not the console token" in d.find_element(By.ID, "error").text
         d.find_element(By.ID, "token").send_keys(
             load_or_create_token(console.reg.settings.home))
-        d.save_screenshot(str(shots / "login.png"))
+        shot(d, shots / "login.png")
         d.find_element(By.ID, "login").click()
         wait_for(lambda: d.current_url.endswith("/adapters"), what="the adapters page")
         cookie = d.get_cookie(COOKIE)
@@ -146,7 +155,7 @@ class TestConsoleInChromium(RolloutWorld, OnSQLite):
                     actor="rel", external=True)
         reg.revoke(digest, f"leak {XSS}", actor="sec")
         self.login(d, base, console, shots)
-        d.save_screenshot(str(shots / "adapters.png"))
+        shot(d, shots / "adapters.png")
 
         # the timeline after register -> release -> revoke, in order; the tenant's text as text
         d.get(f"{base}/adapters/{digest}")
@@ -158,7 +167,7 @@ class TestConsoleInChromium(RolloutWorld, OnSQLite):
         with pytest.raises(NoAlertPresentException):
             d.switch_to.alert.text  # noqa: B018  (it never ran)
         assert not d.find_elements(By.CSS_SELECTOR, "#timeline script")
-        d.save_screenshot(str(shots / "adapter-timeline.png"))
+        shot(d, shots / "adapter-timeline.png")
 
         # incident search: the CLI's rows, and the CSV export holds them
         stable, _ = world.releases()
@@ -174,7 +183,7 @@ class TestConsoleInChromium(RolloutWorld, OnSQLite):
         shown = [tr.find_element(By.TAG_NAME, "td").text
                  for tr in d.find_elements(By.CSS_SELECTOR, "#incident-rows tbody tr")]
         assert shown == [r["request_id"] for r in cli_rows] and len(shown) == 4
-        d.save_screenshot(str(shots / "incidents.png"))
+        shot(d, shots / "incidents.png")
         href = d.find_element(By.ID, "csv").get_attribute("href")
         exported = requests.get(href, cookies={COOKIE: d.get_cookie(COOKIE)["value"]},
                                 timeout=10)
@@ -185,7 +194,7 @@ class TestConsoleInChromium(RolloutWorld, OnSQLite):
         assert AuditSeal.for_registry(reg).seal() is not None
         d.get(f"{base}/audit")
         assert "INTACT" in d.find_element(By.ID, "verdict").text
-        d.save_screenshot(str(shots / "audit.png"))
+        shot(d, shots / "audit.png")
         with make_engine(reg.settings.db_url).begin() as conn:
             state = bytes(conn.execute(
                 sa.text("SELECT state FROM registry_events WHERE id = 3")).scalar_one())
@@ -196,9 +205,9 @@ class TestConsoleInChromium(RolloutWorld, OnSQLite):
         assert "TAMPERED" in verdict.text
         assert verdict.value_of_css_property("background-color") in (
             "rgba(192, 21, 27, 1)", "rgb(192, 21, 27)")
-        d.save_screenshot(str(shots / "audit-tampered.png"))
+        shot(d, shots / "audit-tampered.png")
         d.get(f"{base}/hosts")
-        d.save_screenshot(str(shots / "hosts.png"))
+        shot(d, shots / "hosts.png")
         assert csp_violations(d) == []
 
     def test_rollout_windows_arrive_live_and_pause_records_the_event(
@@ -228,16 +237,16 @@ class TestConsoleInChromium(RolloutWorld, OnSQLite):
             wait_for(lambda n=n: len(d.find_elements(  # type: ignore[misc]
                 By.CSS_SELECTOR, "#windows tr.window")) == n, what=f"window {n} on the page")
         assert d.find_elements(By.CSS_SELECTOR, "#rollout-live svg.chart polyline.canary")
-        d.save_screenshot(str(shots / "rollout.png"))
+        shot(d, shots / "rollout.png")
         d.get(f"{base}/rollouts")
-        d.save_screenshot(str(shots / "rollouts.png"))
+        shot(d, shots / "rollouts.png")
 
         d.get(f"{base}/rollouts/{ALIAS}")
         d.find_element(By.ID, "pause").click()
         wait_for(lambda: "/confirm" in d.current_url, what="the confirmation page")
         assert not w.events("RolloutPaused")  # a click alone changes nothing
         d.find_element(By.ID, "reason").send_keys("looking at p95")
-        d.save_screenshot(str(shots / "rollout-confirm.png"))
+        shot(d, shots / "rollout-confirm.png")
         d.find_element(By.ID, "confirm").click()
         wait_for(lambda: d.find_element(By.ID, "rollout-status").text == "paused",
                  what="the paused status")

@@ -175,6 +175,8 @@ def test_epp_reads_loraplanes_metrics_with_the_lora_affinity_scorer() -> None:
     args = _one("Deployment", "loraplane-epp")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert f"--lora-info-metric={pm.LORA_INFO}" in args
     assert f"--kv-cache-usage-percentage-metric={pm.KV_USAGE}" in args
+    assert f"--total-queued-requests-metric={pm.WAITING}" in args
+    assert f"--total-running-requests-metric={pm.RUNNING}" in args
     assert f"--model-server-metrics-port={engine['metricsPort']}" in args
 
 

@@ -54,7 +54,12 @@ def test_live_host_speaks_the_pickers_protocol(stack: Stack) -> None:
         stop.set()
         watcher.join(10)
     assert {o.adapter_digest for o in outs} == {alpha, beta}
-    assert seen and all(p.errors == [] for p in seen), seen[-1].errors
+    # Queue and KV families are always there. The LoRA family is rebuilt when its series
+    # changes (Triton drops series only with their family), so a scrape may rarely miss it:
+    # the picker then keeps what it had.
+    missing_info = "metric family 'vllm:lora_requests_info' not found"
+    assert seen and all(set(p.errors) <= {missing_info} for p in seen), seen[-1].errors
+    assert sum(1 for p in seen if p.errors) <= max(1, len(seen) // 10)
     busy = [p for p in seen if p.active_models]
     assert busy, "no scrape saw an adapter in flight"
     assert any((p.running or 0) + (p.waiting or 0) > 0 for p in busy)

@@ -8,7 +8,11 @@ then to every request those adapters served.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import sqlalchemy as sa
+from sqlalchemy.engine import Engine
 
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
@@ -61,19 +65,45 @@ def requests_for(
     routing = RoutingView(engine)
     _known(routing, adapter=adapter, training_data_version=training_data_version, base=base,
            release=release)
-    ledger = Ledger(engine)
-    if adapter is not None or release is not None:
-        return ledger.query(adapter=adapter, release=release, since=since, until=until)
-    if base is not None:
-        q = sa.select(request_ledger).where(request_ledger.c.base_digest == base)
+    Ledger(engine)  # the ledger at this code's version (created empty, or refused if older)
+    digests = (routing.adapters_by_training_data(training_data_version)
+               if training_data_version is not None else None)
+    return ledger_rows(engine, adapter=adapter, adapters=digests, base=base, release=release,
+                       since=since, until=until)
+
+
+def ledger_rows(engine: Engine, *, adapter: str | None = None,
+                adapters: Sequence[str] | None = None, base: str | None = None,
+                release: str | None = None, since: float | None = None,
+                until: float | None = None) -> list[LedgerEntry]:
+    """The rows of one subject, oldest first (:func:`subject_query`)."""
+    q = subject_query(adapter=adapter, adapters=adapters, base=base, release=release,
+                      since=since, until=until)
+    with engine.connect() as conn:  # positional: the table's columns are the entry's fields
+        return [LedgerEntry(*r) for r in conn.execute(q).tuples().all()]
+
+
+def subject_query(*, adapter: str | None = None, adapters: Sequence[str] | None = None,
+                  base: str | None = None, release: str | None = None,
+                  since: float | None = None, until: float | None = None) -> sa.Select[Any]:
+    """The rows of what the ticket named or the slot held (``adapter``), of any of
+    ``adapters`` (a training data version's), of ``base`` or of ``release``, within
+    [``since``, ``until``), oldest first. Each subject has an index led by its column and the
+    admission time (``ix_ledger_*_time``), so its rows are found without reading the rest of
+    the ledger: ``loraplane bench scale`` times them over a million rows, and
+    tests/projections/test_incident_plans.py reads the plans."""
+    t = request_ledger
+    if adapter is not None:
+        q = sa.select(t).where(sa.or_(t.c.adapter_digest == adapter, t.c.served_digest == adapter))
+    elif release is not None:
+        q = sa.select(t).where(t.c.release_digest == release)
+    elif base is not None:
+        q = sa.select(t).where(t.c.base_digest == base)
     else:
-        assert training_data_version is not None
-        digests = routing.adapters_by_training_data(training_data_version)
-        q = sa.select(request_ledger).where(request_ledger.c.adapter_digest.in_(digests))
+        assert adapters is not None, "one subject"
+        q = sa.select(t).where(t.c.adapter_digest.in_(list(adapters)))
     if since is not None:
-        q = q.where(request_ledger.c.admitted_at >= since)
+        q = q.where(t.c.admitted_at >= since)
     if until is not None:
-        q = q.where(request_ledger.c.admitted_at < until)
-    q = q.order_by(request_ledger.c.admitted_at, request_ledger.c.request_id)
-    with engine.connect() as conn:
-        return [LedgerEntry(**dict(r._mapping)) for r in conn.execute(q)]
+        q = q.where(t.c.admitted_at < until)
+    return q.order_by(t.c.admitted_at, t.c.request_id)

@@ -4,6 +4,8 @@
                              ``control.tools.bench_cli``).
 ``loraplane bench engine``   the multi-LoRA engine's ratios (see ``control.tools.bench.engine``).
 ``loraplane bench control``  the control plane's ratios (see ``control.tools.bench_control``).
+``loraplane bench scale``    incident queries over a million ledger rows (see
+                             ``control.tools.bench_incidents``).
 """
 
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
@@ -236,6 +238,49 @@ def bench_ledger(
                               f"{r['spread'][0]:.3f}-{r['spread'][1]:.3f}", str(r["runs"]),
                               str(r["rows_per_run"]), f"{r['plain_rows_s']:.0f}",
                               f"{r['logged_rows_s']:.0f}", "yes" if r["met"] else "NO")
+        console.print(t)
+
+    emit(result, human)
+
+
+# --- scale ------------------------------------------------------------------------------------
+
+@bench_app.command("scale")
+def bench_scale(
+    quick: Annotated[bool, typer.Option(
+        "--quick", help="100,000 ledger rows instead of 1,000,000 (seconds, for CI).")] = False,
+    pg_url: Annotated[str | None, typer.Option(
+        help="Also measure on this PostgreSQL database (default: LORAPLANE_TEST_PG_URL).")
+    ] = None,
+) -> None:
+    """Incident queries over a million ledger rows, by adapter, release, training data version
+    and base (one hour), on SQLite and PostgreSQL: median and p95 ms, rows, indexes used."""
+    from control.tools.bench_incidents import run_bench  # a scratch ledger of its own
+
+    with errors():
+        result = {"incidents": run_bench(
+            quick=quick, pg_url=pg_url or os.environ.get("LORAPLANE_TEST_PG_URL"),
+            progress=_progress)}
+
+    def human() -> None:
+        from rich.table import Table
+
+        inc = result["incidents"]
+        t = Table(title=f"loraplane bench scale: incident queries (goal p95 < {inc['goal_ms']:g} "
+                        f"ms, {inc['queries_per_kind']} subjects each)")
+        for col in ("database", "ledger rows", "query", "median ms", "p95 ms", "rows",
+                    "indexes", "goal met"):
+            t.add_column(col)
+        for db in ("sqlite", "postgresql"):
+            r = inc.get(db)
+            if not r:
+                continue
+            for kind in ("adapter", "release", "training_data_version", "base_hour"):
+                k = r[kind]
+                t.add_row(db, f"{r['rows']:,}", kind, f"{k['median_ms']:.1f}",
+                          f"{k['p95_ms']:.1f}", str(k["rows_median"]),
+                          ", ".join(k["indexes"]) or "none (table scan)",
+                          "yes" if k["met"] else "NO")
         console.print(t)
 
     emit(result, human)

@@ -105,6 +105,8 @@ request_ledger = sa.Table(
     sa.Index("ix_ledger_time", "admitted_at"),
     sa.Index("ix_ledger_release_time", "release_digest", "admitted_at"),
     sa.Index("ix_ledger_served_time", "served_digest", "admitted_at"),
+    # Schema version 7: ``incident requests --base`` scanned the whole table without it.
+    sa.Index("ix_ledger_base_time", "base_digest", "admitted_at"),
 )
 
 OUTCOMES = tuple(o.value for o in Outcome)
@@ -186,6 +188,11 @@ class LedgerEntry:
     seed: int | None = None
 
 
+if [c.name for c in request_ledger.columns] != list(LedgerEntry.__dataclass_fields__):
+    # Readers build entries from rows by position (projections.incidents): one order for both.
+    raise ImportError("request_ledger's columns and LedgerEntry's fields differ in order")
+
+
 @dataclass(frozen=True)
 class Completion:
     request_id: str
@@ -209,7 +216,10 @@ def _ledger_version(insp: sa.Inspector) -> int:
         if "release_digest" not in rated:
             return 4
         columns = {c["name"] for c in insp.get_columns(request_ledger.name)}
-        return 6 if "max_tokens" in columns else 5
+        if "max_tokens" not in columns:
+            return 5
+        indexes = {i["name"] for i in insp.get_indexes(request_ledger.name)}
+        return 7 if "ix_ledger_base_time" in indexes else 6
     columns = {c["name"] for c in insp.get_columns(request_ledger.name)}
     if "served_digest" in columns:
         return 3
@@ -249,10 +259,14 @@ def _ledger_5_to_6(conn: Connection) -> None:
         add_column(conn, request_ledger.c[column])
 
 
-LEDGER_VERSION = 6
+def _ledger_6_to_7(conn: Connection) -> None:
+    index_named(request_ledger, "ix_ledger_base_time").create(conn)
+
+
+LEDGER_VERSION = 7
 LEDGER = declare(Component("ledger", LEDGER_VERSION, metadata, _ledger_version,
                            steps={1: _ledger_1_to_2, 2: _ledger_2_to_3, 3: _ledger_3_to_4,
-                                  4: _ledger_4_to_5, 5: _ledger_5_to_6}))
+                                  4: _ledger_4_to_5, 5: _ledger_5_to_6, 6: _ledger_6_to_7}))
 
 
 class LedgerConflict(Exception):

@@ -269,3 +269,46 @@ def test_serve_runs_the_console_on_its_own_loopback_port(tmp_path: Path) -> None
     assert r.status_code == 200 and r.headers["Content-Security-Policy"] == CSP
     with pytest.raises(RuntimeError, match="could not listen"):
         serve_in_thread(settings, port=port, actor="op")
+
+
+def test_console_verb_serves_on_loopback_until_interrupted(tmp_path: Path) -> None:
+    """``loraplane console --port P`` as an operator runs it: a process on 127.0.0.1 that
+    answers with the login page and stops on Ctrl-C (SIGINT)."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from tests.fixtures_control import sqlite_settings
+
+    home = tmp_path / "home"
+    settings = sqlite_settings(home)
+    settings.ensure_dirs()
+    from projections.follower import open_registry
+
+    open_registry(settings).create_tenant("acme", actor="op")  # a deployment to open
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "control.cli.main", "--home", str(home),
+                             "console", "--port", str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env={**os.environ, "LORAPLANE_DB_URL": ""})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = requests.get(f"http://127.0.0.1:{port}/login", timeout=2)
+                break
+            except requests.ConnectionError:
+                assert proc.poll() is None, proc.communicate()[0]
+                assert time.monotonic() < deadline, "the console never listened"
+                time.sleep(0.2)
+        assert r.status_code == 200 and r.headers["Content-Security-Policy"] == CSP
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=30)[0].decode()
+        assert "operator console on http://127.0.0.1:" in out and "console/token" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -24,6 +24,7 @@ from control.app.ledger_audit import coverage, sync
 from control.contracts.db import make_engine
 from control.contracts.event_log import page_after
 from control.contracts.ledger import Ledger, LedgerEntry, request_ledger
+from control.contracts.ledger_log import ledger_verified
 from control.domain import Rollout, event_fields
 from control.domain.ids import adapter_id, alias_id
 from control.domain.rollout import rollout_id
@@ -168,7 +169,21 @@ def audit_status(reg: Registry, seal: AuditSeal) -> dict[str, Any]:
             .order_by(audit_checkpoints.c.seq.desc()).limit(10))]
     for c in latest:
         c["created_iso"] = iso(c["created_at"])
-    return {"report": report.to_json(), "verified_at": time.time(), "checkpoints": latest}
+    return {"report": report.to_json(), "verified_at": time.time(), "checkpoints": latest,
+            "ledger": ledger_checkpoints(seal.engine)}
+
+
+def ledger_checkpoints(engine: sa.Engine) -> list[dict[str, Any]]:
+    """Per host, the newest of its signed ledger checkpoints the control plane verified (the
+    request ledger's tamper evidence); none before a host's first verified checkpoint."""
+    if not sa.inspect(engine).has_table(ledger_verified.name):
+        return []
+    c = ledger_verified.c
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(c.host, sa.func.max(c.size).label("size"),
+                                      sa.func.max(c.verified_at).label("at"))
+                            .group_by(c.host).order_by(c.host)).all()
+    return [{"host": r.host, "size": int(r.size), "verified": iso(r.at)} for r in rows]
 
 
 def hosts(reg: Registry, window_s: float = 24 * 3600.0) -> list[dict[str, Any]]:

@@ -25,9 +25,12 @@ import requests
 from typer.testing import CliRunner
 
 from control.app.audit import audit_log
+from control.app.ledger_audit import sync
 from control.cli.main import app as cli
 from control.console.access import COOKIE
 from control.console.app import Console
+from control.console.reads import ledger_checkpoints
+from control.contracts.db import make_engine
 from control.ops.clients import generate
 from tests.artifacts import perturbed_copy
 from tests.control.console.conftest import chromium, shot, wait_for
@@ -116,3 +119,17 @@ def test_a_served_and_revoked_adapter_in_the_console(stack: Stack, driver: Any, 
         hosts = d.find_element(By.ID, "hosts").text
         assert cli_rows[0]["host"] in hosts
         shot(d, shots / "deployment-hosts.png")
+
+        # the host signs a checkpoint of its ledger log every 10 s; once verified, the audit
+        # page names it
+        engine = make_engine(stack.settings.db_url)
+
+        def verified() -> bool:
+            sync(reg, engine)
+            return any(h["host"] == cli_rows[0]["host"] for h in ledger_checkpoints(engine))
+
+        wait_for(verified, timeout=40, what="a verified checkpoint of the host's ledger log")
+        d.get(f"{base}/audit")
+        assert "INTACT" in d.find_element(By.ID, "verdict").text
+        assert cli_rows[0]["host"] in d.find_element(By.ID, "ledger-checkpoints").text
+        shot(d, shots / "deployment-audit.png")

@@ -42,6 +42,7 @@ from projections.tables import (
     create_tables,
     projection_tracking,
 )
+from projections.writers.sessions import prune_pins
 
 if TYPE_CHECKING:
     from eventsourcing.application import Application
@@ -50,6 +51,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("loraplane.follower")
 
 DEFAULT_NAME = TRACKING_NAME
+# Session pins' rows go a day after their pin expired (a pin lasts LORAPLANE_SESSION_TTL_S, at
+# most 7 days, from its last use): the events stay, the table stays the size of live traffic.
+PIN_KEEP_S = 86400
+PIN_PRUNE_EVERY_S = 60.0
 _RETRIES = 8
 
 
@@ -209,15 +214,29 @@ class ProjectionFollower:
     def run(self, stop: threading.Event, interval: float = 0.1) -> None:
         """Catch up every ``interval`` seconds until ``stop`` is set. Errors are logged, not
         fatal: the next round retries from the recorded position."""
+        pruned_at = 0.0
         while not stop.is_set():
             try:
                 n = self.catch_up()
                 if n:
                     log.info("applied %d events (position %d)", n, self.position())
+                if time.monotonic() - pruned_at >= PIN_PRUNE_EVERY_S:
+                    pruned_at = time.monotonic()
+                    self.prune_pins()
             except Exception:
                 log.exception("projection catch-up failed; retrying")
                 stop.wait(min(5.0, interval * 20))
             stop.wait(interval)
+
+    def prune_pins(self, engine: Engine | None = None, now: float | None = None) -> int:
+        """Delete session pins that expired more than :data:`PIN_KEEP_S` ago
+        (``projections.writers.sessions.prune_pins``); the running follower does it every
+        :data:`PIN_PRUNE_EVERY_S`."""
+        with self._lock, (engine or self.engine).begin() as conn:
+            n = prune_pins(conn, time.time() if now is None else now, PIN_KEEP_S)
+        if n:
+            log.info("pruned %d session pins expired over %d s ago", n, PIN_KEEP_S)
+        return n
 
     def rebuild_into(self, engine: Engine) -> int:
         """Replay the whole event history into the projection tables on ``engine``.
@@ -231,7 +250,9 @@ class ProjectionFollower:
             conn.execute(projection_tracking.delete()
                          .where(projection_tracking.c.name == self.name))
         with self._lock:
-            return self._catch_up(engine)
+            n = self._catch_up(engine)
+        self.prune_pins(engine)  # as the live tables are pruned: a rebuild equals them
+        return n
 
 
 def _row_key(row: tuple[Any, ...]) -> list[tuple[bool, str]]:

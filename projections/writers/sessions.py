@@ -31,9 +31,24 @@ def _session_pinned(conn: Connection, e: SessionPin.SessionPinned) -> None:
 
 
 def _session_repinned(conn: Connection, e: SessionPin.SessionRepinned) -> None:
-    conn.execute(session_pins.update().where(_pin_key(e)).values(
-        release=e.release, expires_at=e.expires_at.timestamp(), ended=False,
-        version=e.originator_version, pinned_at=e.timestamp, changed=_next_changed(conn)))
+    values = {"release": e.release, "expires_at": e.expires_at.timestamp(), "ended": False,
+              "version": e.originator_version, "pinned_at": e.timestamp,
+              "changed": _next_changed(conn)}
+    if conn.execute(session_pins.update().where(_pin_key(e)).values(**values)).rowcount == 0:
+        # its row was pruned (long expired, see prune_pins): the session is back, so is its row
+        conn.execute(session_pins.insert().values(tenant=e.tenant, alias=e.alias,
+                                                  session=e.session, **values))
+
+
+def prune_pins(conn: Connection, now: float, keep_s: float) -> int:
+    """Delete the rows of pins that expired more than ``keep_s`` ago (ended ones included);
+    returns how many. A million sessions must not grow the table forever, and such a pin
+    already reads as none everywhere (it expired). The row holding the highest ``changed`` is
+    kept whatever its age: ``_next_changed`` counts from it, and a reader asking for rows
+    changed since a value must never see that counter go back."""
+    top = sa.select(sa.func.max(session_pins.c.changed)).scalar_subquery()
+    return int(conn.execute(session_pins.delete().where(
+        session_pins.c.expires_at < now - keep_s, session_pins.c.changed < top)).rowcount or 0)
 
 
 def _session_ended(conn: Connection, e: SessionPin.SessionEnded) -> None:

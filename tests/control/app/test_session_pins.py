@@ -19,11 +19,12 @@ from control.app.audit import audit_log
 from control.app.registry import Registry
 from control.app.sessions import SessionPins
 from control.contracts.config import ConfigError, Settings
+from control.contracts.db import make_engine
 from control.contracts.tickets import TicketSigner
 from control.domain import SessionPin, session_pin_id
 from control.gateway.server import UNAVAILABLE, make_app
 from control.gateway.ticket_office import NotGranted, TicketOffice
-from projections.follower import ProjectionFollower, open_registry, snapshot
+from projections.follower import PIN_KEEP_S, ProjectionFollower, open_registry, snapshot
 from projections.route_cache import CachedRoutingView
 from projections.routing import RoutingView
 from projections.tables import session_pins
@@ -276,6 +277,42 @@ class SessionPinContract(WithRegistry):
         now[0] = time.time()
         assert office.issue("acme", "chat", "long-chat").release == r_beta
         assert _reasons(registry, "long-chat") == ["restarted", "expired"]
+
+    def test_long_expired_pins_leave_the_table_and_a_returning_session_is_pinned_again(
+            self, registry: Registry, settings: Settings, signer: TicketSigner,
+            world: dict[str, str], view: RoutingView) -> None:
+        now = [time.time() - 3 * PIN_KEEP_S]  # pins recorded long ago: long expired now
+        office = self._office(settings, registry, signer, clock=lambda: now[0])
+        for session in ("old-1", "old-2", "ended"):
+            office.issue("acme", "chat", session)
+        office.end_session("acme", "chat", "ended")
+        now[0] = time.time()
+        office.issue("acme", "chat", "fresh")  # live: stays, and holds the highest `changed`
+        registry.follower.catch_up()
+
+        def rows() -> dict[str, int]:
+            with registry.follower.engine.connect() as conn:
+                return {r.session: r.changed for r in conn.execute(sa.select(session_pins))}
+
+        before = rows()
+        assert set(before) == {"old-1", "old-2", "ended", "fresh"}
+        assert registry.follower.prune_pins() == 3
+        assert set(rows()) == {"fresh"}
+        # A pruned session that comes back is pinned again, and its row comes back with a
+        # `changed` above every value a reader has seen.
+        again = office.issue("acme", "chat", "old-1")
+        assert again.release == world["r_alpha"]
+        registry.follower.catch_up()
+        after = rows()
+        assert set(after) == {"fresh", "old-1"} and after["old-1"] > max(before.values())
+        route = view.resolve("acme", "chat", "old-1")
+        assert route is not None and route.pinned and route.release == world["r_alpha"]
+        # A rebuild from the events prunes as the live tables were pruned: the two agree.
+        fresh = make_engine(f"sqlite:///{settings.home / 'rebuilt.db'}")
+        registry.follower.rebuild_into(fresh)
+        with fresh.connect() as conn:
+            assert set(conn.execute(sa.select(session_pins.c.session)).scalars()) == {
+                "fresh", "old-1"}
 
     def test_a_revoked_pinned_release_is_never_served(
             self, registry: Registry, settings: Settings, signer: TicketSigner,

@@ -76,7 +76,11 @@ class Gatekeeper:
         load_or_create_token(home)
 
     def _key(self) -> bytes:
-        st = self.path.stat()
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:  # removed while the console runs: a new one, sessions end
+            load_or_create_token(self.home)
+            st = self.path.stat()
         stamp = (st.st_mtime, st.st_ino)
         if stamp != self._stamp:
             self._token = self.path.read_text(encoding="utf-8").strip()

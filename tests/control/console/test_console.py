@@ -312,3 +312,15 @@ def test_console_verb_serves_on_loopback_until_interrupted(tmp_path: Path) -> No
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_removed_token_file_ends_sessions_instead_of_failing(tmp_path: Path) -> None:
+    from control.console.access import Gatekeeper
+
+    home = tmp_path / "home"
+    gate = Gatekeeper(home)
+    cookie = gate.new_session()
+    assert gate.session(cookie) is not None
+    token_path(home).unlink()
+    assert gate.session(cookie) is None  # a new token was made: the old sessions end
+    assert gate.is_token(load_or_create_token(home))

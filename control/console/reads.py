@@ -23,7 +23,7 @@ from control.app.integrity import AuditSeal, audit_checkpoints
 from control.app.ledger_audit import coverage, sync
 from control.contracts.db import make_engine
 from control.contracts.event_log import page_after
-from control.contracts.ledger import Ledger, LedgerEntry, request_ledger
+from control.contracts.ledger import Ledger, LedgerEntry, adapter_loads, request_ledger
 from control.contracts.ledger_log import ledger_verified
 from control.domain import Rollout, event_fields
 from control.domain.ids import adapter_id, alias_id
@@ -205,4 +205,51 @@ def hosts(reg: Registry, window_s: float = 24 * 3600.0) -> list[dict[str, Any]]:
         h["last_at"] = max(h["last_at"], float(r.last))
     for h in out.values():
         h["last"] = iso(h["last_at"])
+    resident, evictions = residency(reg, since)
+    for host in set(resident) | set(evictions):
+        h = out.setdefault(host, {"host": host, "last_at": 0.0, "last": "", "outcomes": {}})
+    for h in out.values():
+        h["resident"] = resident.get(h["host"], [])
+        h["evictions"] = evictions.get(h["host"], [])
     return sorted(out.values(), key=lambda h: h["host"])
+
+
+def residency(reg: Registry, since: float, evictions_kept: int = 10
+              ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[dict[str, Any]]]]:
+    """Per host, the adapters its device slots hold (their last load record says ``loaded``)
+    and its latest evictions since ``since`` (``unloaded``, with the cache's reason), from the
+    load records hosts write (``adapter_loads``), with each adapter's owner from the registry.
+    The host tier and the load queue are not recorded centrally: their figures are on each
+    host's metrics port."""
+    c = adapter_loads.c
+    engine = Ledger(make_engine(reg.settings.db_url)).engine
+    latest = sa.select(c.host, c.adapter_digest, sa.func.max(c.id).label("id")).group_by(
+        c.host, c.adapter_digest).subquery()
+    with engine.connect() as conn:
+        last = conn.execute(sa.select(c.host, c.adapter_digest, c.outcome, c.started_at,
+                                      c.resident_bytes).join(latest, c.id == latest.c.id)
+                            .where(c.outcome == "loaded")).all()
+        gone = conn.execute(sa.select(c.host, c.adapter_digest, c.started_at, c.reason)
+                            .where(c.outcome == "unloaded", c.started_at >= since)
+                            .order_by(c.id.desc()).limit(200)).all()
+    view = RoutingView(make_engine(reg.settings.db_url))
+    owners: dict[str, str] = {}
+
+    def owner(digest: str) -> str:
+        if digest not in owners:
+            row = view.adapter(digest)
+            owners[digest] = row.tenant if row is not None else "?"
+        return owners[digest]
+
+    resident: dict[str, list[dict[str, Any]]] = {}
+    for r in sorted(last, key=lambda r: (r.host, -r.started_at)):
+        resident.setdefault(r.host, []).append(
+            {"digest": r.adapter_digest, "tenant": owner(r.adapter_digest),
+             "bytes": r.resident_bytes, "since": iso(r.started_at)})
+    evicted: dict[str, list[dict[str, Any]]] = {}
+    for r in gone:
+        kept = evicted.setdefault(r.host, [])
+        if len(kept) < evictions_kept:
+            kept.append({"digest": r.adapter_digest, "tenant": owner(r.adapter_digest),
+                         "reason": r.reason or "", "at": iso(r.started_at)})
+    return resident, evicted

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from control.cli.main import app as cli
 from control.console.access import COOKIE, load_or_create_token, rotate_token, token_path
 from control.console.app import CSP, Console
 from control.contracts.db import make_engine
+from control.contracts.ledger import AdapterLoad
 from control.domain import AdapterMetadata, RolloutPolicy
 from tests.control.app.rollout_world import ALIAS, WINDOW, RolloutWorld, World
 from tests.control.console.server import csrf_of, logged_in, serving
@@ -222,6 +224,28 @@ class TestConsole(RolloutWorld, OnSQLite):
         abort = f"{base}/rollouts/{ALIAS}/abort"
         assert client.post(abort, data={"csrf": token, "confirm": "yes"},
                            timeout=10).status_code == 400  # an abort needs a reason
+
+    def test_hosts_show_what_their_device_slots_hold_and_their_evictions(
+            self, world: World, base: str, client: requests.Session) -> None:
+        now = time.time()
+        for load in (AdapterLoad("h1", world.stable, now - 60, 0.2, "loaded", 3 << 20),
+                     AdapterLoad("h1", world.target, now - 50, 0.2, "loaded", 1 << 20),
+                     AdapterLoad("h1", world.target, now - 40, 0.0, "unloaded", None, "lru"),
+                     AdapterLoad("h2", world.target, now - 30, 0.2, "loaded", 1 << 20)):
+            world.ledger.record_load(load)
+        page = client.get(f"{base}/hosts/live", timeout=10)
+        assert page.status_code == 200
+        rows = {m.group(1): m.group(2) for m in re.finditer(
+            r"<tr><td>(h\d)</td>(.*?)</tr>", page.text, re.S)}
+        resident = {h: re.search(r'class="resident">(.*?)</td>', r, re.S).group(1)  # type: ignore[union-attr]
+                    for h, r in rows.items()}
+        evicted = {h: re.search(r'class="evictions">(.*?)</td>', r, re.S).group(1)  # type: ignore[union-attr]
+                   for h, r in rows.items()}
+        # h1 holds the stable adapter only: the canary's load was followed by its eviction
+        assert world.stable[:19] in resident["h1"] and world.target[:19] not in resident["h1"]
+        assert "acme" in resident["h1"] and "3.0 MiB" in resident["h1"]
+        assert world.target[:19] in evicted["h1"] and "lru" in evicted["h1"]
+        assert world.target[:19] in resident["h2"] and evicted["h2"].strip() == "none"
 
     def test_another_sessions_csrf_token_is_refused(self, world: World, base: str,
                                                     console: Console,

@@ -38,6 +38,7 @@ from backend.serving.messages import (
     BUSY_MESSAGE,
     FAILURE_MESSAGE,
     INTERNAL_MESSAGE,
+    KV_BUDGET_REASON,
     LIMITS_MESSAGE,
     PARAMETER_PREFIX,
     InvalidInput,
@@ -46,7 +47,13 @@ from backend.serving.outcomes import Admitted, Outcomes, SequenceSink
 from backend.serving.prefix_cache import PrefixKey, TenantSalts
 from backend.serving.requests import AnswerSink, IncomingRequest, ServiceStats
 from backend.serving.sampling import InvalidParameter
-from backend.serving.scheduler import AdapterRevoked, QueueFull, Scheduler, SchedulerLimits
+from backend.serving.scheduler import (
+    AdapterRevoked,
+    OverKVBudget,
+    QueueFull,
+    Scheduler,
+    SchedulerLimits,
+)
 from control.contracts.ledger import LedgerEntry, Outcome
 from control.contracts.tickets import GENERIC_REFUSAL, TicketClaims, TicketRejected
 
@@ -216,6 +223,10 @@ class Intake:
                         ) if gen.temperature == 0.0 else None
         try:
             svc.scheduler.submit(seq, SequenceSink(svc, adm), stream=req.stream, key=key)
+        except OverKVBudget:
+            lease.release()
+            svc.stats.refuse(KV_BUDGET_REASON)
+            svc._finish(adm, seq.result(""), Outcome.REJECTED, KV_BUDGET_REASON)
         except QueueFull:
             lease.release()
             svc.stats.refuse("busy")

@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,9 @@ TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 # allocator: on an 80 GB GPU with an 8B base, 40 % is about 25 GB of banks (the default slot cap
 # of 64 rank-64 adapters binds first) and leaves about 38 GB.
 DEFAULT_ADAPTER_FRACTION = 0.4
+# Kept free of weights, banks and KV: activations, the gather path's copies, the prefix cache
+# and the allocator's slack.
+KV_HEADROOM_FRACTION = 0.1
 # The dtype the engine serves in on each device type; both the engine and the plan read it.
 SERVING_DTYPES = {"cuda": "bfloat16"}
 FALLBACK_DTYPE = "float32"
@@ -160,6 +163,10 @@ class MemoryPlan:
     slots: int  # adapter slots; the all-zero base slot is extra
     budget_bytes: int  # what the budget gives the banks
     budget_source: str  # how the budget was set, for messages and logs
+    # KV positions the running batch may hold at its peak (the scheduler admits by them): the
+    # device memory left after the weights, the banks and KV_HEADROOM_FRACTION of the device,
+    # over twice one position's bytes, since a decode step holds the old and the new KV at once.
+    kv_tokens: int = 0
 
     @property
     def slot_bytes(self) -> int:
@@ -176,13 +183,20 @@ class MemoryPlan:
         """Device bytes the cache may fill with adapters: one slot each."""
         return self.slots * self.slot_bytes
 
+    @property
+    def kv_token_bytes(self) -> int:
+        """One KV position: keys and values of every layer."""
+        return self.shapes.kv_bytes_per_token(self.element_size)
+
     def describe(self) -> str:
         """One line for the start log."""
         return (f"adapter slot banks: {self.slots} slots of {_human(self.slot_bytes)} "
                 f"(rank {self.max_rank}, {len(TARGET_MODULES)} modules x {self.shapes.layers} "
                 f"layers) + the base slot = {_human(self.bank_bytes)}, within "
                 f"{_human(self.budget_bytes)} ({self.budget_source}); the gather path copies up "
-                f"to {_human(self.slot_bytes)} per row of a batch")
+                f"to {_human(self.slot_bytes)} per row of a batch; KV budget: "
+                f"{self.kv_tokens:,} positions of {_human(self.kv_token_bytes)} "
+                f"({_human(self.kv_tokens * self.kv_token_bytes)}, twice that during a step)")
 
 
 def slot_bytes(shapes: BaseShapes, max_rank: int, element_size: int) -> int:
@@ -256,7 +270,9 @@ def plan_memory(shapes: BaseShapes, *, max_rank: int, element_size: int, budget:
             f"{source}: {plan.slots} slots of {_human(one)} need {_human(plan.bank_bytes)} of "
             f"slot banks, but the {_human(device_bytes)} device has {_human(left)} left after "
             f"{_human(base)} of base weights. Lower {ADAPTER_BYTES_ENV} or {ADAPTER_SLOTS_ENV}")
-    return plan
+    kv_left = left - plan.bank_bytes - int(KV_HEADROOM_FRACTION * device_bytes)
+    per_position = 2 * shapes.kv_bytes_per_token(element_size)  # old and new KV in a step
+    return replace(plan, kv_tokens=max(0, kv_left // per_position))
 
 
 def plan_for_host(base_dir: Path, settings: Settings, device: str | None = None) -> MemoryPlan:

@@ -11,6 +11,11 @@ from control.contracts.tickets import GENERIC_REFUSAL
 
 FAILURE_MESSAGE = "request failed: the adapter could not be served"
 LIMITS_MESSAGE = "request refused: prompt plus max_tokens exceed the model's limits"
+# A request that alone needs more KV positions (prompt + max_tokens) than the host's budget:
+# it could never run, so it is refused rather than queued (backend.serving.scheduler).
+KV_BUDGET_MESSAGE = ("request refused: the prompt plus max_tokens need more KV cache than this "
+                     "host holds; send a shorter prompt or fewer max_tokens")
+KV_BUDGET_REASON = "kv_budget"
 BUSY_MESSAGE = "server busy: too many requests queued, retry later"
 INTERNAL_MESSAGE = "request failed"
 # A sampling parameter out of range: the message names the parameter and its range

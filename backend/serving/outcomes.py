@@ -27,6 +27,8 @@ from backend.serving.messages import (
     BUSY_MESSAGE,
     CANCELLED_MESSAGE,
     INTERNAL_MESSAGE,
+    KV_BUDGET_MESSAGE,
+    KV_BUDGET_REASON,
 )
 from backend.serving.recorder import LedgerWriter
 from backend.serving.requests import Answer, AnswerSink, ServiceStats
@@ -211,6 +213,9 @@ class Outcomes:
             # Revoked while queued (refused) or running (the kill switch): the one generic
             # refusal, as for a ticket whose adapter was revoked before it arrived.
             a = Answer(ok=False, request_id=rid, error=GENERIC_REFUSAL, status="invalid_arg",
+                       outcome=outcome)
+        elif outcome == Outcome.REJECTED and reason == KV_BUDGET_REASON:
+            a = Answer(ok=False, request_id=rid, error=KV_BUDGET_MESSAGE, status="invalid_arg",
                        outcome=outcome)
         elif outcome == Outcome.REJECTED:  # busy once admitted: the scheduler queue was full
             a = Answer(ok=False, request_id=rid, error=BUSY_MESSAGE, status="unavailable",

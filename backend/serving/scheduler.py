@@ -46,6 +46,10 @@ class QueueFull(Exception):
     """The scheduler holds ``max_queued`` waiting requests already."""
 
 
+class OverKVBudget(QueueFull):
+    """The request alone needs more KV positions than the host's budget: it can never run."""
+
+
 class AdapterRevoked(Exception):
     """The sequence's adapter was revoked while this host runs: it is not taken."""
 
@@ -64,12 +68,20 @@ class SchedulerLimits:
 
     max_running: int = 32
     max_queued: int = 256
+    # KV positions the running batch may hold at its peak: rows x the longest row's prompt plus
+    # max_tokens (rows are padded to the longest). None: no bound but max_running. The service
+    # takes the memory plan's (``MemoryPlan.kv_tokens``) unless LORAPLANE_MAX_KV_TOKENS is set.
+    max_kv_tokens: int | None = None
 
     @classmethod
-    def from_env(cls) -> SchedulerLimits:
+    def from_env(cls, kv_tokens: int | None = None) -> SchedulerLimits:
+        """From LORAPLANE_MAX_RUNNING / _MAX_QUEUED / _MAX_KV_TOKENS; ``kv_tokens``: the
+        memory plan's budget, used when the last is unset."""
+        given = os.environ.get("LORAPLANE_MAX_KV_TOKENS")
         return cls(
             max_running=int(os.environ.get("LORAPLANE_MAX_RUNNING", cls.max_running)),
             max_queued=int(os.environ.get("LORAPLANE_MAX_QUEUED", cls.max_queued)),
+            max_kv_tokens=int(given) if given else kv_tokens,
         )
 
 
@@ -105,6 +117,7 @@ class Scheduler:
         self._stop = False
         self.steps = 0
         self.ended = 0  # jobs ended (each exactly once)
+        self.kv_waits = 0  # turns whose queue head waited for KV room
         self._thread: threading.Thread | None = None
         if start:
             self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
@@ -122,6 +135,12 @@ class Scheduler:
                 raise QueueFull("scheduler stopped")
             if _digests(seq) & self._revoked.keys():
                 raise AdapterRevoked("the sequence's adapter is revoked")
+            budget = self.limits.max_kv_tokens
+            if budget is not None and kv_need(seq) > budget:
+                raise OverKVBudget(
+                    f"the prompt ({len(seq.prompt_ids)} tokens) plus max_tokens "
+                    f"({seq.request.max_tokens}) need {kv_need(seq)} KV positions, more than "
+                    f"this host's budget of {budget}: send a shorter prompt or fewer max_tokens")
             if len(self._queue) >= self.limits.max_queued:
                 raise QueueFull(f"server busy: {self.limits.max_queued} requests already queued")
             self._queue.append(_Job(seq, sink, stream, key))
@@ -182,8 +201,28 @@ class Scheduler:
         return True
 
     def _admit_from_queue(self) -> list[_Job]:
+        """Queued jobs that fit now, in arrival order: by count, and by KV positions at the
+        batch's peak (rows x the longest row's prompt plus max_tokens: rows are padded to the
+        longest). A job that does not fit waits at the head, and none overtakes it."""
         room = self.limits.max_running - len(self._running)
-        return [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+        budget = self.limits.max_kv_tokens
+        rows = len(self._running)
+        longest = max((kv_need(j.seq) for j in self._running), default=0)
+        admitted: list[_Job] = []
+        while self._queue and len(admitted) < room:
+            if budget is not None:
+                wider = max(longest, kv_need(self._queue[0].seq))
+                if (rows + 1) * wider > budget:
+                    self.kv_waits += 1
+                    break
+                rows, longest = rows + 1, wider
+            admitted.append(self._queue.popleft())
+        return admitted
+
+    def kv_reserved(self) -> int:
+        """KV positions the running batch may reach at its peak (what admission counts)."""
+        with self._cv:
+            return len(self._running) * max((kv_need(j.seq) for j in self._running), default=0)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -373,6 +412,11 @@ class Scheduler:
                                 observed=frozenset(job.seq.observed))
             nbytes = sum(_nbytes(t) for t in keys + values)
             self.prefix_cache.put(job.key, entry, nbytes)
+
+
+def kv_need(seq: Sequence) -> int:
+    """KV positions ``seq`` reaches at its end: its prompt plus every token it may make."""
+    return len(seq.prompt_ids) + seq.request.max_tokens
 
 
 def _digests(seq: Sequence) -> set[str]:

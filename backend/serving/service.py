@@ -126,7 +126,7 @@ class LoraService:
                 budget=AdapterBudget.from_settings(settings),
             )
         self.engine = engine
-        self.limits = limits or SchedulerLimits.from_env()
+        self.limits = limits or SchedulerLimits.from_env(kv_tokens=engine.plan.kv_tokens)
         self.prefix_cache: PrefixCache[DecodeBatch] = PrefixCache(prefix_cache_bytes)
         self.salts = TenantSalts()  # prefix-cache keys are per tenant, from verified tickets
         quota = quota or CacheQuota(resident_share=settings.resident_share)

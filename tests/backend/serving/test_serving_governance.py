@@ -19,6 +19,7 @@ import pytest
 
 from backend.serving.admission import VerifiedTickets
 from backend.serving.engine import Engine, GenerationRequest
+from backend.serving.messages import KV_BUDGET_MESSAGE
 from backend.serving.scheduler import SchedulerLimits
 from backend.serving.service import IncomingRequest, LoraService
 from control.contracts.config import Settings
@@ -221,6 +222,27 @@ def test_busy_refusals_and_admission_failures_are_in_the_ledger(home: Home) -> N
         assert not a.ok and a.status == "internal" and a.error == "request failed"
         row = _row(home, a.request_id)
         assert (row.outcome, row.reason) == ("failed", "admission")
+        _idle(svc)
+    finally:
+        svc.close()
+
+
+def test_a_request_over_the_kv_budget_is_refused_with_a_row_and_others_still_run(
+        home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLANE_MAX_KV_TOKENS", "40")  # the operator's budget wins the plan's
+    svc = home.service(limits=SchedulerLimits.from_env(kv_tokens=10**9))
+    try:
+        assert svc.limits.max_kv_tokens == 40
+        ticket = home.ticket("acme", "base")
+        big, small = Sink(), Sink()
+        svc.submit(IncomingRequest(b"Hello", ticket, max_tokens=64), big)
+        svc.submit(IncomingRequest(b"Hello", ticket, max_tokens=4), small)
+        refused, served = big.wait(), small.wait()
+        assert not refused.ok and refused.status == "invalid_arg"
+        assert refused.error == KV_BUDGET_MESSAGE
+        assert (_row(home, refused.request_id).outcome,
+                _row(home, refused.request_id).reason) == ("rejected", "kv_budget")
+        assert served.ok and _row(home, served.request_id).outcome == "ok"
         _idle(svc)
     finally:
         svc.close()

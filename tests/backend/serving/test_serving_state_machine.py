@@ -39,7 +39,7 @@ from backend.serving.engine import DecodeBatch, GenerationRequest, GenerationRes
 from backend.serving.engine import Sequence as EngineSequence
 from backend.serving.lease import Lease
 from backend.serving.prefix_cache import PrefixCache, PrefixKey
-from backend.serving.scheduler import QueueFull, Scheduler, SchedulerLimits
+from backend.serving.scheduler import QueueFull, Scheduler, SchedulerLimits, kv_need
 from control.contracts.ledger import Outcome
 from control.tools.kit import KitManifest
 from tests.artifacts import perturbed_copy
@@ -157,7 +157,16 @@ class ServingMachine(RuleBasedStateMachine):
             quota=CacheQuota(resident_share=1.0, loads_per_minute=1e9, load_burst=10**9,
                              room_wait_s=0.0),  # nothing frees room while we wait here
             on_purge=self.prefix.purge_adapter)
-        self.sched = Scheduler(self.eng, SchedulerLimits(max_running=3, max_queued=4),
+        # A KV budget two of the longest rows fill: it binds before the count does for long
+        # rows, while three short ones still fit.
+        longest = 0
+        for text in (p + f for p in PROMPTS for f in ("", POISON_ROW, FAIL_STEP)):
+            probe = self.eng.open_sequence(GenerationRequest(text, None, max_tokens=MAX_TOKENS))
+            longest = max(longest, kv_need(probe))
+            self.eng.close_sequence(probe)
+        self.kv_budget = 2 * longest
+        self.sched = Scheduler(self.eng, SchedulerLimits(max_running=3, max_queued=4,
+                                                         max_kv_tokens=self.kv_budget),
                                self.prefix, start=False)
         self.jobs: list[Job] = []
         self.revoked: set[str] = set()
@@ -231,6 +240,14 @@ class ServingMachine(RuleBasedStateMachine):
 
     def _live(self) -> list[Job]:
         return [j for j in self.jobs if not j.sink.ends]
+
+    @invariant()
+    def the_running_batch_stays_within_its_kv_budget(self) -> None:
+        assert self.sched.kv_reserved() <= self.kv_budget
+        batch = self.sched.running_batch()
+        if batch is not None and batch.keys:  # the engine's own tensors, not the accounting
+            rows, _heads, width, _dim = batch.keys[0].shape
+            assert rows * width <= self.kv_budget
 
     @invariant()
     def no_violation_counted(self) -> None:

@@ -1,0 +1,84 @@
+"""Admission by KV positions as well as by count (issue 26): a burst larger than the budget
+queues and runs in turns, the running batch's KV never passes the budget (read from the batch's
+own tensors after every step, not from the scheduler's accounting), every request still gets
+its answer, and a request that alone needs more than the budget is refused at once with a clear
+message instead of waiting forever.
+
+Before: admission counted rows only, so a burst of long requests was decoded at once, however
+much KV it needed (an out-of-memory in a step fails every live row)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from backend.serving.engine import Engine, GenerationRequest
+from backend.serving.memory import KV_HEADROOM_FRACTION, AdapterBudget, plan_memory
+from backend.serving.scheduler import OverKVBudget, QueueFull, Scheduler, SchedulerLimits, kv_need
+from tests.backend.serving.test_scheduler import Sink
+
+PROMPT = "The quick brown fox jumps"
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def engine(kit_dir: Path) -> Engine:
+    return Engine(kit_dir / "base", kit_dir / "tokenizer", device="cpu", max_rank=16,
+                  max_adapters=2)
+
+
+def _kv_positions(sched: Scheduler) -> int:
+    """Positions the running batch's KV tensors hold now: rows x width, from layer 0."""
+    batch = sched.running_batch()
+    if batch is None or not batch.keys:
+        return 0
+    rows, _heads, width, _dim = batch.keys[0].shape
+    return int(rows * width)
+
+
+def test_a_burst_over_the_budget_queues_and_every_request_is_answered(engine: Engine) -> None:
+    one = engine.open_sequence(GenerationRequest(PROMPT, None, max_tokens=MAX_TOKENS))
+    need = kv_need(one)
+    engine.close_sequence(one)
+    budget = 3 * need  # three such rows at once, not eight
+    sched = Scheduler(engine, SchedulerLimits(max_running=32, max_queued=64,
+                                              max_kv_tokens=budget), start=False)
+    sinks = [Sink() for _ in range(8)]
+    for sink in sinks:
+        sched.submit(engine.open_sequence(GenerationRequest(PROMPT, None,
+                                                            max_tokens=MAX_TOKENS)), sink)
+    most_running, widest = 0, 0
+    while sched.run_once():
+        running, _queued = sched.load()
+        most_running = max(most_running, running)
+        widest = max(widest, _kv_positions(sched))
+        assert sched.kv_reserved() <= budget
+    assert widest <= budget, f"the batch held {widest} KV positions over a budget of {budget}"
+    assert most_running == 3  # the budget, not the count, bounded the batch
+    assert sched.kv_waits > 0
+    assert [s.outcome for s in sinks] == ["ok"] * 8
+    assert len({tuple(s.result.token_ids) for s in sinks if s.result}) == 1  # same greedy rows
+
+
+def test_a_request_larger_than_the_whole_budget_is_refused_at_once(engine: Engine) -> None:
+    sched = Scheduler(engine, SchedulerLimits(max_running=4, max_kv_tokens=16), start=False)
+    seq = engine.open_sequence(GenerationRequest(PROMPT, None, max_tokens=64))
+    with pytest.raises(OverKVBudget, match="KV positions, more than this host's budget of 16"):
+        sched.submit(seq, Sink())
+    assert isinstance(OverKVBudget("x"), QueueFull)  # callers that only know "busy" still cope
+    engine.close_sequence(seq)
+    assert sched.load() == (0, 0)
+
+
+def test_the_memory_plan_reserves_kv_after_weights_banks_and_headroom(engine: Engine) -> None:
+    plan = engine.plan
+    device = 64 * 2**30
+    p = plan_memory(plan.shapes, max_rank=plan.max_rank, element_size=plan.element_size,
+                    budget=AdapterBudget(adapter_bytes=2**30, max_slots=8), device_bytes=device)
+    weights = plan.shapes.weight_count() * plan.element_size
+    left = device - weights - p.bank_bytes - int(KV_HEADROOM_FRACTION * device)
+    assert p.kv_tokens == left // (2 * p.kv_token_bytes)  # old and new KV at a step's peak
+    assert p.kv_token_bytes == 2 * plan.shapes.layers * plan.shapes.kv_heads \
+        * plan.shapes.head_dim * plan.element_size
+    assert f"{p.kv_tokens:,} positions" in p.describe()

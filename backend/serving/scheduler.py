@@ -36,6 +36,7 @@ from typing import Protocol
 import torch
 
 from backend.serving.engine import DecodeBatch, Engine, GenerationResult, Sequence
+from backend.serving.kv_admission import admit, over_budget, reserved
 from backend.serving.prefix_cache import PrefixCache, PrefixKey
 from control.contracts.ledger import Outcome
 
@@ -135,12 +136,9 @@ class Scheduler:
                 raise QueueFull("scheduler stopped")
             if _digests(seq) & self._revoked.keys():
                 raise AdapterRevoked("the sequence's adapter is revoked")
-            budget = self.limits.max_kv_tokens
-            if budget is not None and kv_need(seq) > budget:
-                raise OverKVBudget(
-                    f"the prompt ({len(seq.prompt_ids)} tokens) plus max_tokens "
-                    f"({seq.request.max_tokens}) need {kv_need(seq)} KV positions, more than "
-                    f"this host's budget of {budget}: send a shorter prompt or fewer max_tokens")
+            too_big = over_budget(seq, self.limits.max_kv_tokens)
+            if too_big is not None:
+                raise OverKVBudget(too_big)
             if len(self._queue) >= self.limits.max_queued:
                 raise QueueFull(f"server busy: {self.limits.max_queued} requests already queued")
             self._queue.append(_Job(seq, sink, stream, key))
@@ -201,28 +199,16 @@ class Scheduler:
         return True
 
     def _admit_from_queue(self) -> list[_Job]:
-        """Queued jobs that fit now, in arrival order: by count, and by KV positions at the
-        batch's peak (rows x the longest row's prompt plus max_tokens: rows are padded to the
-        longest). A job that does not fit waits at the head, and none overtakes it."""
-        room = self.limits.max_running - len(self._running)
-        budget = self.limits.max_kv_tokens
-        rows = len(self._running)
-        longest = max((kv_need(j.seq) for j in self._running), default=0)
-        admitted: list[_Job] = []
-        while self._queue and len(admitted) < room:
-            if budget is not None:
-                wider = max(longest, kv_need(self._queue[0].seq))
-                if (rows + 1) * wider > budget:
-                    self.kv_waits += 1
-                    break
-                rows, longest = rows + 1, wider
-            admitted.append(self._queue.popleft())
+        """Queued jobs that fit now (``backend.serving.admission``), oldest first."""
+        admitted, waited = admit(self._queue, self._running, self.limits.max_running,
+                                 self.limits.max_kv_tokens)
+        self.kv_waits += waited
         return admitted
 
     def kv_reserved(self) -> int:
         """KV positions the running batch may reach at its peak (what admission counts)."""
         with self._cv:
-            return len(self._running) * max((kv_need(j.seq) for j in self._running), default=0)
+            return reserved(self._running)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -412,11 +398,6 @@ class Scheduler:
                                 observed=frozenset(job.seq.observed))
             nbytes = sum(_nbytes(t) for t in keys + values)
             self.prefix_cache.put(job.key, entry, nbytes)
-
-
-def kv_need(seq: Sequence) -> int:
-    """KV positions ``seq`` reaches at its end: its prompt plus every token it may make."""
-    return len(seq.prompt_ids) + seq.request.max_tokens
 
 
 def _digests(seq: Sequence) -> set[str]:

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from backend.serving.engine import Engine, GenerationRequest
+from backend.serving.kv_admission import kv_need
 from backend.serving.memory import KV_HEADROOM_FRACTION, AdapterBudget, plan_memory
-from backend.serving.scheduler import OverKVBudget, QueueFull, Scheduler, SchedulerLimits, kv_need
+from backend.serving.scheduler import OverKVBudget, QueueFull, Scheduler, SchedulerLimits
 from tests.backend.serving.test_scheduler import Sink
 
 PROMPT = "The quick brown fox jumps"

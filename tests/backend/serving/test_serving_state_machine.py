@@ -37,9 +37,10 @@ from transformers import LlamaForCausalLM
 from backend.serving.cache import AdapterCache, CacheBudgets, CacheQuota, CacheRefused
 from backend.serving.engine import DecodeBatch, GenerationRequest, GenerationResult
 from backend.serving.engine import Sequence as EngineSequence
+from backend.serving.kv_admission import kv_need
 from backend.serving.lease import Lease
 from backend.serving.prefix_cache import PrefixCache, PrefixKey
-from backend.serving.scheduler import QueueFull, Scheduler, SchedulerLimits, kv_need
+from backend.serving.scheduler import QueueFull, Scheduler, SchedulerLimits
 from control.contracts.ledger import Outcome
 from control.tools.kit import KitManifest
 from tests.artifacts import perturbed_copy

@@ -260,7 +260,9 @@ def _ledger_5_to_6(conn: Connection) -> None:
 
 
 def _ledger_6_to_7(conn: Connection) -> None:
-    index_named(request_ledger, "ix_ledger_base_time").create(conn)
+    # checkfirst: a ledger written by a build that declared the index but not yet the version
+    # has it already
+    index_named(request_ledger, "ix_ledger_base_time").create(conn, checkfirst=True)
 
 
 LEDGER_VERSION = 7

@@ -268,9 +268,9 @@ class FeedbackContract:
                                         "upgrade"], env={"LORAPLANE_DB_URL": settings.db_url})
         assert done.exit_code == 0, done.output
         changes = {c["component"]: c for c in json.loads(done.stdout)}
-        assert LEDGER.latest == 6
+        assert LEDGER.latest == 7
         assert (changes["ledger"]["action"], status(engine, (LEDGER,))[0].found) == (
-            "upgraded", 6)
+            "upgraded", 7)
         again = Ledger(engine)
         kept = again.rating("old-1")
         assert kept is not None and kept.release_digest is None and kept.success is False
@@ -282,7 +282,9 @@ class FeedbackContract:
 
 
 def _drop_version_6_columns(conn: sa.Connection) -> None:
-    """The request ledger as it stood before version 6 (no sampling values)."""
+    """The request ledger as it stood before version 6 (no sampling values, nor version 7's
+    index)."""
+    conn.exec_driver_sql("DROP INDEX ix_ledger_base_time")
     for column in ("max_tokens", "temperature", "top_p", "seed"):
         conn.exec_driver_sql(f"ALTER TABLE request_ledger DROP COLUMN {column}")
 

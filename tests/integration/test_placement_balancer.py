@@ -315,8 +315,8 @@ def test_a_host_killed_mid_burst(pool: Pool) -> None:
     assert set(hosts) == {g.request_id for _, _, g in answered}  # every answer has its row
     for alias, _, g in answered:
         assert g.adapter_digest == pool.digests[alias]
-    # once the health check has taken the host out, the others absorb its routes
-    later = [g.request_id for a, s, g in answered if s > killed_at[0] + 2.0]
-    assert later and victim_host not in {hosts[r] for r in later}
+    # once the health check has taken the host out (every 500 ms, fall 1), the others absorb
+    # its routes: asked after the burst, which on a quiet machine can end before the check ran
+    time.sleep(max(0.0, killed_at[0] + 2.0 - time.monotonic()))
     g = _call(pool.affinity.http_url, *tickets[victim_alias], "after")
     assert pool.host_of([g.request_id])[g.request_id] != victim_host

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import random
-import secrets
 import statistics
 import tempfile
 import time
@@ -29,6 +28,7 @@ from sqlalchemy.engine import Engine
 
 from control.contracts.db import dispose_engines, make_engine
 from control.contracts.ledger import Ledger, request_ledger
+from control.tools.bench_ledger import scratch_schema
 from projections.incidents import ledger_rows, subject_query
 
 GOAL_MS = 50.0
@@ -175,17 +175,6 @@ def run_bench(*, quick: bool, pg_url: str | None = None,
         out["sqlite"] = measure(f"sqlite:///{Path(d) / 'ledger.db'}", size["rows"], progress)
         dispose_engines()
     if pg_url:
-        schema = f"lp_bench_{secrets.token_hex(6)}"
-        admin = sa.create_engine(pg_url)
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
-        try:
-            sep = "&" if "?" in pg_url else "?"
-            out["postgresql"] = measure(f"{pg_url}{sep}options=-csearch_path%3D{schema}",
-                                        size["rows"], progress)
-        finally:
-            dispose_engines()
-            with admin.begin() as conn:
-                conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
-            admin.dispose()
+        with scratch_schema(pg_url) as url:
+            out["postgresql"] = measure(url, size["rows"], progress)
     return out

@@ -16,12 +16,13 @@ commit's flush dominates).
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,18 +107,24 @@ def run_bench(*, quick: bool, pg_url: str | None = None,
         out["sqlite"] = measure(f"sqlite:///{Path(d) / 'ledger.db'}", progress=progress,
                                 **size)
     if pg_url:
-        # A schema of its own, dropped afterwards: the bench leaves no rows behind.
-        schema = f"lp_bench_{secrets.token_hex(6)}"
-        admin = sa.create_engine(pg_url)
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
-        try:
-            sep = "&" if "?" in pg_url else "?"
-            out["postgresql"] = measure(f"{pg_url}{sep}options=-csearch_path%3D{schema}",
-                                        progress=progress, **size)
-        finally:
-            dispose_engines()
-            with admin.begin() as conn:
-                conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
-            admin.dispose()
+        with scratch_schema(pg_url) as url:
+            out["postgresql"] = measure(url, progress=progress, **size)
     return out
+
+
+@contextlib.contextmanager
+def scratch_schema(pg_url: str) -> Iterator[str]:
+    """``pg_url`` pointed at a schema of its own, dropped afterwards: a bench leaves no rows
+    behind."""
+    schema = f"lp_bench_{secrets.token_hex(6)}"
+    admin = sa.create_engine(pg_url)
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
+    try:
+        sep = "&" if "?" in pg_url else "?"
+        yield f"{pg_url}{sep}options=-csearch_path%3D{schema}"
+    finally:
+        dispose_engines()
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
+        admin.dispose()

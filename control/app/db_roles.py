@@ -138,6 +138,10 @@ GRANTS: dict[str, dict[str, Grant]] = {
                                      own_rows=OWN_HOST)},
     "ledger_checkpoints": {HOST: Grant(select=EVERY_COLUMN, insert=True, own_rows=OWN_HOST)},
     "ledger_host_keys": {HOST: Grant(select=EVERY_COLUMN, insert=True, own_rows=OWN_HOST)},
+    # the keys that open tickets' sealed arms (control.contracts.ticket_seals): a gateway
+    # publishes the seal of the key it signs with; a host reads them and keeps only rows whose
+    # proof a trusted signing key made
+    "ticket_seals": {GATEWAY: Grant(select=EVERY_COLUMN, insert=True), HOST: READ},
 }
 
 

@@ -39,6 +39,7 @@ def _declare_components() -> None:
         ledger,  # noqa: F401  (declares the ledger schema component)
         ledger_log,  # noqa: F401  (declares the ledger_log component)
         serving_reports,  # noqa: F401  (the hosts' revocation steps)
+        ticket_seals,  # noqa: F401  (the keys that open tickets' sealed arms)
     )
     from projections import tables  # noqa: F401  (declares the projections schema component)
 

@@ -150,10 +150,11 @@ class Change:
 # Each owner declares its component beside its tables (control.contracts.ledger,
 # control.app.integrity, projections.tables), so this module imports none of them. The order
 # below is the order status and upgrade go through them.
-ORDER = ("ledger", "ledger_log", "audit", "projections", "serving_reports")
+ORDER = ("ledger", "ledger_log", "audit", "projections", "serving_reports", "ticket_seals")
 OWNERS = {"ledger": "control.contracts.ledger", "ledger_log": "control.contracts.ledger_log",
           "audit": "control.app.integrity", "projections": "projections.tables",
-          "serving_reports": "control.contracts.serving_reports"}
+          "serving_reports": "control.contracts.serving_reports",
+          "ticket_seals": "control.contracts.ticket_seals"}
 _declared: dict[str, Component] = {}
 
 

@@ -24,6 +24,7 @@ from control.contracts import (
     ledger_log,  # noqa: F401  (declares its schema component)
     schema,
     serving_reports,  # noqa: F401  (declares its schema component)
+    ticket_seals,  # noqa: F401  (declares its schema component)
 )
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
@@ -140,7 +141,8 @@ class SchemaContract:
         changes = upgrade(engine, rebuild=None)
         assert [(c.component, c.action) for c in changes] == [
             ("ledger", "current"), ("ledger_log", "created"), ("audit", "created"),
-            ("projections", "current"), ("serving_reports", "created")]
+            ("projections", "current"), ("serving_reports", "created"),
+            ("ticket_seals", "created")]
         assert {s.state for s in status(engine)} == {"current"}
 
     def test_concurrent_first_opens_create_once(self, engine: Engine) -> None:
@@ -161,7 +163,8 @@ class SchemaContract:
         assert not errors, errors
         assert {s.component: s.state for s in status(engine)} == {
             "ledger": "current", "ledger_log": "absent", "audit": "absent",
-            "projections": "current", "serving_reports": "absent"}
+            "projections": "current", "serving_reports": "absent",
+            "ticket_seals": "absent"}
 
     def test_audit_seal_creates_its_table_stamped(self, engine: Engine,
                                                   settings: Settings) -> None:

@@ -19,7 +19,7 @@ taken, goal not judged; ``skipped`` or ``not available``, with the reason):
   PEFT's greedy output for each row alone on the same token ids, device and dtype. The path each
   decode step ran is read from the batch (the gather path leaves its per-row copies on it). Rows
   must be equal, except that a row may part from PEFT at a near-tie: where the two tokens' logits
-  are within :data:`TIE_RTOL` of the largest logit in both the engine's and PEFT's view. bf16
+  are within :func:`logit_rtol` of the largest logit in both the engine's and PEFT's view. bf16
   keeps 8 significant bits, and the engine rounds differently from PEFT at every layer (it folds
   the scaling into B and computes ``(x A) B``; batch shapes pick other kernels), so two correct
   implementations may order two logits that close differently; past that point the row is not
@@ -50,75 +50,68 @@ import contextlib
 import functools
 import gc
 import json
+import math
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from backend.serving import lora_ops
-from backend.serving.engine import DecodeBatch, Engine, GenerationRequest, GenerationResult
-from backend.serving.memory_report import resident_memory
-from backend.serving.prefix_cache import PrefixCache, PrefixKey
-from backend.serving.scheduler import Scheduler, SchedulerLimits
+from backend.serving.engine import DecodeBatch, Engine, GenerationRequest
+from control.tools.bench import gpu_env
+from control.tools.bench.gpu_perf import (
+    MEMORY_RTOL,
+    Profile,
+    Status,
+    check_continuous,
+    check_memory,
+    check_mixed_vs_base,
+    forced_path,
+    judge,
+)
+from control.tools.bench.gpu_shapes import SHAPE_PROFILES, check_production_shapes
 from control.tools.bench.kit import (
-    GOALS,
     NEW_TOKENS,
     RANK,
     TARGETS,
     BenchKit,
     BenchShape,
     bench_prompts,
-    best_alternating,
     build_bench_kit,
-    continuous_batching,
-    count_tokens,
-    meets,
 )
 
-# A row may part from PEFT where its two candidate tokens' logits are this close, relative to the
-# largest logit (see the module notes): 4 to 8 bf16 steps at the top logit's magnitude. Measured on
-# the CPU at hidden 512, bf16 rows part at 1 or 2 steps, and in about half the rows: the logits of
-# 95 printable candidates crowd a grid of a few hundred bf16 values.
-TIE_RTOL = 2.0**-5
+__all__ = ["MEMORY_RTOL", "PROFILES", "CannotRun", "Profile", "Status", "judge", "main",
+           "run_checks"]
+
+# How far the engine's logits may be from PEFT's, relative to the largest logit, for a model of
+# two layers; deeper models get sqrt(layers / 2) times more (rounding errors of independent
+# layers add like a random walk). Measured on the CPU at two layers (control.tools.bench
+# .gpu_shapes, every projection adapted): float32 3e-7, bfloat16 5.5e-3 (about 1.4 of bf16's
+# unit roundoff, 2^-8). The bounds give float32 a margin of about 12, bfloat16 about 3, float16
+# bf16's bound less its 3 fewer mantissa bits. The same bound decides a near-tie: a row may part
+# from PEFT where its two candidate tokens' logits are this close (see the module notes).
+BASE_RTOL = {torch.float32: 2.0**-18, torch.bfloat16: 2.0**-6, torch.float16: 2.0**-9}
 # Each adapter changes its projections' outputs by about half (control.tools.bench.kit): measured on
 # the CPU profiles, every adapter row's first token then differs from the base's, so equality
 # with PEFT tells the adapters apart. Throughput does not depend on the values.
 ADAPTER_SHARE = 0.5
-# The memory categories must add up to what the allocator holds within this share (the issue's).
-MEMORY_RTOL = 0.05
 EQUALITY_TOKENS = 16  # new tokens per row in the equality checks
-PREFIX_CACHE_BYTES = 1 << 30  # holds every prompt of the memory check at the real sizes
 BASE_ROW_EVERY = 4  # one base row after every this many adapter rows
 EXIT_FAILED, EXIT_CANNOT_RUN = 1, 2
 
 
-class Status(StrEnum):
-    PASS = "pass"
-    FAIL = "fail"
-    MEASURED = "measured"  # numbers taken; the goal is judged on a GPU only
-    SKIPPED = "skipped"
-    NOT_AVAILABLE = "not available"
-
-
-@dataclass(frozen=True)
-class Profile:
-    """What one mode builds and how it judges."""
-
-    device: str
-    shape: BenchShape
-    adapters: int
-    judged: bool  # throughput goals judged (real sizes on a GPU), else only measured
-    reps: int
+def logit_rtol(dtype: torch.dtype, layers: int) -> float:
+    """The bound of :data:`BASE_RTOL` for ``dtype``, scaled to ``layers``."""
+    return BASE_RTOL[dtype] * math.sqrt(max(layers, 2) / 2)
 
 
 PROFILES = {
     # The layer shape of an 8B Llama; 4 layers: each ratio is per layer, and 4 build in seconds.
+    # The full 8B shape runs in production_shapes (control.tools.bench.gpu_shapes).
     "cuda": Profile("cuda", BenchShape(hidden=4096, layers=4, intermediate=14336, heads=32,
                                        kv_heads=8), adapters=32, judged=True, reps=3),
     # Toy sizes; key/value heads fewer than heads, as on the real base.
@@ -206,18 +199,6 @@ def peft_references(kit: BenchKit, rows: list[Row], device: torch.device,
     return own, bare
 
 
-@contextlib.contextmanager
-def forced_path(path: str) -> Iterator[None]:
-    """Every batch made inside takes ``path`` ("segment" or "gather") whatever its number of
-    distinct adapters (``SlotBatch.from_slots`` reads the threshold at call time)."""
-    saved = lora_ops.SEGMENT_MAX_ADAPTERS
-    lora_ops.SEGMENT_MAX_ADAPTERS = 0 if path == "gather" else sys.maxsize
-    try:
-        yield
-    finally:
-        lora_ops.SEGMENT_MAX_ADAPTERS = saved
-
-
 def engine_greedy(engine: Engine, rows: list[Row]) -> tuple[list[Greedy], list[str], int]:
     """The rows as one batch through the engine's own steps (prefill, then choose and advance as
     the scheduler drives them); the logits behind every token, the path each decode step ran,
@@ -245,7 +226,7 @@ def engine_greedy(engine: Engine, rows: list[Row]) -> tuple[list[Greedy], list[s
     return [Greedy(list(s.produced), logits[i]) for i, s in enumerate(seqs)], paths, gathered
 
 
-def compare(row: int, ours: Greedy, theirs: Greedy) -> dict[str, Any] | None:
+def compare(row: int, ours: Greedy, theirs: Greedy, rtol: float) -> dict[str, Any] | None:
     """None when the tokens are equal; else where they part, with both sides' margins between
     the two tokens and whether that is a near-tie."""
     # zip stops at the shorter: a row that ended early is caught by the length test below
@@ -260,7 +241,7 @@ def compare(row: int, ours: Greedy, theirs: Greedy) -> dict[str, Any] | None:
     a, b = ours.tokens[k], theirs.tokens[k]
     engine_margin = float(ours.logits[k][a] - ours.logits[k][b])
     peft_margin = float(theirs.logits[k][b] - theirs.logits[k][a])
-    bound = TIE_RTOL * float(theirs.logits[k].abs().max())
+    bound = rtol * float(theirs.logits[k].abs().max())
     return {"row": row, "position": k, "engine_token": a, "peft_token": b,
             "engine_margin": engine_margin, "peft_margin": peft_margin, "tie_bound": bound,
             "tie": max(engine_margin, peft_margin) <= bound}
@@ -269,16 +250,24 @@ def compare(row: int, ours: Greedy, theirs: Greedy) -> dict[str, Any] | None:
 def check_equality(engine: Engine, rows: list[Row], references: list[Greedy],
                    base_outputs: list[Greedy], path: str) -> dict[str, Any]:
     """The engine's greedy batch with ``path`` forced, against PEFT row by row."""
+    rtol = logit_rtol(engine.dtype, int(engine.base_config.num_hidden_layers))
     with forced_path(path):
         ours, paths, gathered = engine_greedy(engine, rows)
     partings = [p for i, (o, t) in enumerate(zip(ours, references, strict=True))
-                if (p := compare(i, o, t)) is not None]
+                if (p := compare(i, o, t, rtol)) is not None]
     ran = sorted(set(paths) - {"none"})
     adapter_rows = [i for i, r in enumerate(rows) if r.adapter is not None]
     changed = sum(references[i].tokens != base_outputs[i].tokens for i in adapter_rows)
     first_step = max(float((o.logits[0] - t.logits[0]).abs().max())
                      for o, t in zip(ours, references, strict=True))
+    # the first token's logits are comparable in every row (no row has parted yet)
+    first_relative = max(float((o.logits[0] - t.logits[0]).abs().max() / t.logits[0].abs().max())
+                         for o, t in zip(ours, references, strict=True))
     problems = []
+    if not first_relative <= rtol:
+        problems.append(f"first-token logits differ from PEFT's by {first_relative:.2e} of the "
+                        f"largest, over the {str(engine.dtype).removeprefix('torch.')} bound "
+                        f"{rtol:.2e}")
     if ran != [path] or (gathered > 0) != (path == "gather"):
         problems.append(f"decode steps ran {ran} ({gathered} gathered), not {path}")
     if any(not p["tie"] for p in partings):
@@ -298,121 +287,11 @@ def check_equality(engine: Engine, rows: list[Row], references: list[Greedy],
         "decode_steps": len(paths),
         "decode_steps_gathering": gathered,
         "max_first_token_logit_diff": first_step,
+        "max_first_token_relative_diff": first_relative,
+        "tolerance": rtol,
         "tokens_per_row": EQUALITY_TOKENS,
         "partings": partings,
     }
-
-
-# -- throughput ------------------------------------------------------------------------------
-
-def _goal(name: str) -> str:
-    op, value = GOALS[name]
-    return f"{op} {value}"
-
-
-def judge(name: str, ratio: float, complete: bool, judged: bool) -> Status:
-    """A throughput check's status: a measurement that lost tokens fails; otherwise the ratio
-    against the goal of ``name`` where ``judged``, else only measured."""
-    if not complete:
-        return Status.FAIL
-    if not judged:
-        return Status.MEASURED
-    return Status.PASS if meets(name, ratio) else Status.FAIL
-
-
-def check_mixed_vs_base(engine: Engine, kit: BenchKit, profile: Profile) -> dict[str, Any]:
-    """The mixed batch against the base alone on the same prompts, alternated."""
-    prompts = bench_prompts(len(kit.adapters))
-    mixed = [GenerationRequest(p, d, max_tokens=NEW_TOKENS)
-             for p, d in zip(prompts, kit.adapters, strict=True)]
-    bare = [GenerationRequest(p, None, max_tokens=NEW_TOKENS) for p in prompts]
-    counts: dict[str, int] = {}
-
-    def run(name: str, requests: list[GenerationRequest]) -> Callable[[], int]:
-        def once() -> int:
-            results: list[GenerationResult] = engine.generate(requests)
-            counts[name] = count_tokens(results)
-            return counts[name]
-        return once
-
-    run("mixed", mixed[:2])()  # warm-up: first kernels, allocator pools
-    best = best_alternating({"mixed": run("mixed", mixed), "base": run("base", bare)},
-                            profile.reps)
-    expected = len(prompts) * NEW_TOKENS  # the printable head: no row stops early
-    ratio = best["mixed"] / best["base"]
-    complete = counts == {"mixed": expected, "base": expected}
-    return {"status": judge("mixed_vs_base", ratio, complete, profile.judged),
-            "ratio": ratio, "goal": _goal("mixed_vs_base"), "goal_judged": profile.judged,
-            "mixed_tokens_per_s": best["mixed"], "base_tokens_per_s": best["base"],
-            "requests": len(mixed), "adapters": len(set(kit.adapters)),
-            "tokens_per_run": counts, "tokens_expected": expected, "reps": profile.reps}
-
-
-def check_continuous(engine: Engine, kit: BenchKit, profile: Profile) -> dict[str, Any]:
-    """Every request as a concurrent stream against one stream alone (the scheduler)."""
-    prompts = bench_prompts(len(kit.adapters))
-    requests = [GenerationRequest(p, d, max_tokens=NEW_TOKENS)
-                for p, d in zip(prompts, kit.adapters, strict=True)]
-    rates = continuous_batching(engine, requests, profile.reps)
-    ratio = rates.many / rates.one
-    # The goal is written for 32 streams; fewer (the dry run) cannot be judged against it.
-    judged = profile.judged and len(requests) == 32
-    tokens = {"many": rates.many_tokens, "one": rates.one_tokens}
-    expected = {"many": len(requests) * NEW_TOKENS, "one": NEW_TOKENS}
-    return {"status": judge("continuous_32_vs_1", ratio, tokens == expected, judged),
-            "ratio": ratio, "goal": _goal("continuous_32_vs_1"), "goal_judged": judged,
-            "streams": len(requests), "many_streams_tokens_per_s": rates.many,
-            "one_stream_tokens_per_s": rates.one, "tokens_per_run": tokens,
-            "tokens_expected": expected, "reps": profile.reps}
-
-
-# -- memory ----------------------------------------------------------------------------------
-
-class _Quiet:
-    """A sink that takes every token and keeps nothing."""
-
-    def cancelled(self) -> bool:
-        return False
-
-    def token(self, piece: str) -> None:
-        pass
-
-    def finish(self, result: GenerationResult, outcome: str, reason: str | None) -> None:
-        pass
-
-
-def check_memory(engine: Engine, kit: BenchKit, allocated_before: int) -> dict[str, Any]:
-    """The engine's categories with a batch of every adapter running (between two decode
-    steps, driven on this thread) and its prompts in a prefix cache, against the allocator."""
-    prompts = bench_prompts(len(kit.adapters))
-    prefix: PrefixCache[DecodeBatch] = PrefixCache(PREFIX_CACHE_BYTES)
-    sched = Scheduler(engine, SchedulerLimits(max_running=len(prompts),
-                                              max_queued=len(prompts)), prefix, start=False)
-    try:
-        with forced_path("gather"):  # what a batch of this many adapters takes anyway
-            for p, d in zip(prompts, kit.adapters, strict=True):
-                seq = engine.open_sequence(GenerationRequest(p, d, max_tokens=NEW_TOKENS))
-                sched.submit(seq, _Quiet(), key=PrefixKey("bench", d, "bench",
-                                                          tuple(seq.prompt_ids), salt=b"bench"))
-            for _ in range(3):  # prefill, then decode steps: KV, gathered copies, workspace
-                sched.run_once()
-        categories = resident_memory(engine, sched, prefix)
-        counted = sum(categories.values())
-        out: dict[str, Any] = {"categories": categories, "counted_bytes": counted,
-                               "tolerance": MEMORY_RTOL}
-        if engine.device.type != "cuda":
-            return {"status": Status.SKIPPED,
-                    "reason": "torch.cuda.memory_allocated() needs a CUDA device (on a CPU, "
-                              "tests/backend/serving/test_memory_report.py counts every live "
-                              "tensor instead)",
-                    **out}
-        torch.cuda.synchronize(engine.device)
-        allocated = torch.cuda.memory_allocated(engine.device) - allocated_before
-        share = counted / allocated
-        return {"status": Status.PASS if abs(share - 1) <= MEMORY_RTOL else Status.FAIL,
-                "allocated_bytes": allocated, "counted_over_allocated": share, **out}
-    finally:
-        sched.stop()
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -451,22 +330,16 @@ def require_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def run_checks(profile: Profile, dtype: torch.dtype, work_dir: Path,
-               progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
-    """Build the kit under ``work_dir``, run every check; the report."""
-    started = time.perf_counter()
-    device = require_device(profile.device)
-    progress(f"building a random Llama (hidden {profile.shape.hidden}, "
-             f"{profile.shape.layers} layers) and {profile.adapters} adapters")
-    kit = build_bench_kit(work_dir / "kit", n_adapters=profile.adapters, shape=profile.shape,
-                          delta_share=ADAPTER_SHARE)
-    built = time.perf_counter() - started
+def _engine_checks(profile: Profile, kit: BenchKit, dtype: torch.dtype, device: torch.device,
+                   checks: dict[str, dict[str, Any]], progress: Callable[[str], None]) -> str:
+    """The checks on the bench kit's engine, added to ``checks``; the engine's memory plan. The
+    engine is dropped on return."""
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     engine = Engine(kit.base, kit.tokenizer, device=profile.device, dtype=dtype, max_rank=RANK,
                     max_adapters=profile.adapters)
     for digest, path in kit.adapters.items():
         engine.load_adapter(digest, path)
-    checks: dict[str, dict[str, Any]] = {}
+    plan = engine.plan.describe()
     # First, while the engine is all the device holds (the comparison subtracts what was there).
     progress("memory accounting")
     checks["memory_accounting"] = _timed(lambda: check_memory(engine, kit, before))
@@ -482,11 +355,49 @@ def run_checks(profile: Profile, dtype: torch.dtype, work_dir: Path,
     checks["mixed_vs_base"] = _timed(lambda: check_mixed_vs_base(engine, kit, profile))
     progress("continuous batching: every stream against one")
     checks["continuous_batching"] = _timed(lambda: check_continuous(engine, kit, profile))
+    return plan
+
+
+def run_checks(profile: Profile, dtype: torch.dtype, work_dir: Path,
+               progress: Callable[[str], None] = lambda _m: None,
+               production_shapes: bool = True) -> dict[str, Any]:
+    """Build the kit under ``work_dir``, run every check; the report."""
+    started = time.perf_counter()
+    device = require_device(profile.device)
+    environment = gpu_env.environment()
+    progress(f"environment: {json.dumps(environment)}")
+    checks: dict[str, dict[str, Any]] = {}
+    # Before anything else: numbers taken on a cuDNN or cuBLAS other than torch's own would
+    # describe the wrong libraries.
+    checks["libraries"] = gpu_env.library_check()
+    checks["libraries_in_stub_env"] = gpu_env.stub_library_check()
+    for name in ("libraries", "libraries_in_stub_env"):
+        for problem in checks[name].get("problems", []):
+            progress(f"{name}: FAIL: {problem}")
+    progress(f"building a random Llama (hidden {profile.shape.hidden}, "
+             f"{profile.shape.layers} layers) and {profile.adapters} adapters")
+    kit = build_bench_kit(work_dir / "kit", n_adapters=profile.adapters, shape=profile.shape,
+                          delta_share=ADAPTER_SHARE)
+    built = time.perf_counter() - started
+    plan = _engine_checks(profile, kit, dtype, device, checks, progress)
+    _free(device)  # the engine is gone: the production shapes need the device's memory
+    if production_shapes:
+        shapes = SHAPE_PROFILES[profile.device]
+        progress(f"production shapes: hidden {shapes.shape.hidden}, {shapes.shape.layers} "
+                 f"layers, vocabulary {shapes.vocab}, ranks {list(shapes.ranks)}")
+        rtol = logit_rtol(dtype, shapes.shape.layers)
+        checks["production_shapes"] = _timed(lambda: check_production_shapes(
+            shapes, device, dtype, work_dir, rtol))
+    else:
+        checks["production_shapes"] = {"status": Status.SKIPPED,
+                                       "reason": "--no-production-shapes"}
     return {
         "mode": "gpu" if profile.device == "cuda" else "cpu dry run",
         "passed": all(c["status"] != Status.FAIL for c in checks.values()),
         "checks": checks,
-        "setup": {**_device_report(device), "dtype": str(dtype).removeprefix("torch."),
+        "environment": environment,
+        "setup": {"memory_plan": plan, **_device_report(device),
+                  "dtype": str(dtype).removeprefix("torch."),
                   "shape": profile.shape.as_dict(), "adapters": profile.adapters,
                   "rank": RANK, "targets": TARGETS, "adapter_share": ADAPTER_SHARE,
                   "new_tokens": NEW_TOKENS,
@@ -502,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                     "and continuous batching throughput, memory accounting); prints a JSON "
                     "report. --device cpu is the dry run at toy sizes.")
     parser.add_argument("--device", choices=sorted(PROFILES), default="cuda")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                         help="the serving dtype (default bfloat16, the engine's on CUDA)")
     parser.add_argument("--reps", type=int, default=None,
                         help="runs of each throughput measurement, best kept "
@@ -510,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="where to build the kit (default: a temporary folder, removed)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
+    parser.add_argument("--no-production-shapes", action="store_true",
+                        help="skip the 8B-shape check (on a GPU it builds and writes a 16 GB "
+                             "random base first)")
     args = parser.parse_args(argv)
     profile = PROFILES[args.device]
     if args.reps is not None:
@@ -525,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.ExitStack() as stack:
             work = args.work_dir or Path(stack.enter_context(
                 tempfile.TemporaryDirectory(prefix="lp-gpu-check-")))
-            report = run_checks(profile, getattr(torch, args.dtype), work, progress)
+            report = run_checks(profile, getattr(torch, args.dtype), work, progress,
+                                production_shapes=not args.no_production_shapes)
     except CannotRun as e:
         print(f"gpu-check: {e}", file=sys.stderr)
         return EXIT_CANNOT_RUN

@@ -1,16 +1,19 @@
 """``make gpu-check`` in its CPU dry run, as CI can run it, and the check catching what it is for.
 
-The dry run builds a toy bench kit and runs every check of ``control.tools.bench.gpu_check``; its
-report must name every check, pass, and carry numbers that show each check reached the code: rows
-compared on both LoRA paths (each path read from the batches that ran), every request's tokens
-counted. No speed is asserted: on a CPU the throughput ratios are measured, never judged.
+The dry run runs from a ``make gpu-bundle`` folder (``control.tools.bench.gpu_bundle``, its
+wheels packed from this venv) on a bare host with the network off (``bare_device``): an
+interpreter that sees only torch and what a GPU image brings beside it, so every other package
+the check imports must come from the bundle. It builds a toy bench kit and runs every check of
+``control.tools.bench.gpu_check``; its report must name every check, pass, and carry numbers that
+show each check reached the code: rows compared on both LoRA paths (each path read from the
+batches that ran), every request's tokens counted, the production-shape path run at scaled-down
+sizes. No speed is asserted: on a CPU the throughput ratios are measured, never judged.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,27 +23,60 @@ import torch
 
 from backend.serving.engine import Engine
 from backend.serving.memory_report import MEMORY_CATEGORIES
-from control.ops.triton_server import REPO_ROOT
-from control.tools.bench import gpu_check
+from control.tools.bench import gpu_bundle, gpu_check
 from control.tools.bench.gpu_check import PROFILES, Status
+from control.tools.bench.gpu_shapes import SHAPE_PROFILES
 from control.tools.bench.kit import NEW_TOKENS, BenchKit, build_bench_kit
+from tests.control.tools.bench.bare_device import device_python, fake_image, run_bundle
 
-CHECKS = {"peft_equality_segment", "peft_equality_gather", "mixed_vs_base",
-          "continuous_batching", "memory_accounting"}
+CHECKS = {"libraries", "libraries_in_stub_env", "peft_equality_segment", "peft_equality_gather",
+          "mixed_vs_base", "continuous_batching", "memory_accounting", "production_shapes"}
+
+
+@dataclass
+class BundledRun:
+    bundle: Path
+    report: dict[str, Any]
+    stderr: str
+    network_namespace: bool
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The dry run, as a developer starts it (``make gpu-check GPU_CHECK_ARGS='--device
-    cpu'``), its report both printed and written to ``--out``."""
-    out = tmp_path_factory.mktemp("gpu-check") / "report.json"
-    run = subprocess.run([sys.executable, "-m", "control.tools.bench.gpu_check", "--device", "cpu",
-                          "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
-                         timeout=600)
+def bundled(tmp_path_factory: pytest.TempPathFactory) -> BundledRun:
+    """``make gpu-bundle`` (wheels from this venv) and ``gpu-check --device cpu`` run from the
+    bundle folder on a bare host with no network, its report both printed and written to
+    ``--out``."""
+    root = tmp_path_factory.mktemp("gpu-bundle")
+    bundle = root / "bundle"
+    assert gpu_bundle.main(["--from-env", "--out", str(bundle)]) == 0
+    python = device_python(root, fake_image(root / "image"))
+    out = root / "report.json"
+    run, isolated = run_bundle(bundle, python, ["--device", "cpu", "--out", str(out)])
     assert run.returncode == 0, run.stderr[-4000:]
     printed = json.loads(run.stdout)
     assert printed == json.loads(out.read_text())
-    return dict(printed)
+    return BundledRun(bundle, dict(printed), run.stderr, isolated)
+
+
+@pytest.fixture(scope="module")
+def report(bundled: BundledRun) -> dict[str, Any]:
+    return bundled.report
+
+
+def test_bundle_runs_offline_with_its_own_packages_over_the_image(bundled: BundledRun) -> None:
+    env = bundled.report["environment"]
+    site = str(bundled.bundle / "site")
+    # the packages the image lacks or has too old come from the bundle's wheels ...
+    for name in ("transformers", "peft", "tokenizers", "safetensors"):
+        assert env[f"{name}_path"].startswith(site + os.sep), (name, env)
+    # ... and torch, the one under test, from the image
+    assert not env["torch_path"].startswith(str(bundled.bundle))
+    # the environment is printed before any check runs
+    assert bundled.stderr.index("gpu-check: environment: {") < bundled.stderr.index("building")
+    manifest = json.loads((bundled.bundle / "bundle.json").read_text())
+    assert {"transformers", "peft", "SQLAlchemy"} <= set(manifest["bundled"])
+    assert not [n for n in manifest["bundled"] if gpu_bundle.from_the_image(n)]
+    assert (bundled.bundle / "src" / "backend" / "serving" / "engine.py").is_file()
 
 
 def test_dry_run_reports_every_check_and_passes(report: dict[str, Any]) -> None:
@@ -52,6 +88,9 @@ def test_dry_run_reports_every_check_and_passes(report: dict[str, Any]) -> None:
     assert setup["device"] == "cpu" and setup["dtype"] == "bfloat16"
     assert setup["shape"] == PROFILES["cpu"].shape.as_dict()
     assert setup["adapters"] == PROFILES["cpu"].adapters
+    # no GPU: the library checks say so instead of passing
+    for name in ("libraries", "libraries_in_stub_env"):
+        assert report["checks"][name]["status"] == Status.NOT_AVAILABLE
 
 
 @pytest.mark.parametrize("path", ["segment", "gather"])
@@ -71,6 +110,9 @@ def test_dry_run_compares_every_row_with_peft_on_the_path_it_forced(report: dict
     assert check["decode_steps"] == check["tokens_per_row"] - 1
     gathering = check["decode_steps"] if path == "gather" else 0
     assert check["decode_steps_gathering"] == gathering
+    # bf16 at two layers: the first token's logits agree with PEFT's within the bound
+    assert check["tolerance"] == gpu_check.logit_rtol(torch.bfloat16, 2) == 2.0**-6
+    assert 0 < check["max_first_token_relative_diff"] <= check["tolerance"]
 
 
 def test_dry_run_measures_throughput_without_judging_it(report: dict[str, Any]) -> None:
@@ -86,6 +128,34 @@ def test_dry_run_measures_throughput_without_judging_it(report: dict[str, Any]) 
     assert streams["tokens_per_run"] == {"many": adapters * NEW_TOKENS, "one": NEW_TOKENS}
     assert streams["ratio"] == pytest.approx(streams["many_streams_tokens_per_s"]
                                              / streams["one_stream_tokens_per_s"])
+    # the goal scales with what batching gains on this machine
+    batch = streams["batch_tokens_per_s"]
+    assert streams["batch_speedup"] == pytest.approx(batch["all"] / batch["one"])
+    assert streams["share_of_batch_speedup"] == pytest.approx(streams["ratio"]
+                                                              / streams["batch_speedup"])
+
+
+def test_dry_run_runs_the_production_shape_path_at_scaled_down_sizes(
+        report: dict[str, Any]) -> None:
+    check = report["checks"]["production_shapes"]
+    assert check["status"] == Status.PASS, check["problems"]
+    profile = SHAPE_PROFILES["cpu"]
+    assert check["shape"] == {**profile.shape.as_dict(), "vocab": profile.vocab}
+    # every projection adapted, ranks below the banks' (padding), sampling on
+    assert check["targets"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                "down_proj"]
+    assert min(check["ranks"]) < max(check["ranks"])
+    assert check["sampling"]["temperature"] > 0
+    first = check["first_token"]
+    assert set(first["relative_diff"]) == {"base"} | {f"r{r}-{i}" for i, r in
+                                                      enumerate(profile.ranks)}
+    assert max(first["relative_diff"].values()) <= first["tolerance"]
+    assert first["smallest_adapter_effect"] > 10 * first["tolerance"]
+    assert [c["context"] for c in check["contexts"]] == list(profile.contexts)
+    for c in check["contexts"]:
+        assert c["tokens"] == c["tokens_expected"] == profile.rows * (profile.steps + 1)
+        assert c["decode_steps"] == profile.steps and c["ms_per_step"] > 0
+        assert "peak_bytes" not in c  # memory is judged on CUDA only
 
 
 def test_dry_run_counts_memory_by_category_and_says_why_it_compares_nothing(

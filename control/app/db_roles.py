@@ -16,8 +16,9 @@ schema the connection's ``search_path`` names:
   (``LORAPLANE_HOST_ID``) and a member of ``<prefix>_host``: reads the host view (revocations,
   signing keys, releases, bases, the tenants' ticket cut-offs, the projections' position),
   inserts its own ledger and adapter-load rows, updates only its own rows' completion columns,
-  and reports revocation steps into ``serving_step_reports`` (the control plane folds them into
-  events). Never the event store, a projection's rows, or the API-key hashes.
+  reports revocation steps into ``serving_step_reports`` (the control plane folds them into
+  events), and replaces its own row of ``host_status`` (its slots, tiers and load queue, for the
+  operator console). Never the event store, a projection's rows, or the API-key hashes.
 
 Whose rows are "own" is decided by row-level security on ``host = session_user``: the login
 role the host connected as. ``current_user`` would follow a ``SET ROLE`` to the group role;
@@ -50,6 +51,8 @@ from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
+
+from control.contracts.host_status import host_status
 
 # -- the grant map ------------------------------------------------------------------------------
 
@@ -91,6 +94,9 @@ COMPLETION_COLUMNS = ("outcome", "finished_at", "tokens_in", "tokens_out", "reas
 GATEWAY_LEDGER_COLUMNS = ("request_id", "tenant", "adapter_digest", "release_digest", "outcome",
                           "tokens_in", "tokens_out", "admitted_at", "finished_at")
 OWN_HOST = "host"  # the column naming the host on host-written tables
+# What a host's status report replaces each time: every column but ``host`` (the row's key,
+# whose policy names the host).
+HOST_STATUS_COLUMNS = tuple(c.name for c in host_status.columns if c.name != OWN_HOST)
 
 # table -> role -> what it may do. The control plane owns every table named here; a role not
 # named for a table gets nothing on it. Adding a table: one line, e.g. a host-written log
@@ -142,6 +148,10 @@ GRANTS: dict[str, dict[str, Grant]] = {
     # publishes the seal of the key it signs with; a host reads them and keeps only rows whose
     # proof a trusted signing key made
     "ticket_seals": {GATEWAY: Grant(select=EVERY_COLUMN, insert=True), HOST: READ},
+    # each host's latest status report (control.contracts.host_status): a host replaces its own
+    # row and no other; the console reads them as the control plane, the gateway never does
+    "host_status": {HOST: Grant(select=EVERY_COLUMN, insert=True, update=HOST_STATUS_COLUMNS,
+                                own_rows=OWN_HOST)},
 }
 
 

@@ -36,6 +36,7 @@ def _declare_components() -> None:
     the verbs that read or check the whole schema need them (``--help`` does not)."""
     from control.app import integrity  # noqa: F401  (declares the audit schema component)
     from control.contracts import (
+        host_status,  # noqa: F401  (the hosts' status reports, for the console)
         ledger,  # noqa: F401  (declares the ledger schema component)
         ledger_log,  # noqa: F401  (declares the ledger_log component)
         serving_reports,  # noqa: F401  (the hosts' revocation steps)

@@ -15,6 +15,9 @@ never
 - ``audit``: ``audit_checkpoints`` (``control.app.integrity``). Evidence too; version 1.
 - ``serving_reports``: ``serving_step_reports`` (``control.contracts.serving_reports``): the
   Triton hosts' revocation steps, which the control plane folds into events; version 1.
+- ``host_status``: ``host_status`` (``control.contracts.host_status``): each Triton host's
+  latest report of its slots, tiers, load queue and batch, for the operator console; a view of
+  the moment, replaced by each report; version 1.
 - ``projections``: the tables of ``projections.tables``. Derived from the event store, so an older
   version is not migrated: the tables are dropped, created afresh and replayed from the events.
 
@@ -150,11 +153,13 @@ class Change:
 # Each owner declares its component beside its tables (control.contracts.ledger,
 # control.app.integrity, projections.tables), so this module imports none of them. The order
 # below is the order status and upgrade go through them.
-ORDER = ("ledger", "ledger_log", "audit", "projections", "serving_reports", "ticket_seals")
+ORDER = ("ledger", "ledger_log", "audit", "projections", "serving_reports", "ticket_seals",
+         "host_status")
 OWNERS = {"ledger": "control.contracts.ledger", "ledger_log": "control.contracts.ledger_log",
           "audit": "control.app.integrity", "projections": "projections.tables",
           "serving_reports": "control.contracts.serving_reports",
-          "ticket_seals": "control.contracts.ticket_seals"}
+          "ticket_seals": "control.contracts.ticket_seals",
+          "host_status": "control.contracts.host_status"}
 _declared: dict[str, Component] = {}
 
 

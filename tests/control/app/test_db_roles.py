@@ -249,6 +249,29 @@ class TestHostRole:
         assert fold_reports(folder, deployment.control) == 1  # type: ignore[arg-type]
         assert folder.recorded == [f"host:{a}:drained"]
 
+    def test_reports_its_status_only_as_itself(self, deployment: Deployment) -> None:
+        """A host replaces its own ``host_status`` row; another host's it can neither write,
+        overwrite, take over, nor read; the gateway gets nothing of the table."""
+        from control.contracts.host_status import HostStatus, HostStatusTable, SlotEntry
+
+        a, b = deployment.host_a_id, deployment.host_b_id
+        HostStatusTable(deployment.host_b).put(HostStatus(b, 1.0, 1.0, 4))
+        mine = HostStatusTable(deployment.host_a)
+        mine.put(HostStatus(a, 1.0, 1.0, 4))
+        mine.put(HostStatus(a, 2.0, 1.0, 4, device=(SlotEntry(DIGEST, 5, 1),)))  # replaced
+        assert [(s.host, s.reported_at) for s in mine.all()] == [(a, 2.0)]  # b's is invisible
+        with pytest.raises(sa.exc.ProgrammingError, match="row-level security"):
+            mine.put(HostStatus(b, 3.0, 1.0, 9))  # in b's name: its update reaches no row
+        assert _count(deployment.host_a, "UPDATE host_status SET slots_total = 0 "
+                      "WHERE host = :h", h=b) == 0
+        _refused(deployment.host_a, "UPDATE host_status SET host = :h WHERE host = :a",
+                 h=b + "-x", a=a)
+        _refused(deployment.host_a, "DELETE FROM host_status")
+        theirs = HostStatusTable(deployment.admin).all()
+        assert {(s.host, s.reported_at, s.slots_total) for s in theirs} >= {
+            (a, 2.0, 4), (b, 1.0, 4)}
+        _refused(deployment.gateway, "SELECT * FROM host_status")
+
     def test_cannot_become_another_role(self, deployment: Deployment) -> None:
         """The rows it may touch follow the login role, not a role it can switch to."""
         a = deployment.host_a

@@ -21,6 +21,7 @@ from control.app.integrity import AUDIT
 from control.app.registry import NotYetVisible, Registry
 from control.cli.main import app
 from control.contracts import (
+    host_status,  # noqa: F401  (declares its schema component)
     ledger_log,  # noqa: F401  (declares its schema component)
     schema,
     serving_reports,  # noqa: F401  (declares its schema component)
@@ -142,7 +143,7 @@ class SchemaContract:
         assert [(c.component, c.action) for c in changes] == [
             ("ledger", "current"), ("ledger_log", "created"), ("audit", "created"),
             ("projections", "current"), ("serving_reports", "created"),
-            ("ticket_seals", "created")]
+            ("ticket_seals", "created"), ("host_status", "created")]
         assert {s.state for s in status(engine)} == {"current"}
 
     def test_concurrent_first_opens_create_once(self, engine: Engine) -> None:
@@ -164,7 +165,7 @@ class SchemaContract:
         assert {s.component: s.state for s in status(engine)} == {
             "ledger": "current", "ledger_log": "absent", "audit": "absent",
             "projections": "current", "serving_reports": "absent",
-            "ticket_seals": "absent"}
+            "ticket_seals": "absent", "host_status": "absent"}
 
     def test_audit_seal_creates_its_table_stamped(self, engine: Engine,
                                                   settings: Settings) -> None:

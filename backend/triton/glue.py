@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from backend.serving.host_report import HostReporter
 from backend.serving.messages import InvalidInput
 from backend.serving.service import (
     PREFIX_CACHE_BYTES,
@@ -132,11 +133,14 @@ class TritonGlue:
         base = os.environ.get(BASE_DIGEST_ENV)
         if not base:
             raise RuntimeError(f"{BASE_DIGEST_ENV} is not set: which base model should I serve?")
+        settings = Settings.from_env()
         self.service = self.make_service(
-            Settings.from_env(), base, host=os.environ.get(HOST_ID_ENV) or None,
+            settings, base, host=os.environ.get(HOST_ID_ENV) or None,
             prefix_cache_bytes=int(os.environ.get(PREFIX_CACHE_ENV, PREFIX_CACHE_BYTES)),
             steps=steps)
         self.telemetry = Telemetry.for_service(pb_utils, self.service)
+        # the host's slots, tiers and load queue, for the operator console (host_status)
+        self.reporter = HostReporter.into(settings.db_url, self.service).start()
 
     def make_service(self, settings: Settings, base: str, **kw: Any) -> LoraService:
         """The service this instance serves through. Test and benchmark model repositories
@@ -183,6 +187,7 @@ class TritonGlue:
             self.service.submit(incoming, _ResponseSink(self, r, incoming))
 
     def close(self) -> None:
+        self.reporter.close()
         self.service.close()
         self.telemetry.close()
         log.info("lora_llm engine instance finalised")

@@ -36,6 +36,7 @@ from control.console import reads
 from control.console.access import COOKIE, SESSION_TTL_S, Gatekeeper, Session
 from control.console.charts import rollout_charts
 from control.contracts.digests import DigestError, check_digest
+from control.contracts.host_status import REPORT_INTERVAL_S, STALE_AFTER_S
 from control.domain import DomainError, NotFound
 from projections.routing import RoutingView
 
@@ -53,6 +54,7 @@ HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
            "Referrer-Policy": "same-origin"}
 REFRESH_S = 2  # live fragments: the interval each page states
 ACTIONS = {"pause": "RolloutPaused", "resume": "RolloutResumed", "abort": "RolloutAborted"}
+ACTIONS_DONE = {"pause": "paused", "resume": "resumed", "abort": "aborted"}
 PUBLIC = ("/login", "/static/")
 SESSION_KEY = web.RequestKey("console_session", Session)  # the guard leaves it there
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -208,11 +210,27 @@ class Console:
         r = await self._detail(request)
         return self.page(request, "rollout_live.html", r=r, charts=rollout_charts(r["windows"]))
 
+    def _not_now(self, request: web.Request, r: dict[str, Any], action: str
+                  ) -> web.Response | None:
+        """The rollout page with a refusal, when ``r``'s status does not allow ``action`` (a
+        finished rollout allows none); None when it does. A rollout that allows one is the
+        alias's current rollout (an alias runs one at a time), the one the desk moves."""
+        if action in r["actions"]:
+            return None
+        return self.page(request, "rollout.html", status=409, r=r,
+                         error=f"rollout #{r['number']} of {r['alias']} is "
+                               f"{r['status'].replace('_', ' ')}: "
+                               f"it cannot be {ACTIONS_DONE[action]}",
+                         charts=rollout_charts(r["windows"]), title="rollout")
+
     async def confirm(self, request: web.Request) -> web.Response:
         action = request.query.get("action", "")
         if action not in ACTIONS:
             raise web.HTTPBadRequest(text="action is pause, resume or abort")
         r = await self._detail(request)
+        refused = self._not_now(request, r, action)
+        if refused is not None:
+            return refused
         return self.page(request, "confirm.html", action=action, alias=r["alias"],
                          number=r["number"], event=ACTIONS[action], title=f"confirm {action}")
 
@@ -226,6 +244,15 @@ class Console:
         reason = str(form.get("reason", "")).strip()
         if action == "abort" and not reason:
             raise web.HTTPBadRequest(text="an abort needs a reason")
+        if form.get("number"):  # the rollout its confirmation page named: still movable?
+            try:
+                r = await asyncio.to_thread(reads.rollout_detail, self.desk, alias,
+                                            int(str(form["number"])))
+            except (NotFound, ValueError):
+                raise web.HTTPNotFound(text="no such rollout") from None
+            refused = self._not_now(request, r, action)
+            if refused is not None:
+                return refused
         move = getattr(self.desk, action)
         try:
             await asyncio.to_thread(move, alias, reason, actor=self.actor)
@@ -238,7 +265,8 @@ class Console:
     async def hosts(self, request: web.Request) -> web.Response:
         rows = await asyncio.to_thread(reads.hosts, self.reg)
         template = "hosts_table.html" if request.path.endswith("/live") else "hosts.html"
-        return self.page(request, template, hosts=rows, title="hosts")
+        return self.page(request, template, hosts=rows, title="hosts",
+                         report_s=f"{REPORT_INTERVAL_S:g}", stale_s=f"{STALE_AFTER_S:g}")
 
     async def incidents(self, request: web.Request) -> web.StreamResponse:
         q = {k: request.query.get(k, "").strip() or None

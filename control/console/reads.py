@@ -23,6 +23,7 @@ from control.app.integrity import AuditSeal, audit_checkpoints
 from control.app.ledger_audit import coverage, sync
 from control.contracts.db import make_engine
 from control.contracts.event_log import page_after
+from control.contracts.host_status import STALE_AFTER_S, HostStatus, HostStatusTable
 from control.contracts.ledger import Ledger, LedgerEntry, adapter_loads, request_ledger
 from control.contracts.ledger_log import ledger_verified
 from control.domain import Rollout, event_fields
@@ -38,6 +39,10 @@ if TYPE_CHECKING:
 # Fields never shown, whatever event carries them (as in the audit log).
 _SECRET = ("api_key", "key_hash")
 _STARTED = get_topic(Rollout.RolloutStarted)
+# The console's buttons each status offers (``RolloutDesk``'s moves): none once it has ended.
+ACTIONS_BY_STATUS = {"running": ("pause", "abort"), "paused": ("resume", "abort")}
+# The health figures (``LoraService.health``) a host page flags when they are not zero.
+_PROBLEMS = ("violations", "identity_mismatches", "ledger_backlog", "ledger_poisoned")
 
 
 def iso(t: float | None) -> str:
@@ -132,7 +137,8 @@ def rollout_detail(desk: RolloutDesk, alias: str, number: int | None = None) -> 
             "baseline": r.baseline, "steps": list(r.steps), "step": r.step + 1,
             "percent": r.percent, "window_s": r.window_s, "reasons": list(r.reasons),
             "started_at": r.started_at, "windows": windows, "moves": moves,
-            "live": r.status.value in ("running", "paused")}
+            "live": r.status.value in ("running", "paused"),
+            "actions": ACTIONS_BY_STATUS.get(r.status.value, ())}
 
 
 def incident_rows(reg: Registry, *, adapter: str | None = None, base: str | None = None,
@@ -187,11 +193,13 @@ def ledger_checkpoints(engine: sa.Engine) -> list[dict[str, Any]]:
 
 
 def hosts(reg: Registry, window_s: float = 24 * 3600.0) -> list[dict[str, Any]]:
-    """Each host that wrote ledger rows in the last ``window_s``: its last request, and its
-    requests by outcome (what the ledger tells cheaply: one range over the admission-time index,
-    never a scan of the whole ledger; slots and tiers are not recorded centrally yet)."""
+    """Each host that wrote ledger rows, load records or a status report in the last
+    ``window_s``: its last request and its requests by outcome (one range over the admission-time
+    index, never a scan of the whole ledger), its latest status report (``status``: slots, tiers,
+    load queue, batch, health; None for a host that never reported) and its latest evictions."""
     c = request_ledger.c
-    since = time.time() - window_s
+    now = time.time()
+    since = now - window_s
     engine = Ledger(make_engine(reg.settings.db_url)).engine  # the table made if still missing
     with engine.connect() as conn:
         recent = conn.execute(
@@ -205,22 +213,66 @@ def hosts(reg: Registry, window_s: float = 24 * 3600.0) -> list[dict[str, Any]]:
         h["last_at"] = max(h["last_at"], float(r.last))
     for h in out.values():
         h["last"] = iso(h["last_at"])
-    resident, evictions = residency(reg, since)
-    for host in set(resident) | set(evictions):
+    owners = _Owners(reg)
+    resident, evictions = residency(reg, since, owners=owners)
+    reports = {st.host: st for st in HostStatusTable(engine).all(since)}
+    for host in set(resident) | set(evictions) | set(reports):
         h = out.setdefault(host, {"host": host, "last_at": 0.0, "last": "", "outcomes": {}})
     for h in out.values():
         h["resident"] = resident.get(h["host"], [])
         h["evictions"] = evictions.get(h["host"], [])
+        report = reports.get(h["host"])
+        h["status"] = None if report is None else _status(report, h["resident"], owners, now)
     return sorted(out.values(), key=lambda h: h["host"])
 
 
-def residency(reg: Registry, since: float, evictions_kept: int = 10
+def _status(st: HostStatus, loaded: list[dict[str, Any]], owners: _Owners, now: float
+            ) -> dict[str, Any]:
+    """A host's status report as the page shows it: healthy while it reports, stale once its
+    last report is older than ``STALE_AFTER_S``; each digest with its owner; the health figures
+    that are not zero (broken invariants, identity mismatches, ledger rows held back)."""
+    since = {a["digest"]: a["since"] for a in loaded}
+    problems = {k: v for k, v in st.health.items() if k in _PROBLEMS and v}
+    return {
+        "state": "stale" if now - st.reported_at > STALE_AFTER_S else "healthy",
+        "reported": iso(st.reported_at), "started": iso(st.started_at),
+        "slots_total": st.slots_total,
+        "device": [{"digest": e.digest, "tenant": owners(e.digest), "bytes": e.bytes,
+                    "active": e.active, "revoked": e.revoked, "since": since.get(e.digest, "")}
+                   for e in st.device],
+        "host_tier": [{"digest": e.digest, "tenant": owners(e.digest), "bytes": e.bytes,
+                       "active": e.active} for e in st.host_tier],
+        "pending_loads": st.pending_loads, "load_waiters": st.load_waiters,
+        "load_queue_max": st.load_queue_max, "running": st.running, "waiting": st.waiting,
+        "kv_reserved": st.kv_tokens_reserved, "kv_budget": st.kv_tokens_budget,
+        "device_bytes": st.device_bytes, "device_budget": st.device_budget,
+        "host_bytes": st.host_bytes, "host_budget": st.host_budget, "problems": problems,
+    }
+
+
+class _Owners:
+    """Digest -> the owning tenant's name, from the routing projection ("?" when unknown),
+    each digest looked up once per page."""
+
+    def __init__(self, reg: Registry) -> None:
+        self.view = RoutingView(make_engine(reg.settings.db_url))
+        self.known: dict[str, str] = {}
+
+    def __call__(self, digest: str) -> str:
+        if digest not in self.known:
+            row = self.view.adapter(digest)
+            self.known[digest] = row.tenant if row is not None else "?"
+        return self.known[digest]
+
+
+def residency(reg: Registry, since: float, evictions_kept: int = 10, *,
+              owners: _Owners | None = None,
               ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[dict[str, Any]]]]:
     """Per host, the adapters its device slots hold (their last load record says ``loaded``)
     and its latest evictions since ``since`` (``unloaded``, with the cache's reason), from the
     load records hosts write (``adapter_loads``), with each adapter's owner from the registry.
-    The host tier and the load queue are not recorded centrally: their figures are on each
-    host's metrics port."""
+    A host's status report (``hosts``) says what its slots hold now; these records are what the
+    page shows for a host that never reported, and when each adapter was loaded."""
     c = adapter_loads.c
     engine = Ledger(make_engine(reg.settings.db_url)).engine
     latest = sa.select(c.host, c.adapter_digest, sa.func.max(c.id).label("id")).group_by(
@@ -232,15 +284,7 @@ def residency(reg: Registry, since: float, evictions_kept: int = 10
         gone = conn.execute(sa.select(c.host, c.adapter_digest, c.started_at, c.reason)
                             .where(c.outcome == "unloaded", c.started_at >= since)
                             .order_by(c.id.desc()).limit(200)).all()
-    view = RoutingView(make_engine(reg.settings.db_url))
-    owners: dict[str, str] = {}
-
-    def owner(digest: str) -> str:
-        if digest not in owners:
-            row = view.adapter(digest)
-            owners[digest] = row.tenant if row is not None else "?"
-        return owners[digest]
-
+    owner = owners or _Owners(reg)
     resident: dict[str, list[dict[str, Any]]] = {}
     for r in sorted(last, key=lambda r: (r.host, -r.started_at)):
         resident.setdefault(r.host, []).append(

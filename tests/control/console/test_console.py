@@ -25,7 +25,9 @@ from control.app.integrity import AuditSeal
 from control.cli.main import app as cli
 from control.console.access import COOKIE, load_or_create_token, rotate_token, token_path
 from control.console.app import CSP, Console
+from control.console.reads import iso
 from control.contracts.db import make_engine
+from control.contracts.host_status import HostStatus, HostStatusTable, SlotEntry
 from control.contracts.ledger import AdapterLoad
 from control.domain import AdapterMetadata, RolloutPolicy
 from tests.control.app.rollout_world import ALIAS, WINDOW, RolloutWorld, World
@@ -246,6 +248,76 @@ class TestConsole(RolloutWorld, OnSQLite):
         assert "acme" in resident["h1"] and "3.0 MiB" in resident["h1"]
         assert world.target[:19] in evicted["h1"] and "lru" in evicted["h1"]
         assert world.target[:19] in resident["h2"] and evicted["h2"].strip() == "none"
+
+    def test_hosts_show_their_reported_slots_tiers_load_queue_and_health(
+            self, world: World, base: str, client: requests.Session) -> None:
+        now = time.time()
+        table = HostStatusTable(world.ledger.engine)
+        table.put(HostStatus(  # reporting: healthy, with what its slots and host tier hold
+            "h3", now, now - 600, 4,
+            device=(SlotEntry(world.stable, 3 << 20, 2),
+                    SlotEntry(world.target, 1 << 20, 1, revoked=True)),
+            host_tier=(SlotEntry(world.target, 2 << 20, 1),), pending_loads=2, load_waiters=5,
+            load_queue_max=64, running=3, waiting=7, kv_tokens_reserved=300,
+            kv_tokens_budget=4096, host_bytes=2 << 20, host_budget=64 << 20,
+            health={"violations": 1, "ledger_backlog": 0}))
+        # silent for longer than three report periods: stale, shown with its last report
+        table.put(HostStatus("h4", now - 60, now - 600, 2))
+        world.ledger.record_load(AdapterLoad("h5", world.stable, now - 30, 0.2, "loaded",
+                                             1 << 20))  # never reported its status
+        page = client.get(f"{base}/hosts/live", timeout=10).text
+        rows = {m.group(1): m.group(2) for m in re.finditer(
+            r"<tr><td>(h\d)</td>(.*?)</tr>", page, re.S)}
+
+        def cell(host: str, name: str) -> str:
+            found = re.search(rf'class="{name}">(.*?)</td>', rows[host], re.S)
+            assert found, (host, name)
+            return re.sub(r"\s+", " ", found.group(1))
+
+        assert 'class="state-healthy">healthy<' in cell("h3", "health")
+        assert 'class="state-stale">violations=1<' in cell("h3", "health")
+        assert "ledger_backlog" not in cell("h3", "health")  # zero: nothing to flag
+        slots = cell("h3", "resident")
+        assert "2 of 4 slots" in slots and "acme" in slots and "3.0 MiB · 2 active" in slots
+        assert world.stable[:19] in slots and "revoked, draining" in slots
+        tier = cell("h3", "host-tier")
+        assert world.target[:19] in tier and "2.0 of 64.0 MiB" in tier
+        loads = cell("h3", "loads")
+        assert "load queue 2 of 64 (5 requests waiting)" in loads
+        assert "running 3 · waiting 7" in loads and "KV 300 of 4096 positions" in loads
+        stale = cell("h4", "health")
+        assert f'class="state-stale">not reporting since {iso(now - 60)}<' in stale
+        assert 'class="state-unknown">unknown<' in cell("h5", "health")
+        assert world.stable[:19] in cell("h5", "resident")  # from its load records
+        assert cell("h5", "loads") == "not reported"
+        full = client.get(f"{base}/hosts", timeout=10).text
+        assert 'class="state-stale">not reporting since' in full and "every 2 s" in full
+
+    def test_finished_rollouts_offer_no_actions(self, world: World, base: str,
+                                                client: requests.Session) -> None:
+        self._rollout_with_a_window(world)
+        live = client.get(f"{base}/rollouts/{ALIAS}/live", timeout=10).text
+        assert 'id="pause"' in live and 'id="abort"' in live  # the buttons follow the status
+        confirm = client.get(f"{base}/rollouts/{ALIAS}/confirm",
+                             params={"action": "pause", "number": "1"}, timeout=10)
+        token = csrf_of(confirm.text)
+        resume = client.get(f"{base}/rollouts/{ALIAS}/confirm",
+                            params={"action": "resume", "number": "1"}, timeout=10)
+        assert resume.status_code == 409 and "cannot be resumed" in resume.text
+        world.desk.abort(ALIAS, "enough", actor="alice")
+        for path in (f"/rollouts/{ALIAS}", f"/rollouts/{ALIAS}/live"):
+            page = client.get(f"{base}{path}", timeout=10).text
+            assert 'id="rollout-status">rolled_back<' in page
+            assert not re.search(r'id="(pause|resume|abort)"', page), path
+        for action in ("pause", "resume", "abort"):
+            r = client.get(f"{base}/rollouts/{ALIAS}/confirm",
+                           params={"action": action, "number": "1"}, timeout=10)
+            assert r.status_code == 409 and "is rolled back: it cannot be" in r.text
+            assert 'name="confirm"' not in r.text
+        # a confirmation page opened before the rollout ended: its POST is refused too
+        done = client.post(f"{base}/rollouts/{ALIAS}/pause",
+                           data={"csrf": token, "confirm": "yes", "number": "1"}, timeout=10)
+        assert done.status_code == 409 and not world.events("RolloutPaused")
 
     def test_another_sessions_csrf_token_is_refused(self, world: World, base: str,
                                                     console: Console,

@@ -6,7 +6,8 @@ It checks what only a browser shows: the login form's cookie works; a tenant's
 the strict CSP and no CSP violation is reported; the rollout's windows appear without a reload
 as traffic flows, and the pause button, through its confirmation page, records
 ``RolloutPaused``; the incident search shows the CLI's rows and its CSV export holds them; a
-tampered event turns the audit page red. Screenshots of each page go to
+tampered event turns the audit page red; a host that stopped reporting its status is shown in
+red. Screenshots of each page go to
 ``$LORAPLANE_TEST_ARTIFACTS/console`` (default: the pytest temporary folder).
 
 Skipped where chromium or chromedriver is missing, except in CI (``tests/required.py``).
@@ -17,6 +18,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from control.cli.main import app as cli
 from control.console.access import COOKIE, load_or_create_token
 from control.console.app import Console
 from control.contracts.db import make_engine
+from control.contracts.host_status import HostStatus, HostStatusTable, SlotEntry
 from control.domain import AdapterMetadata, RolloutPolicy
 from tests.control.app.rollout_world import ALIAS, WINDOW, RolloutWorld, World
 from tests.control.console.conftest import csp_violations, shot, wait_for
@@ -135,7 +138,31 @@ class TestConsoleInChromium(RolloutWorld, OnSQLite):
         assert verdict.value_of_css_property("background-color") in (
             "rgba(192, 21, 27, 1)", "rgb(192, 21, 27)")
         shot(d, shots / "audit-tampered.png")
+
+        # hosts: one reporting its status (healthy, in green), one silent for longer than
+        # three report periods (in red), as Triton hosts write their reports
+        now, slot = time.time(), 320 << 20
+        table = HostStatusTable(make_engine(reg.settings.db_url))
+        table.put(HostStatus(
+            "h1", now, now - 3600, 4,
+            device=(SlotEntry(world.stable, slot, 1), SlotEntry(world.target, slot, 0)),
+            host_tier=(SlotEntry(world.stable, 84 << 20, 1),), pending_loads=1,
+            load_waiters=2, load_queue_max=64, running=1, waiting=2, kv_tokens_reserved=96,
+            kv_tokens_budget=8192, device_bytes=2 * slot, device_budget=4 * slot,
+            host_bytes=84 << 20, host_budget=1 << 30, health={"violations": 0}))
+        table.put(HostStatus("h2", now - 90, now - 7200, 4,
+                             device=(SlotEntry(world.target, slot, 0),), load_queue_max=64,
+                             kv_tokens_reserved=0, kv_tokens_budget=8192,
+                             device_bytes=slot, device_budget=4 * slot, host_budget=1 << 30))
         d.get(f"{base}/hosts")
+        # one script call: the live fragment may be replaced between two WebDriver calls
+        health = {host: (text, color) for host, text, color in d.execute_script(
+            "return Array.from(document.querySelectorAll('#hosts tbody tr')).map(function (tr) {"
+            " var s = tr.querySelector('td.health span');"
+            " return [tr.cells[0].innerText, s.innerText, getComputedStyle(s).color]; });")}
+        assert health["h1"] == ("healthy", "rgb(27, 122, 51)")
+        assert health["h2"][0].startswith("not reporting since")
+        assert health["h2"][1] == "rgb(192, 21, 27)"
         shot(d, shots / "hosts.png")
         assert csp_violations(d) == []
 

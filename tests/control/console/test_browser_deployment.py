@@ -5,7 +5,8 @@ Real requests through Triton write the ledger; a revocation is carried out by th
 which reports drained, purged and unloaded. The browser then checks that the adapter's timeline
 shows register -> release -> revoke and the host's steps in order, that the incident search
 shows the rows ``loraplane --json incident requests`` prints and its CSV export holds them, and
-that the hosts page names the host that served them.
+that the hosts page shows the host that served them as healthy, from its own status report, with
+the adapter it served in a device slot and its load queue.
 
 Skipped where tritonserver or chromium is missing, except in CI (``tests/required.py``).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,9 +117,22 @@ def test_a_served_and_revoked_adapter_in_the_console(stack: Stack, driver: Any, 
         assert list(csv.DictReader(io.StringIO(exported.text))) == [
             {k: "" if v is None else str(v) for k, v in r.items()} for r in cli_rows]
 
+        # The host's status report (every 2 s): healthy, its slot holding the adapter it has
+        # just served, its load queue. Read in one script call: the fragment is replaced
+        # whenever a report arrives, so elements found first may be gone by the next call.
+        alpha = stack.digests["alpha"]
+        assert generate(stack.http, "Hello", stack.ticket("acme", "acme-alpha"),
+                        max_tokens=2).adapter_digest == alpha
         d.get(f"{base}/hosts")
-        hosts = d.find_element(By.ID, "hosts").text
-        assert cli_rows[0]["host"] in hosts
+
+        def reported() -> str:
+            text = str(d.execute_script(
+                "return document.getElementById('hosts-live').innerText"))
+            return text if "healthy" in text and alpha[:19] in text else ""
+
+        hosts = wait_for(reported, timeout=15, what="the host's status report with alpha")
+        assert cli_rows[0]["host"] in hosts and "not reporting" not in hosts
+        assert re.search(r"load queue \d+ of \d+", hosts) and re.search(r"\d+ of \d+ slots", hosts)
         shot(d, shots / "deployment-hosts.png")
 
         # the host signs a checkpoint of its ledger log every 10 s; once verified, the audit

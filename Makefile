@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint clean gpu-check docker-build docker-config
+.PHONY: venv demo test lint clean gpu-check gpu-bundle docker-build docker-config
 
 venv: $(STAMP)
 
@@ -39,6 +39,16 @@ lint: $(STAMP)
 GPU_CHECK_ARGS ?=
 gpu-check: $(STAMP)
 	$(PY) -m control.tools.bench.gpu_check $(GPU_CHECK_ARGS)
+
+# A folder from which the GPU check runs on a host with no network (a lent GPU machine): the
+# project's source, wheels from PyPI for CPython 3.12 on manylinux x86_64 of everything the check
+# imports except torch and its CUDA stack (the image's own), and a run script. On the host:
+#   build/gpu-bundle/gpu-check            (PYTHON=... picks the interpreter that has torch)
+# GPU_BUNDLE_ARGS='--from-env' packs this venv's installed packages instead, offline (CI does).
+GPU_BUNDLE_DIR ?= build/gpu-bundle
+GPU_BUNDLE_ARGS ?=
+gpu-bundle: $(STAMP)
+	$(PY) -m control.tools.bench.gpu_bundle --out $(GPU_BUNDLE_DIR) $(GPU_BUNDLE_ARGS)
 
 clean:
 	rm -rf .loraplane .pytest_cache .mypy_cache .ruff_cache

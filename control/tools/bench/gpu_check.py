@@ -363,9 +363,10 @@ def run_checks(profile: Profile, dtype: torch.dtype, work_dir: Path,
                production_shapes: bool = True) -> dict[str, Any]:
     """Build the kit under ``work_dir``, run every check; the report."""
     started = time.perf_counter()
-    device = require_device(profile.device)
+    # First of all, also where the check cannot run: it tells why (a CPU torch, no GPU seen).
     environment = gpu_env.environment()
     progress(f"environment: {json.dumps(environment)}")
+    device = require_device(profile.device)
     checks: dict[str, dict[str, Any]] = {}
     # Before anything else: numbers taken on a cuDNN or cuBLAS other than torch's own would
     # describe the wrong libraries.

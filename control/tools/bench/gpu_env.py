@@ -34,8 +34,11 @@ import torch
 
 # Library file stems torch's CUDA build loads, and the wheels that ship them (CUDA 12 wheels
 # carry a -cu12 suffix, CUDA 13's cuBLAS none).
-LIBRARIES = {"cudnn": "libcudnn.so", "cublas": "libcublas.so", "cublasLt": "libcublasLt.so"}
-WHEELS = {"cudnn": ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12"),
+LIBRARIES = {"cudart": "libcudart.so", "cudnn": "libcudnn.so", "cublas": "libcublas.so",
+             "cublasLt": "libcublasLt.so"}
+WHEELS = {"cudart": ("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu13",
+                     "nvidia-cuda-runtime-cu12"),
+          "cudnn": ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12"),
           "cublas": ("nvidia-cublas", "nvidia-cublas-cu13", "nvidia-cublas-cu12"),
           "cublasLt": ("nvidia-cublas", "nvidia-cublas-cu13", "nvidia-cublas-cu12")}
 PACKAGES = ("transformers", "peft", "tokenizers", "safetensors", "numpy")
@@ -126,7 +129,7 @@ def _stem_matches(path: str, stem: str) -> bool:
 
 
 def loaded_libraries(maps: str | None = None) -> list[Loaded]:
-    """The cuDNN and cuBLAS files this process mapped, with their versions."""
+    """The CUDA runtime, cuDNN and cuBLAS files this process mapped, with their versions."""
     files = mapped_files(maps)
     out = []
     for name, stem in LIBRARIES.items():
@@ -137,12 +140,17 @@ def loaded_libraries(maps: str | None = None) -> list[Loaded]:
 
 
 def _library_version(name: str, path: str) -> str | None:
-    """The version the library itself reports (cuDNN: torch's reading; cuBLAS and cuBLASLt:
-    their own GetVersion entry points), or None where it cannot be read."""
+    """The version the library itself reports (cuDNN: torch's reading; the CUDA runtime,
+    cuBLAS and cuBLASLt: their own version entry points), or None where it cannot be read."""
     if name == "cudnn":
         return _cudnn_version_text(torch.backends.cudnn.version())
     try:
         lib = ctypes.CDLL(path)  # already mapped: this opens the same copy
+        if name == "cudart":
+            out = ctypes.c_int()
+            if lib.cudaRuntimeGetVersion(ctypes.byref(out)) != 0:
+                return None
+            return f"{out.value // 1000}.{out.value % 1000 // 10}"  # 13000 -> 13.0
         if name == "cublasLt":
             v = int(lib.cublasLtGetVersion())
         else:
@@ -156,7 +164,7 @@ def _library_version(name: str, path: str) -> str | None:
 
 
 def wheel_libraries() -> list[Wheel]:
-    """The cuDNN and cuBLAS shared objects installed by ``nvidia-*`` wheels."""
+    """The CUDA runtime, cuDNN and cuBLAS shared objects installed by ``nvidia-*`` wheels."""
     out = []
     for name, dists in WHEELS.items():
         for dist_name in dists:

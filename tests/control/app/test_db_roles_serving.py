@@ -1,6 +1,7 @@
 """A Triton host's service, in-process, serving on PostgreSQL with nothing but its own role:
-verified tickets answered, ledger rows (and their Merkle log) written under its name, a
-revocation applied and its steps reported, which the control plane then folds into events."""
+verified tickets answered, ledger rows (and their Merkle log) and its status report written under
+its name, a revocation applied and its steps reported, which the control plane then folds into
+events."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import pytest
 import sqlalchemy as sa
 
 from backend.serving.engine import Engine
+from backend.serving.host_report import HostReporter
 from backend.serving.scheduler import SchedulerLimits
 from backend.serving.service import IncomingRequest, LoraService
 from control.app.db_roles import RoleNames, apply_roles
 from control.app.serving_steps import fold_reports
 from control.contracts.db import make_engine
+from control.contracts.host_status import HostStatusTable
 from control.contracts.ledger import Ledger
 from control.contracts.serving_reports import TableSteps
 from tests.fixtures_control import postgres_settings
@@ -56,6 +59,11 @@ def test_a_host_serves_with_its_own_role(kit_dir: Path, tmp_path: Path) -> None:
                     logged = conn.execute(sa.text(
                         "SELECT count(*) FROM ledger_log WHERE host = :h"), {"h": host}).scalar()
                 assert logged == 1
+                # its status report, written under its own role, shows the adapter it loaded
+                reporter = HostReporter.into(own, svc)
+                assert reporter.report_once() and reporter.report_once()  # insert, then update
+                (status,) = [st for st in HostStatusTable(admin).all() if st.host == host]
+                assert [e.digest for e in status.device] == [home.digests["gamma"]]
                 home.registry.revoke(digest, "test", actor=ACTOR)
                 wait_for(lambda: digest not in svc.engine.resident_adapters(), "the unload", 10)
                 wait_for(lambda: TableSteps(s).done(digest, host) == [

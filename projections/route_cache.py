@@ -89,6 +89,7 @@ class _Release:
     base_digest: str
     tokenizer_digest: str
     servable: bool
+    owner: str | None = None
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ def _position(conn: Connection) -> int:
 def _load(conn: Connection, position: int) -> _Snapshot:
     release_rows = conn.execute(
         sa.select(releases.c.digest, releases.c.adapter_digest, releases.c.base_digest,
-                  releases.c.tokenizer_digest, adapters.c.state)
+                  releases.c.tokenizer_digest, releases.c.tenant, adapters.c.state)
         .select_from(releases.outerjoin(adapters,
                                         adapters.c.digest == releases.c.adapter_digest)))
     return _Snapshot(
@@ -131,7 +132,7 @@ def _load(conn: Connection, position: int) -> _Snapshot:
                                                 routes.c.canary_percent))},
         releases={str(r.digest): _Release(
             r.adapter_digest, str(r.base_digest), str(r.tokenizer_digest),
-            servable=r.adapter_digest is None or r.state in SERVABLE_STATES)
+            servable=r.adapter_digest is None or r.state in SERVABLE_STATES, owner=r.tenant)
             for r in release_rows},
         retired_kids=frozenset(str(k) for k in conn.execute(
             sa.select(signing_keys.c.kid).where(signing_keys.c.retired_at.is_not(None)))
@@ -326,4 +327,4 @@ def _route(alias: str, digest: str, r: _Release, canary: str | None, *,
         return None
     return Route(alias=alias, base_digest=r.base_digest, adapter_digest=r.adapter_digest,
                  tokenizer_digest=r.tokenizer_digest, release=digest, canary=digest == canary,
-                 pinned=pinned)
+                 pinned=pinned, owner=r.owner)

@@ -65,6 +65,7 @@ class Route:
     release: str | None = None
     canary: bool = False
     pinned: bool = False
+    owner: str | None = None  # the tenant that owns the release (None: the base alone)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def _release_rows(conn: Connection, digests: list[str]) -> dict[str, Any]:
     """The release rows of ``digests``, each with its adapter's state, by digest."""
     return {r.digest: r for r in conn.execute(
         sa.select(releases.c.digest, releases.c.adapter_digest, releases.c.base_digest,
-                  releases.c.tokenizer_digest, adapters.c.state)
+                  releases.c.tokenizer_digest, releases.c.tenant, adapters.c.state)
         .select_from(releases.outerjoin(adapters,
                                         adapters.c.digest == releases.c.adapter_digest))
         .where(releases.c.digest.in_(digests)))}
@@ -132,7 +133,7 @@ def _servable_route(alias: str, r: Any, canary: str | None, *,
         return None
     return Route(alias=alias, base_digest=r.base_digest, adapter_digest=r.adapter_digest,
                  tokenizer_digest=r.tokenizer_digest, release=r.digest,
-                 canary=r.digest == canary, pinned=pinned)
+                 canary=r.digest == canary, pinned=pinned, owner=r.tenant)
 
 
 def pin_from_row(r: Any) -> Pin:

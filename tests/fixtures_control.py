@@ -210,6 +210,9 @@ def close_registry(registry: object) -> None:
         engine.dispose()
 
 
-def ticket_claims(token: str) -> dict[str, Any]:
-    """A ticket's claims, unverified (the ticket answer names no arm)."""
-    return unverified_claims(token)
+def ticket_claims(token: str, keys_dir: Path) -> dict[str, Any]:
+    """A ticket's claims, unverified, its sealed arm opened with the signing keys under
+    ``keys_dir`` (neither the ticket answer nor the ticket names the arm to a tenant)."""
+    from control.app.key_ring import held_seal_keys
+
+    return unverified_claims(token, held_seal_keys(keys_dir))

@@ -20,6 +20,7 @@ from control.app.registry import Registry
 from control.app.serving_steps import RegistrySteps
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
+from control.contracts.ticket_seals import publish_seal
 from control.contracts.tickets import TicketSigner
 from control.contracts.wire import TICKET_PARAM
 from control.gateway.ticket_office import TicketOffice
@@ -61,6 +62,7 @@ def provision_home(settings: Settings, kit_dir: Path) -> Home:
     reg, _kit, _keys, digests = provision(settings, kit_dir)
     signer, _ = TicketSigner.load_or_create(settings.keys_dir)
     reg.record_signing_key(signer.kid, signer.public_b64, actor=ACTOR)
+    publish_seal(make_engine(settings.db_url), signer)  # tests sign with it directly too
     routing = RoutingView(make_engine(settings.db_url))
     return Home(settings, reg, routing.bases()[0].digest, digests,
                 signer, TicketOffice(settings, routing, signer), kit_dir)

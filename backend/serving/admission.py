@@ -30,6 +30,7 @@ from projections.host_view import GovernanceState
 
 VERIFIED_CACHE_SIZE = 4096
 KEY_RELOAD_INTERVAL_S = 1.0
+RELOAD_REASONS = frozenset({"unknown_key", "unknown_seal"})
 __all__ = ["RequestRefused", "VerifiedTickets", "check_governance", "ticket_from_parameters"]
 
 
@@ -63,7 +64,8 @@ class VerifiedTickets:
         try:
             claims = self._verifier.verify(token, now=t)
         except TicketRejected as e:
-            if e.reason != "unknown_key" or not self._reload_keys():
+            # a key rotated in, or its seal published after this verifier was made
+            if e.reason not in RELOAD_REASONS or not self._reload_keys():
                 raise
             claims = self._verifier.verify(token, now=t)
         with self._lock:
@@ -73,8 +75,8 @@ class VerifiedTickets:
         return claims
 
     def _reload_keys(self) -> bool:
-        """Re-read the public keys (a key may have been rotated in), at most once per
-        interval; True when reloaded now."""
+        """Re-read the public keys (a key may have been rotated in) and their seals, at most
+        once per interval; True when reloaded now."""
         with self._lock:
             now = self._clock()
             if now - self._last_reload < self._reload_interval_s:

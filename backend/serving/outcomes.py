@@ -98,11 +98,19 @@ class SequenceSink:
         # The digest the slot's banks held for the passes that computed it (a row whose passes
         # saw another one is failed before any piece is sent), not the ticket's.
         served = self.adm.seq.served_digest()
-        self.adm.sink.piece(piece, self.adm.request_id, served or "")
+        self.adm.sink.piece(piece, self.adm.request_id, told(self.adm.claims, served))
         self.adm.delivered = len(self.adm.seq.produced)
 
     def finish(self, result: GenerationResult, outcome: Outcome, reason: str | None) -> None:
         self.service._finish(self.adm, result, outcome, reason)
+
+
+def told(claims: TicketClaims, served: str | None) -> str:
+    """The ``adapter_digest`` a client is told: the digest the slot held, to the owner of the
+    release only (the ticket's sealed ``disclose``); "" for the base alone and for everyone
+    else, so a tenant granted another tenant's alias learns neither that tenant's adapter nor
+    which arm of its rollout answered (the ledger keeps the digest either way)."""
+    return (served or "") if claims.disclose else ""
 
 
 class Collector:
@@ -202,8 +210,8 @@ class Outcomes:
         if outcome == Outcome.OK:
             stats.served += 1
             text = "" if adm.stream else result.text
-            a = Answer(ok=True, text=text, request_id=rid, adapter_digest=served or "",
-                       outcome=outcome)
+            a = Answer(ok=True, text=text, request_id=rid,
+                       adapter_digest=told(adm.claims, served), outcome=outcome)
         elif outcome == Outcome.CANCELLED:
             stats.cancelled += 1
             a = Answer(ok=False, request_id=rid, error=CANCELLED_MESSAGE, status="cancelled",

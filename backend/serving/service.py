@@ -61,6 +61,7 @@ from backend.serving.requests import (
 from backend.serving.revocation_watch import RevocationWatch
 from backend.serving.sampling import check_sampling
 from backend.serving.scheduler import Scheduler, SchedulerLimits
+from control.contracts import ticket_seals
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger, LedgerEntry, Outcome
@@ -150,8 +151,10 @@ class LoraService:
         self._watcher.start()
 
     def _load_verifier(self) -> TicketVerifier:
+        public = load_public_keys(self.settings.keys_dir / "public")
         return TicketVerifier(
-            load_public_keys(self.settings.keys_dir / "public"),
+            public,
+            seal_keys=ticket_seals.load(self.governance.engine, public),
             model=self.settings.model_name,
             base=self.base_digest,
             tokenizer=self.tokenizer_digest,

@@ -53,6 +53,12 @@ def held_signers(keys_dir: Path) -> list[TicketSigner]:
     return list(out.values())
 
 
+def held_seal_keys(keys_dir: Path) -> dict[str, bytes]:
+    """kid -> seal key of every signing key held here: what opens the arm of the tickets this
+    home's gateways signed (operators' tools; ``control.contracts.tickets.unverified_claims``)."""
+    return {s.kid: s.seal_key for s in held_signers(keys_dir)}
+
+
 def pick_signer(keys_dir: Path, usable: Callable[[str], bool]) -> TicketSigner | None:
     """The first held key (active, then newest) whose key id is ``usable``, else None."""
     return next((s for s in held_signers(keys_dir) if usable(s.kid)), None)

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 from control.app import key_ring
 from control.app.unit_of_work import VISIBLE_WITHIN_S, NotYetVisible, UnitOfWork
 from control.contracts import root_of_trust
+from control.contracts.db import make_engine
+from control.contracts.ticket_seals import publish_seal
 from control.domain import (
     AlreadyExists,
     DomainError,
@@ -105,6 +107,8 @@ class SigningKeyDesk:
                                                root_signature=signature)
             reg.confirm_visible(position, lambda v: signer.kid in v.signing_keys(),
                                 "the new signing key", wait_s)
+            # hosts can open its tickets' arms before any gateway signs with it
+            publish_seal(make_engine(reg.settings.db_url), signer)
 
         try:
             signer, previous = key_ring.rotate(reg.settings.keys_dir, record)

@@ -24,6 +24,7 @@ import binascii
 import contextlib
 import time
 from collections.abc import Mapping
+from typing import Protocol
 
 import sqlalchemy as sa
 from cryptography.exceptions import InvalidSignature
@@ -63,6 +64,20 @@ def publish(engine: Engine, kid: str, seal: bytes, proof: bytes) -> None:
         if exists is None:
             with contextlib.suppress(sa.exc.IntegrityError):  # a racing gateway published it
                 conn.execute(ticket_seals.insert().values(**row))
+
+
+class SealSource(Protocol):
+    """What publishes a seal: a ``control.contracts.tickets.TicketSigner``."""
+
+    kid: str
+    seal_key: bytes
+
+    def seal_proof(self) -> bytes: ...
+
+
+def publish_seal(engine: Engine, signer: SealSource) -> None:
+    """Publish the seal key of ``signer``'s signing key, so hosts can open its tickets."""
+    publish(engine, signer.kid, signer.seal_key, signer.seal_proof())
 
 
 def load(engine: Engine, public_keys: Mapping[str, bytes]) -> dict[str, bytes]:

@@ -5,6 +5,13 @@ the key id, so hosts that hold several public keys (rotation) pick the right one
 all. The implicit assertion binds every ticket to this protocol, so a PASETO signed by the same key
 for some other purpose is never a ticket.
 
+The arm (the adapter and release the ticket routes to, and whether the client may be told the
+adapter that served it) is sealed: the claim ``arm`` holds it AES-256-GCM encrypted under the seal
+key of the signing key (HKDF-SHA256 of the private key, so it rotates and retires with it), in a
+fixed-length binary layout, so neither the bytes nor their length tell a tenant which arm of a
+canary split it landed on, or which adapter another tenant's alias runs. Hosts get seal keys
+through ``control.contracts.ticket_seals``; the gateway's answer names no arm either.
+
 Verification failures raise :class:`TicketRejected` with a short machine reason for the ledger and
 metrics; what a client is told is always :data:`GENERIC_REFUSAL`, whatever the reason.
 
@@ -24,17 +31,22 @@ import re
 import struct
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyseto
-from cryptography.hazmat.primitives import serialization
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from control.contracts.config import DEFAULT_TICKET_MAX_TTL_S
 from control.contracts.digests import DIGEST_RE
 from control.contracts.keys import load_or_create_ed25519, write_atomically
+from control.contracts.ticket_seals import proof_message
 
 TOKEN_PREFIX = "v4.public."
 MAX_TOKEN_BYTES = 4096
@@ -44,11 +56,16 @@ GENERIC_REFUSAL = "request refused: invalid or unauthorised routing ticket"
 _LE64_MASK = (1 << 63) - 1
 ACTIVE_KEY_FILE = "active.pem"  # under <keys>/private: the key a gateway starts signing with
 _B64URL_RE = re.compile(r"^[A-Za-z0-9_-]*$")
-# Exactly these claims, no more, no fewer. ``release`` joined in the second claim set: tickets
-# signed before it (nine claims) are refused, which is fine because a ticket lives minutes.
-_CLAIMS = ("tenant", "model", "base", "adapter", "tokenizer", "release", "iat", "exp", "jti",
-           "kid")
-_DIGEST_OR_NULL_CLAIMS = ("adapter", "release")
+# Exactly these claims, no more, no fewer. The third claim set sealed ``adapter`` and ``release``
+# into ``arm``: tickets signed before it are refused, which is fine because a ticket lives minutes.
+_CLAIMS = ("tenant", "model", "base", "tokenizer", "arm", "iat", "exp", "jti", "kid")
+SEAL_INFO = b"loraplane-ticket-seal-v1"
+_NONCE = 12
+# The sealed arm: one flags byte, then the adapter's and the release's SHA-256 (zeros when
+# absent), the same 65 bytes whatever the arm, so its length tells nothing either.
+_ADAPTER, _RELEASE, _DISCLOSE = 1, 2, 4
+_ARM_BYTES = 65
+_ARM_CHARS = len(base64.urlsafe_b64encode(bytes(_NONCE + _ARM_BYTES + 16)).rstrip(b"="))
 
 
 class TicketRejected(Exception):
@@ -74,9 +91,60 @@ class TicketClaims:
     exp: int
     jti: str
     kid: str
+    # Whether the host may tell the client the adapter that served it (the answer's
+    # ``adapter_digest``): the gateway sets it for the owner of the release only, so a tenant
+    # granted another's alias never learns that tenant's adapter or rollout arm.
+    disclose: bool = False
 
     def to_json(self) -> dict[str, Any]:
+        """The claims as the host reads them, the arm opened (for operators' tools)."""
         return dict(vars(self))  # fields in declaration order; asdict's deep copy costs more
+
+
+def seal_key_of(private: Ed25519PrivateKey) -> bytes:
+    """The seal key that goes with a signing key: HKDF-SHA256 of its private bytes."""
+    raw = private.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                serialization.NoEncryption())
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=SEAL_INFO).derive(raw)
+
+
+def _digest_bytes(digest: str | None) -> bytes:
+    return bytes(32) if digest is None else bytes.fromhex(digest[len("sha256:"):])
+
+
+def seal_arm(aead: AESGCM, jti: str, adapter: str | None, release: str | None,
+             disclose: bool) -> str:
+    """The ``arm`` claim: nonce and AES-GCM of the fixed-length arm, bound to the ticket id."""
+    flags = ((_ADAPTER if adapter is not None else 0) | (_RELEASE if release is not None else 0)
+             | (_DISCLOSE if disclose else 0))
+    plain = bytes([flags]) + _digest_bytes(adapter) + _digest_bytes(release)
+    nonce = os.urandom(_NONCE)  # 96 random bits per ticket: one key seals 2^32 safely
+    sealed = nonce + aead.encrypt(nonce, plain, IMPLICIT_ASSERTION + jti.encode())
+    return _b64url(sealed).decode("ascii")
+
+
+def open_arm(aead: AESGCM, jti: str, arm: str) -> tuple[str | None, str | None, bool]:
+    """(adapter, release, disclose) of a sealed ``arm``, else TicketRejected("seal")."""
+    if len(arm) != _ARM_CHARS or not _canonical_b64url(arm):
+        raise TicketRejected("claims")
+    raw = _b64url_decode(arm)
+    try:
+        plain = aead.decrypt(raw[:_NONCE], raw[_NONCE:], IMPLICIT_ASSERTION + jti.encode())
+    except InvalidTag:
+        raise TicketRejected("seal") from None
+    flags = plain[0]
+    if len(plain) != _ARM_BYTES or flags & ~(_ADAPTER | _RELEASE | _DISCLOSE):
+        raise TicketRejected("seal")
+
+    def digest(present: int, raw32: bytes) -> str | None:
+        if flags & present:
+            return "sha256:" + raw32.hex()
+        if raw32 != bytes(32):
+            raise TicketRejected("seal")
+        return None
+
+    return (digest(_ADAPTER, plain[1:33]), digest(_RELEASE, plain[33:65]),
+            bool(flags & _DISCLOSE))
 
 
 def key_id(public_raw: bytes) -> str:
@@ -98,6 +166,12 @@ class TicketSigner:
         self.public_raw = _public_raw(private)
         self.kid = key_id(self.public_raw)
         self._footer = json.dumps({"kid": self.kid}, separators=(",", ":")).encode()
+        self.seal_key = seal_key_of(private)
+        self._aead = AESGCM(self.seal_key)
+
+    def seal_proof(self) -> bytes:
+        """This key's signature of its own seal key (``control.contracts.ticket_seals``)."""
+        return self._private.sign(proof_message(self.kid, self.seal_key))
 
     @property
     def public_b64(self) -> str:
@@ -128,13 +202,14 @@ class TicketSigner:
         adapter: str | None,
         tokenizer: str,
         release: str | None,
+        disclose: bool,
         ttl_s: int,
         now: float | None = None,
     ) -> tuple[str, TicketClaims]:
         """Sign a ticket; returns (token, claims).
 
-        ``release`` has no default on purpose: every issuer must say which release it resolved
-        (or None for a base without one), never leave it out by accident.
+        ``release`` and ``disclose`` have no default on purpose: every issuer must say which
+        release it resolved (or None for a base without one), and whether the caller owns it.
         """
         iat = int(now if now is not None else time.time())
         claims = TicketClaims(
@@ -148,12 +223,13 @@ class TicketSigner:
             exp=iat + ttl_s,
             jti=str(uuid.uuid4()),
             kid=self.kid,
+            disclose=disclose,
         )
-        token = encode_v4_public(
-            self._private,
-            json.dumps(claims.to_json(), separators=(",", ":")).encode(),
-            self._footer,
-        )
+        wire = {"tenant": tenant, "model": model, "base": base, "tokenizer": tokenizer,
+                "arm": seal_arm(self._aead, claims.jti, adapter, release, disclose),
+                "iat": claims.iat, "exp": claims.exp, "jti": claims.jti, "kid": self.kid}
+        token = encode_v4_public(self._private, json.dumps(wire, separators=(",", ":")).encode(),
+                                 self._footer)
         return token, claims
 
 
@@ -211,12 +287,15 @@ class TicketVerifier:
         self,
         public_keys: dict[str, bytes],
         *,
+        seal_keys: Mapping[str, bytes],
         model: str,
         base: str,
         tokenizer: str,
         max_ttl_s: int = DEFAULT_TICKET_MAX_TTL_S,
     ) -> None:
-        """``max_ttl_s``: the longest lifetime (``exp - iat``) accepted, in seconds."""
+        """``seal_keys``: kid -> the seal key that opens the arm of that key's tickets
+        (``control.contracts.ticket_seals.load``). ``max_ttl_s``: the longest lifetime
+        (``exp - iat``) accepted, in seconds."""
         if type(max_ttl_s) is not int or max_ttl_s <= 0:
             raise ValueError(f"max_ttl_s must be a positive whole number of seconds, "
                              f"not {max_ttl_s!r}")
@@ -228,6 +307,7 @@ class TicketVerifier:
         for kid, raw in public_keys.items():
             pem = _raw_public_to_pem(raw)
             self._keys[kid] = pyseto.Key.new(version=4, purpose="public", key=pem)
+        self._seals = {kid: AESGCM(bytes(k)) for kid, k in seal_keys.items()}
 
     def verify(self, token: object, now: float | None = None) -> TicketClaims:
         """The claims of a valid ticket bound to this host, else TicketRejected."""
@@ -257,7 +337,12 @@ class TicketVerifier:
             decoded = pyseto.decode(key, token, implicit_assertion=IMPLICIT_ASSERTION)
         except Exception:  # pyseto raises several types for bad signatures and encodings
             raise TicketRejected("signature") from None
-        claims = _parse_claims(decoded.payload, kid)
+        data = _parse_claims(decoded.payload, kid)
+        aead = self._seals.get(kid)
+        if aead is None:  # a key whose seal was not published yet (a reload may find it)
+            raise TicketRejected("unknown_seal")
+        adapter, release, disclose = open_arm(aead, data["jti"], data.pop("arm"))
+        claims = TicketClaims(adapter=adapter, release=release, disclose=disclose, **data)
         t = time.time() if now is None else now
         if claims.exp <= t:
             raise TicketRejected("expired")
@@ -274,13 +359,19 @@ class TicketVerifier:
         return claims
 
 
-def unverified_claims(token: str) -> dict[str, Any]:
-    """A ticket's claims, read WITHOUT verifying its signature: for tools and tests that hold
-    their own tickets and need the release a gateway resolved (a v4.public payload is signed,
-    not encrypted; the gateway's answer names no arm). Never a basis for serving anything:
+def unverified_claims(token: str, seal_keys: Mapping[str, bytes] | None = None
+                      ) -> dict[str, Any]:
+    """A ticket's claims, read WITHOUT verifying its signature, the arm opened with
+    ``seal_keys`` when given (else left sealed): for operators' tools and tests that hold the
+    signing keys and need the release a gateway resolved. Never a basis for serving anything:
     hosts verify (:class:`TicketVerifier`)."""
     payload = _b64url_decode(token.split(".")[2])
-    return dict(json.loads(payload[:-64]))  # the last 64 bytes: the Ed25519 signature
+    data = dict(json.loads(payload[:-64]))  # the last 64 bytes: the Ed25519 signature
+    seal = (seal_keys or {}).get(data.get("kid", ""))
+    if seal is not None:
+        adapter, release, disclose = open_arm(AESGCM(bytes(seal)), data["jti"], data.pop("arm"))
+        data.update(adapter=adapter, release=release, disclose=disclose)
+    return data
 
 
 def _raw_public_to_pem(raw: bytes) -> bytes:
@@ -310,27 +401,21 @@ def _canonical_b64url(s: str) -> bool:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii") == s
 
 
-def _digest_or_null(value: object) -> bool:
-    # fullmatch: DIGEST_RE ends in ``$``, which ``match`` also lets match before a final "\n".
-    return value is None or (isinstance(value, str) and DIGEST_RE.fullmatch(value) is not None)
-
-
-def _parse_claims(payload: object, kid: str) -> TicketClaims:
+def _parse_claims(payload: object, kid: str) -> dict[str, Any]:
     try:
         data = json.loads(payload) if isinstance(payload, (bytes, str)) else None
     except ValueError:
         data = None
     if not isinstance(data, dict) or set(data) != set(_CLAIMS):
         raise TicketRejected("claims")
-    strs = ("tenant", "model", "base", "tokenizer", "jti", "kid")
+    strs = ("tenant", "model", "base", "tokenizer", "arm", "jti", "kid")
     if not all(isinstance(data[k], str) and data[k] for k in strs):
         raise TicketRejected("claims")
     if not all(type(data[k]) is int for k in ("iat", "exp")):
         raise TicketRejected("claims")
-    if not all(_digest_or_null(data[k]) for k in _DIGEST_OR_NULL_CLAIMS):
-        raise TicketRejected("claims")
+    # fullmatch: DIGEST_RE ends in ``$``, which ``match`` also lets match before a final "\n".
     if not (DIGEST_RE.fullmatch(data["base"]) and DIGEST_RE.fullmatch(data["tokenizer"])):
         raise TicketRejected("claims")
     if data["kid"] != kid:  # the signed kid must match the footer's
         raise TicketRejected("claims")
-    return TicketClaims(**data)
+    return data

@@ -26,8 +26,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from control.contracts.ledger import request_ledger as t
+from projections.tables import adapters
 
 ADMIN_TOKEN_ENV = "LORAPLANE_ADMIN_TOKEN"
+GRANTED = "granted"  # a tenant's /v1/stats entry for its requests on other tenants' adapters
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TICKET_OUTCOMES = {200: "issued", 400: "bad_request", 401: "unauthorised", 403: "forbidden",
@@ -133,7 +135,8 @@ def digest_stats(engine: sa.engine.Engine, tenant: str | None, *,
                  unattributed: bool = False) -> list[DigestStats]:
     """Per-digest aggregates of the request ledger: ``tenant``'s own requests only, or (None)
     every tenant's, grouped by tenant as well. A tenant's view holds only rows whose tenant is
-    the caller, so it can list only digests the caller's own tickets named.
+    the caller, and names only the digests of the caller's own adapters: its requests on
+    adapters other tenants own (aliases they granted it) are one entry, :data:`GRANTED`.
 
     ``unattributed`` (operators only, with ``tenant`` None): one more entry, tenant and digest
     both None, for the requests no verified ticket names: missing, forged or ambiguous tickets,
@@ -143,6 +146,14 @@ def digest_stats(engine: sa.engine.Engine, tenant: str | None, *,
     cols: list[Any] = [t.c.adapter_digest]
     if tenant is None:
         cols.insert(0, t.c.tenant)
+    else:
+        # A tenant sees the digests of its own adapters only: requests it sent on aliases
+        # other tenants granted it are counted together as GRANTED, so no owner's adapter
+        # digest, nor a change of it mid-rollout, shows in another tenant's figures.
+        own = sa.select(adapters.c.digest).where(adapters.c.tenant == tenant)
+        cols = [sa.case((t.c.adapter_digest.is_(None), sa.null()),
+                        (t.c.adapter_digest.in_(own), t.c.adapter_digest),
+                        else_=sa.literal(GRANTED)).label("adapter_digest")]
     seconds = sa.case((t.c.finished_at.is_not(None), t.c.finished_at - t.c.admitted_at))
     q = sa.select(
         *cols,

@@ -10,6 +10,11 @@ Answers, with the caller's API key (``Authorization: Bearer``) as every tenant r
 
 - 200, ``text/plain``: the receipt.
 - 401: no key, or an unknown one.
+- 403, one fixed body: the request is the caller's, but was served by an adapter another tenant
+  owns (an alias that tenant granted the caller). A receipt's entry names the adapter that
+  served, which is the owner's to know (issue 21: a granted tenant learns neither the owner's
+  adapter nor which arm of its rollout answered); its owner can fetch nothing of the caller's
+  either, since receipts go to the requesting tenant only.
 - 404, one fixed body: the id is unknown or another tenant's (the two read the same, so a
   tenant cannot probe other tenants' request ids); also a request of the caller's that never
   entered a host's log (refused before its engine saw it), which will never have a receipt.
@@ -33,6 +38,7 @@ from sqlalchemy.engine import Engine
 from control.contracts.ledger import Outcome, request_ledger
 from control.contracts.ledger_log import first_verified, position, prove
 from control.gateway.ticket_office import TicketOffice
+from projections.tables import adapters
 
 log = logging.getLogger("loraplane.gateway.receipts")
 
@@ -45,6 +51,8 @@ NOT_YET = {"error": "not yet covered: this request is not yet covered by a verif
 BROKEN = {"error": "receipt unavailable: the ledger log no longer matches its verified "
                    "checkpoint; the operator has been alerted"}
 UNAVAILABLE = {"error": "the request ledger cannot be read right now; retry shortly"}
+NOT_THE_OWNER = {"error": "receipts of requests served by another tenant's adapter (an alias "
+                          "it granted you) are its owner's: a receipt names the adapter"}
 RETRY_AFTER_S = 15  # about one control-plane verification interval (ledger_audit.VERIFY_S)
 REQUEST_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-")
 
@@ -62,10 +70,15 @@ class Found:
 def find_receipt(engine: Engine, tenant: str, request_id: str) -> Found:
     """What ``tenant`` gets for ``request_id`` (module notes); blocking: run off the loop."""
     with engine.connect() as conn:
-        row = conn.execute(sa.select(request_ledger.c.tenant, request_ledger.c.outcome).where(
+        row = conn.execute(sa.select(request_ledger.c.tenant, request_ledger.c.outcome,
+                                     request_ledger.c.adapter_digest).where(
             request_ledger.c.request_id == request_id)).first()
         if row is None or row.tenant != tenant:
             return Found(404, NO_SUCH_REQUEST)
+        if row.adapter_digest is not None and conn.execute(
+                sa.select(adapters.c.tenant).where(adapters.c.digest == row.adapter_digest)
+        ).scalar() != tenant:
+            return Found(403, NOT_THE_OWNER)
         at = position(conn, request_id)
         if at is None:
             if row.outcome == Outcome.RUNNING.value:

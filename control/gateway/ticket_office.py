@@ -27,6 +27,7 @@ from eventsourcing.persistence import PersistenceError
 from control.app import key_ring
 from control.app.sessions import Pin, SessionPins
 from control.contracts.config import Settings
+from control.contracts.ticket_seals import publish_seal
 from control.contracts.tickets import TicketClaims, TicketSigner
 from control.domain import Conflict
 from projections.route_cache import RoutingUnavailable
@@ -86,6 +87,7 @@ class TicketOffice:
         self.signer = signer
         self.pins = pins
         self._switch = threading.Lock()
+        self._sealed: set[str] = set()  # key ids whose seal this office has published
         self._failed_scan_at = float("-inf")
 
     def issue(self, tenant: str, alias: str, session: str | None = None) -> IssuedTicket:
@@ -109,6 +111,9 @@ class TicketOffice:
             adapter=route.adapter_digest,
             tokenizer=route.tokenizer_digest,
             release=route.release,
+            # the owner alone may be told which adapter served it: a granted tenant must not
+            # learn the owner's adapter or which arm of its rollout it is on
+            disclose=route.owner is not None and route.owner == tenant,
             ttl_s=self.settings.ticket_ttl_s,
         )
         return IssuedTicket(token, claims, alias, route.release)
@@ -154,14 +159,22 @@ class TicketOffice:
         return True
 
     def current_signer(self) -> TicketSigner:
-        """The signer to use now: never one whose key is retired (SigningUnavailable)."""
+        """The signer to use now: never one whose key is retired (SigningUnavailable), and
+        never one whose seal key hosts cannot find (published here before its first ticket)."""
         retired = self.routing.retired_key_ids()
-        if self.signer.kid not in retired:
-            return self.signer
-        with self._switch:
-            if self.signer.kid in retired:
-                self.signer = self._replacement(retired)
-            return self.signer
+        signer = self.signer
+        if signer.kid in retired:
+            with self._switch:
+                if self.signer.kid in retired:
+                    self.signer = self._replacement(retired)
+                signer = self.signer
+        if signer.kid not in self._sealed:
+            try:
+                publish_seal(self.routing.engine, signer)
+            except sa.exc.SQLAlchemyError as e:
+                raise RoutingUnavailable("the ticket seal cannot be published") from e
+            self._sealed.add(signer.kid)
+        return signer
 
     def _replacement(self, retired: frozenset[str]) -> TicketSigner:
         if time.monotonic() - self._failed_scan_at < RESCAN_S:

@@ -65,6 +65,7 @@ from control.contracts.event_log import page_after
 from control.contracts.ledger import LOAD_FAILED, MEMORY_REFUSALS, Ledger, Outcome, p95
 from control.contracts.signals import TerminationSignals
 from control.contracts.synthetic import PROBE_TENANT, is_synthetic
+from control.contracts.ticket_seals import publish_seal
 from control.contracts.tickets import TicketSigner
 from control.domain import Conflict, DomainError, ProbeReport, Release, Rollout
 from control.domain.rollout import Enter, Judge, WindowFigures
@@ -120,8 +121,11 @@ class TritonProbe:
         # a key the root vouches for: hosts refuse tickets of any other
         recorded = self.routing.vouched_signing_keys(self.settings.keys_dir)
         retired = self.routing.retired_key_ids()
-        return key_ring.pick_signer(self.settings.keys_dir,
-                                    lambda kid: kid in recorded and kid not in retired)
+        signer = key_ring.pick_signer(self.settings.keys_dir,
+                                      lambda kid: kid in recorded and kid not in retired)
+        if signer is not None:
+            publish_seal(self.routing.engine, signer)  # hosts open its tickets' arms with it
+        return signer
 
     def probe(self, owner: str | None, release: Release, requests: int) -> ProbeReport:
         signer = self._signer()
@@ -134,7 +138,8 @@ class TritonProbe:
         token, _claims = signer.issue(
             tenant=PROBE_TENANT, model=self.settings.model_name, base=release.base_digest,
             adapter=release.adapter_digest, tokenizer=release.tokenizer_digest,
-            release=release.digest, ttl_s=min(PROBE_TICKET_TTL_S, self.settings.ticket_ttl_s))
+            release=release.digest, disclose=True,  # the control plane checks the digest
+            ttl_s=min(PROBE_TICKET_TTL_S, self.settings.ticket_ttl_s))
         import tritonclient.http as http  # the client library: only a probe needs it
 
         started = time.time()

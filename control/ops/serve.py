@@ -64,6 +64,7 @@ from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger, request_ledger
 from control.contracts.loops import new_event_loop
 from control.contracts.store import ArtifactStore
+from control.contracts.ticket_seals import publish_seal
 from control.contracts.tickets import TicketSigner
 from control.gateway.ticket_office import TicketOffice
 from control.ops.engine_watch import EngineWatch
@@ -127,8 +128,10 @@ class Ports:
 def open_signer(settings: Settings, registry: Registry, actor: str) -> TicketSigner:
     """The signing key, created on first use; its public half is recorded as an event."""
     signer, _created = TicketSigner.load_or_create(settings.keys_dir)
-    if signer.kid not in RoutingView(make_engine(settings.db_url)).signing_keys():
+    engine = make_engine(settings.db_url)
+    if signer.kid not in RoutingView(engine).signing_keys():
         registry.record_signing_key(signer.kid, signer.public_b64, actor=actor)
+    publish_seal(engine, signer)  # before a host sees its first ticket
     return signer
 
 

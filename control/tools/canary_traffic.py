@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,9 @@ class CanaryTraffic:
     marker: str
     rate: bool = True
     prompt_for: Callable[[str | None, int], str] = lambda _release, n: PROMPTS[n % len(PROMPTS)]
+    # kid -> seal key (``control.app.key_ring.held_seal_keys``): the arm of each ticket is
+    # sealed, and this operator's tool opens it with the home's keys to count per release
+    seal_keys: Mapping[str, bytes] = field(default_factory=dict)
     # release digest -> {"ok", "good", "bad", "refused", "rated"} counts
     seen: dict[str | None, Counter[str]] = field(default_factory=dict)
     errors: Counter[str] = field(default_factory=Counter)
@@ -56,9 +59,9 @@ class CanaryTraffic:
             with self._lock:
                 self.errors[f"ticket {status}"] += 1
             return
-        # The answer names no arm (a tenant is not told its canary share); this tool counts
-        # what it saw per release from the ticket's own claims (signed, not encrypted).
-        release = unverified_claims(str(body["ticket"]))["release"]
+        # Neither the answer nor the ticket tells a tenant its arm; this tool, run where the
+        # signing keys are, opens the ticket's sealed arm to count what it saw per release.
+        release = unverified_claims(str(body["ticket"]), self.seal_keys).get("release")
         try:
             answer = infer_with(client, "http", self.prompt_for(release, n), body["ticket"],
                                 max_tokens=16)

@@ -83,6 +83,7 @@ from control.contracts.db import make_engine
 from control.contracts.golden import LONG_CONTEXT, GoldenSet, GoldenTask
 from control.contracts.ledger import Ledger, Outcome
 from control.contracts.synthetic import GATE_TENANT
+from control.contracts.ticket_seals import publish_seal
 from control.contracts.tickets import GENERIC_REFUSAL, TicketSigner
 from control.domain import (
     DEPRECATED,
@@ -194,6 +195,7 @@ class Gate:
         if signer is None:
             raise GateUnavailable("no signing key under the home is recorded (and unretired) "
                                   "in this deployment: run the gate with the deployment's home")
+        publish_seal(view.engine, signer)  # hosts open its tickets' arms with it
         if not ready(self.t.http_url):
             raise GateUnavailable(f"Triton does not answer as ready at {self.t.http_url} "
                                   "(--http)")
@@ -240,6 +242,7 @@ class Gate:
         token, claims = signer.issue(tenant=tenant, model=self.t.settings.model_name,
                                      base=route.base, adapter=route.adapter,
                                      tokenizer=route.tokenizer, release=route.release,
+                                     disclose=True,  # the gate checks what served it
                                      ttl_s=self.t.settings.ticket_ttl_s)
         return token, claims.jti
 

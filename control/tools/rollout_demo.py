@@ -23,6 +23,7 @@ from typing import Any
 
 from rich.console import Console
 
+from control.app.key_ring import held_seal_keys
 from control.app.registry import Registry
 from control.app.rollouts import RolloutDesk
 from control.contracts.digests import short
@@ -76,7 +77,8 @@ def show_rollback(reg: Registry, dep: Deployment, kit: KitManifest, kit_dir: Pat
          f"{WINDOW_S:g} s; acme rates each answer by alpha's marker (POST /v1/feedback)")
     marker = kit.adapters["alpha"].marker
     started = time.monotonic()
-    traffic = CanaryTraffic(dep.gateway_url, api_key, ALIAS, dep.triton.http_url, marker)
+    traffic = CanaryTraffic(dep.gateway_url, api_key, ALIAS, dep.triton.http_url, marker,
+                            seal_keys=held_seal_keys(reg.settings.keys_dir))
     with Running(traffic, threads=3):
         while not desk.get(rollout.id).finished and time.monotonic() - started < TIMEOUT_S:
             time.sleep(0.1)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from control.app.key_ring import held_seal_keys
 from control.app.registry import Registry
 from control.app.rollouts import RolloutDesk
 from control.contracts.config import Settings
@@ -54,6 +55,11 @@ class RolloutStack:
     api_key: str
     scenarios: dict[str, Scenario] = field(default_factory=dict)
     deployment: Deployment | None = None
+
+    @property
+    def seal_keys(self) -> dict[str, bytes]:
+        """What opens the arm of this home's tickets (for :class:`ArmTraffic`)."""
+        return held_seal_keys(self.settings.keys_dir)
 
     @property
     def http(self) -> str:
@@ -117,10 +123,10 @@ def wait_for(what: str, condition: Callable[[], bool], timeout_s: float) -> None
         time.sleep(0.05)
 
 
-def ticket_release(token: str) -> str | None:
-    """The release a ticket names, from its own (unverified) claims: the gateway's answer no
-    longer names it."""
-    release: str | None = unverified_claims(token)["release"]
+def ticket_release(token: str, keys_dir: Path) -> str | None:
+    """The release a ticket names, its sealed arm opened with the signing keys under
+    ``keys_dir``: neither the gateway's answer nor the ticket tells a tenant."""
+    release: str | None = unverified_claims(token, held_seal_keys(keys_dir))["release"]
     return release
 
 

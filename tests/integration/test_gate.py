@@ -11,9 +11,9 @@ canary promotion is deprecated again at once.
 
 from __future__ import annotations
 
-import base64
 import json
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -50,10 +50,13 @@ def gated(target: GateTarget, candidates: dict[str, str]) -> dict[str, GateResul
     return {name: run_gate(target, digest, actor=ACTOR) for name, digest in candidates.items()}
 
 
-def _claims(ticket: str) -> dict[str, Any]:
-    body = ticket.split(".")[2]
-    raw = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
-    return dict(json.loads(raw[:-64]))
+def _claims(ticket: str, keys_dir: Path | None = None) -> dict[str, Any]:
+    """A ticket's claims, unverified; its sealed arm opened with the signing keys under
+    ``keys_dir`` when given (the ticket tells a tenant no arm)."""
+    from control.app.key_ring import held_seal_keys
+    from control.contracts.tickets import unverified_claims
+
+    return unverified_claims(ticket, held_seal_keys(keys_dir) if keys_dir else None)
 
 
 def test_the_good_version_passes_every_rule(gated: dict[str, GateResult],
@@ -147,7 +150,7 @@ def test_the_reports_figures_match_the_ledger(gated: dict[str, GateResult],
 
 def test_the_candidate_is_never_routable_by_tenants(gated: dict[str, GateResult],
                                                     stack: Stack) -> None:
-    claims = _claims(stack.ticket("acme", "acme-alpha"))
+    claims = _claims(stack.ticket("acme", "acme-alpha"), stack.settings.keys_dir)
     assert claims["adapter"] == stack.digests["alpha"]
     for result in gated.values():
         assert claims["release"] != result.report["release"]

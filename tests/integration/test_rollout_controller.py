@@ -121,7 +121,7 @@ def test_an_injected_identity_mismatch_rolls_back_as_soon_as_it_is_seen(
         return f"{SWAP} {text}" if release == r.target else text
 
     sent = ArmTraffic(stack.gateway, stack.api_key, sc.alias, stack.http, ALPHA,
-                      prompt_for=prompt)
+                      prompt_for=prompt, seal_keys=stack.seal_keys)
     with Running(sent, threads=2):
         wait_for("the rollout to finish", lambda: stack.desk.get(r.id).finished, 180)
     done = stack.desk.get(r.id)
@@ -156,7 +156,7 @@ def test_a_controller_killed_mid_rollout_resumes_without_repeating_or_skipping(
                          actor=ACTOR)
     kills: list[str] = []
     with Running(ArmTraffic(stack.gateway, stack.api_key, sc.alias, stack.http, ALPHA,
-                            rate=False), threads=2):
+                            rate=False, seal_keys=stack.seal_keys), threads=2):
         # 1: mid-window, right after a step was entered
         wait_for("step 1", lambda: "RolloutStepEntered" in _names(stack, r.id), 60)
         controller.kill()

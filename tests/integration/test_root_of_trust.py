@@ -36,7 +36,8 @@ def _claims(stack: Stack, adapter: str) -> dict[str, object]:
     row = RoutingView(make_engine(stack.settings.db_url)).adapter(adapter)
     assert row is not None and row.release_digest is not None
     return dict(tenant="acme", model=MODEL, base=stack.kit.base_digest, adapter=adapter,
-                tokenizer=stack.kit.tokenizer_digest, release=row.release_digest, ttl_s=300)
+                tokenizer=stack.kit.tokenizer_digest, release=row.release_digest,
+                disclose=True, ttl_s=300)
 
 
 def _forge_record(stack: Stack, evil: TicketSigner) -> int:

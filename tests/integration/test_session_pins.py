@@ -27,7 +27,7 @@ def _ticket(stack: Stack, session: str | None = None) -> dict[str, str]:
                                   "acme-alpha", session)
     assert status == 200, body
     # The answer names no arm: the release and adapter a test checks are the ticket's claims.
-    claims = ticket_claims(str(body["ticket"]))
+    claims = ticket_claims(str(body["ticket"]), stack.settings.keys_dir)
     return {**body, "release": claims["release"], "adapter_digest": claims["adapter"]}
 
 

@@ -49,7 +49,7 @@ def _release(stack: Stack, adapter: str) -> str:
 def _claims(stack: Stack, adapter: str, **over: object) -> dict[str, object]:
     c: dict[str, object] = dict(tenant="acme", model=MODEL, base=stack.kit.base_digest,
                                 adapter=adapter, tokenizer=stack.kit.tokenizer_digest,
-                                release=_release(stack, adapter), ttl_s=300)
+                                release=_release(stack, adapter), disclose=True, ttl_s=300)
     c.update(over)
     return c
 

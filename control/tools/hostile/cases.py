@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from control.app.key_ring import held_seal_keys
 from control.contracts.tickets import TicketSigner
+from control.contracts.tickets import unverified_claims as open_claims
 from control.contracts.wire import TICKET_HEADER
 from control.domain import ValidationFailed
 from control.ops.clients import Generation, TritonRefused, free_port, generate, request_ticket
@@ -46,7 +48,6 @@ from control.tools.hostile.wire import (
     hs256,
     http_call,
     raw_header_request,
-    unverified_claims,
     v4_local,
 )
 
@@ -186,7 +187,8 @@ def _concurrent_alias_moves(s: HostileSuite) -> None:
         status, body = request_ticket(s.t.gateway_url, s.keys[s.a], alias)
         if status != 200:
             return None, f"ticket {status}"
-        named = unverified_claims(body["ticket"]).get("adapter")
+        # the ticket's sealed arm, opened with the deployment's keys (a tenant cannot)
+        named = open_claims(body["ticket"], held_seal_keys(s.t.settings.keys_dir)).get("adapter")
         try:
             return named, generate(s.t.http_url, prompt, body["ticket"],
                                    max_tokens=MAX_TOKENS)

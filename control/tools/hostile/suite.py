@@ -254,7 +254,7 @@ class HostileSuite:
     def claims(self, adapter: str | None, **over: Any) -> dict[str, Any]:
         c: dict[str, Any] = dict(tenant=self.a, model=self.t.settings.model_name, base=self.base,
                                  adapter=adapter, tokenizer=self.tokenizer_digest(),
-                                 release=self.release_of(adapter), ttl_s=300)
+                                 release=self.release_of(adapter), disclose=True, ttl_s=300)
         c.update(over)
         return c
 

@@ -21,6 +21,7 @@ from backend.serving.service import IncomingRequest, LoraService
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
+from control.contracts.ticket_seals import publish_seal
 from control.contracts.tickets import GENERIC_REFUSAL, TicketSigner, write_public_key
 from control.contracts.wire import TICKET_PARAM
 from tests.serving_home import Home, Sink, provision_home
@@ -109,10 +110,12 @@ def test_a_key_file_on_the_host_is_not_trust_without_its_recorded_event(
     # left behind), but no SigningKeyRecorded event names it.
     stranger = TicketSigner(Ed25519PrivateKey.generate())
     write_public_key(home.settings.keys_dir / "public", stranger.public_raw)
+    # and its seal published with a valid proof: the check under test is the recorded event
+    publish_seal(make_engine(home.settings.db_url), stranger)
     claims = home.office.issue("acme", "acme-alpha").claims
     token, _ = stranger.issue(tenant="acme", model=claims.model, base=claims.base,
                               adapter=claims.adapter, tokenizer=claims.tokenizer,
-                              release=claims.release, ttl_s=60)
+                              release=claims.release, disclose=False, ttl_s=60)
     error, _status, rid = _ask(service, IncomingRequest(b"Hi", {TICKET_PARAM: token}))
     assert error == GENERIC_REFUSAL
     row = Ledger(make_engine(home.settings.db_url)).get(rid)

@@ -385,7 +385,7 @@ def _revocation_is_pushed(settings: Settings, kit_dir: Path) -> float:
             tenant="globex", model=settings.model_name, base=home.base_digest, adapter=digest,
             tokenizer=svc.tokenizer_digest,
             release=Ledger(make_engine(settings.db_url)).query(adapter=digest)[0].release_digest,
-            ttl_s=60)[0]}), late)
+            disclose=False, ttl_s=60)[0]}), late)
         a = late.wait()
         assert not a.ok and _row(home, a.request_id).reason == "revoked"
         assert digest not in svc.engine.resident_adapters()
@@ -413,7 +413,8 @@ def _forged(home: Home, **claims: Any) -> dict[str, object]:
     base = {"tenant": "acme", "model": home.settings.model_name, "base": home.base_digest,
             "adapter": home.digests["alpha"],
             "tokenizer": home.office.routing.bases()[0].tokenizer_digest,
-            "release": home.office.issue("acme", "acme-alpha").release, "ttl_s": 60}
+            "release": home.office.issue("acme", "acme-alpha").release, "disclose": True,
+            "ttl_s": 60}
     base.update(claims)
     return {TICKET_PARAM: home.signer.issue(**base)[0]}
 
@@ -452,6 +453,7 @@ def test_a_ticket_longer_lived_than_the_cap_is_refused(home: Home, faulty: LoraS
 def test_verified_tickets_honour_expiry_and_stay_bounded(home: Home) -> None:
     def load() -> TicketVerifier:
         return TicketVerifier(load_public_keys(home.settings.keys_dir / "public"),
+                              seal_keys={home.signer.kid: home.signer.seal_key},
                               model=home.settings.model_name, base=home.base_digest,
                               tokenizer=home.office.routing.bases()[0].tokenizer_digest)
 
@@ -476,6 +478,7 @@ def test_unknown_key_ids_cannot_force_key_reloads_faster_than_once_a_second(
     def load() -> TicketVerifier:
         loads["n"] += 1
         return TicketVerifier(load_public_keys(home.settings.keys_dir / "public"),
+                              seal_keys={home.signer.kid: home.signer.seal_key},
                               model=home.settings.model_name, base=home.base_digest,
                               tokenizer=home.office.routing.bases()[0].tokenizer_digest)
 
@@ -484,7 +487,7 @@ def test_unknown_key_ids_cannot_force_key_reloads_faster_than_once_a_second(
     forged = stranger.issue(tenant="acme", model=home.settings.model_name,
                             base=home.base_digest, adapter=None,
                             tokenizer=home.office.routing.bases()[0].tokenizer_digest,
-                            release=None, ttl_s=60)[0]
+                            release=None, disclose=False, ttl_s=60)[0]
     for i in range(200):  # a flood within 0.2 s of clock time
         clock["t"] = 2.0 + i * 0.001
         with pytest.raises(TicketRejected):

@@ -28,6 +28,7 @@ from typer.testing import CliRunner
 
 from control.app import key_ring
 from control.app.audit import audit_log
+from control.app.key_ring import held_seal_keys
 from control.app.registry import NotYetVisible, Registry
 from control.cli.main import app
 from control.contracts.config import Settings
@@ -170,7 +171,8 @@ class CredentialContract(WithRegistry):
             assert new.startswith("lp_") and new != old
             assert await answer_within(ask, old, "chat", 401, start) == UNAUTHORISED
             status, body = await ask(new, "chat")
-            assert status == 200 and ticket_claims(body["ticket"])["adapter"] == world["alpha"]
+            assert status == 200 and ticket_claims(body["ticket"], office.settings.keys_dir)[
+                "adapter"] == world["alpha"]
             assert (await ask(world["globex"], "tiny-base"))[0] == 200  # others untouched
             assert view.tenant_for_api_key(old) is None
             assert view.tenant_for_api_key(new) == "acme" and view.api_key_count("acme") == 1
@@ -294,12 +296,13 @@ class CredentialContract(WithRegistry):
         route = view.resolve("acme", "chat")
         assert route is not None
         verifier = TicketVerifier(load_public_keys(host.keys_dir / "public"),
+                                  seal_keys=held_seal_keys(office.settings.keys_dir),
                                   model="lora_llm", base=route.base_digest,
                                   tokenizer=route.tokenizer_digest)
         old_ticket = office.signer.issue(
             tenant="acme", model="lora_llm", base=route.base_digest,
             adapter=route.adapter_digest, tokenizer=route.tokenizer_digest,
-            release=route.release, ttl_s=60)[0]
+            release=route.release, disclose=False, ttl_s=60)[0]
         from control.contracts.tickets import TicketRejected
 
         with pytest.raises(TicketRejected) as e:

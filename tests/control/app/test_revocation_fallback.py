@@ -119,7 +119,7 @@ class FallbackContract(WithRegistry):
         assert row is not None and (row.stable_release, row.fallback) == (
             world["r_alpha"], "stable")
         status, body = self._tickets(office, world["acme"], ("chat",))["chat"]
-        claims = ticket_claims(body["ticket"])
+        claims = ticket_claims(body["ticket"], office.settings.keys_dir)
         assert status == 200 and (claims["release"], claims["adapter"]) == (
             world["r_alpha"], world["alpha"])
         # ``second`` has no history to fall back on: nothing servable, refused.
@@ -144,7 +144,7 @@ class FallbackContract(WithRegistry):
         assert (release.adapter_digest, release.base_digest, release.tenant) == (
             None, world["base"], None)
         status, body = self._tickets(office, world["acme"], ("chat",))["chat"]
-        claims = ticket_claims(body["ticket"])
+        claims = ticket_claims(body["ticket"], office.settings.keys_dir)
         assert status == 200 and claims["adapter"] is None
         assert claims["release"] == release.digest
         route = view.resolve("acme", "chat")
@@ -171,7 +171,8 @@ class FallbackContract(WithRegistry):
                                                                "fallback": "base"})
         assert registry.alias("g-chat").last_fallback is None
         status, body = self._tickets(office, world["globex"], ("g-chat",))["g-chat"]
-        assert status == 200 and ticket_claims(body["ticket"])["adapter"] == world["gamma"]
+        assert status == 200 and ticket_claims(body["ticket"], office.settings.keys_dir)[
+            "adapter"] == world["gamma"]
         fell = [e for e in audit_log(registry) if e.event_type == "AliasFellBack"]
         assert sorted(e.summary["alias"] for e in fell) == ["chat", "second"]
 

@@ -393,7 +393,8 @@ class SessionPinContract(WithRegistry):
                                                                "session": session},
                                           headers=auth("acme"))
                     assert r.status == 200
-                    return str(ticket_claims((await r.json())["ticket"])["release"])
+                    return str(ticket_claims((await r.json())["ticket"],
+                                             office.settings.keys_dir)["release"])
 
                 assert await ticket("conv") == world["r_alpha"]
                 r_beta.append(self._release_beta(registry, world))

@@ -70,7 +70,8 @@ def test_windows_arrive_live_and_pause_records_the_event(stack: RolloutStack, dr
         wait_for(lambda: d.current_url.endswith("/adapters"), what="the adapters page")
         d.get(f"{base}/rollouts/{ALIAS}")
         before = len(d.find_elements(By.CSS_SELECTOR, "#windows tr.window"))
-        traffic = ArmTraffic(stack.gateway, stack.api_key, ALIAS, stack.http, ALPHA)
+        traffic = ArmTraffic(stack.gateway, stack.api_key, ALIAS, stack.http, ALPHA,
+                             seal_keys=stack.seal_keys)
         with Running(traffic, threads=2):
             # judged windows appear on the page opened before them: no reload in between
             wait_for(lambda: len(d.find_elements(By.CSS_SELECTOR, "#windows tr.window"))

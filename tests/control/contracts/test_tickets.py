@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -23,9 +24,25 @@ BASE = "sha256:" + "a" * 64
 TOK = "sha256:" + "b" * 64
 ADAPTER = "sha256:" + "c" * 64
 RELEASE = "sha256:" + "e" * 64
-# The claim set, written out here rather than read from the code under test.
+# The claim sets, written out here rather than read from the code under test: what a host reads
+# once the arm is opened, and what travels (the arm sealed).
 CLAIMS = {"tenant", "model", "base", "adapter", "tokenizer", "release", "iat", "exp", "jti",
-          "kid"}
+          "kid", "disclose"}
+WIRE = {"tenant", "model", "base", "tokenizer", "arm", "iat", "exp", "jti", "kid"}
+
+
+def _seal_of(signer: TicketSigner) -> dict[str, bytes]:
+    """The seal key of ``signer``, derived here as the contract says (HKDF-SHA256 of the raw
+    private key, info ``loraplane-ticket-seal-v1``), not read from the signer."""
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    raw = signer._private.private_bytes(serialization.Encoding.Raw,
+                                        serialization.PrivateFormat.Raw,
+                                        serialization.NoEncryption())
+    key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+               info=b"loraplane-ticket-seal-v1").derive(raw)
+    return {signer.kid: key}
 
 
 @pytest.fixture()
@@ -34,14 +51,14 @@ def keys(tmp_path: Path) -> tuple[TicketSigner, TicketVerifier]:
     assert created
     again, created2 = TicketSigner.load_or_create(tmp_path)
     assert not created2 and again.kid == signer.kid
-    verifier = TicketVerifier(load_public_keys(tmp_path / "public"), model="lora_llm",
-                              base=BASE, tokenizer=TOK)
+    verifier = TicketVerifier(load_public_keys(tmp_path / "public"), seal_keys=_seal_of(signer),
+                              model="lora_llm", base=BASE, tokenizer=TOK)
     return signer, verifier
 
 
 def _issue(signer: TicketSigner, **over: object) -> str:
     kw: dict[str, object] = dict(tenant="acme", model="lora_llm", base=BASE, adapter=ADAPTER,
-                                 tokenizer=TOK, release=RELEASE, ttl_s=60)
+                                 tokenizer=TOK, release=RELEASE, disclose=False, ttl_s=60)
     kw.update(over)
     return signer.issue(**kw)[0]  # type: ignore[arg-type]
 
@@ -94,12 +111,12 @@ def test_lifetime_above_the_cap_refused(keys: tuple[TicketSigner, TicketVerifier
         with pytest.raises(TicketRejected) as e:
             verifier.verify(token)
         assert e.value.reason == "lifetime"
-    longer = TicketVerifier({signer.kid: signer.public_raw}, model="lora_llm", base=BASE,
-                            tokenizer=TOK, max_ttl_s=86_400)
+    longer = TicketVerifier({signer.kid: signer.public_raw}, seal_keys=_seal_of(signer),
+                            model="lora_llm", base=BASE, tokenizer=TOK, max_ttl_s=86_400)
     assert longer.verify(forged[1]).tenant == "acme"
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="max_ttl_s"):
-            TicketVerifier({}, model="lora_llm", base=BASE, tokenizer=TOK,
+            TicketVerifier({}, seal_keys={}, model="lora_llm", base=BASE, tokenizer=TOK,
                            max_ttl_s=bad)  # type: ignore[arg-type]
 
 
@@ -156,31 +173,95 @@ def _sign_payload(signer: TicketSigner, payload: dict[str, object]) -> str:
                          implicit_assertion=IMPLICIT_ASSERTION).decode()
 
 
+def _arm(signer: TicketSigner, jti: str = "j", adapter: str | None = ADAPTER,
+         release: str | None = RELEASE, disclose: bool = False) -> str:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from control.contracts.tickets import seal_arm
+
+    return seal_arm(AESGCM(_seal_of(signer)[signer.kid]), jti, adapter, release, disclose)
+
+
 def _genuine_payload(signer: TicketSigner) -> dict[str, object]:
     now = int(time.time())
-    return dict(tenant="acme", model="lora_llm", base=BASE, adapter=ADAPTER, tokenizer=TOK,
-                release=RELEASE, iat=now, exp=now + 60, jti="j", kid=signer.kid)
+    return dict(tenant="acme", model="lora_llm", base=BASE, tokenizer=TOK, arm=_arm(signer),
+                iat=now, exp=now + 60, jti="j", kid=signer.kid)
 
 
-@pytest.mark.parametrize("release", [
-    "sha256:" + "E" * 64, "sha256:" + "e" * 63, "sha256:" + "e" * 64 + "\n", "e" * 64, "",
-    "acme-alpha", 1, True, ["sha256:" + "e" * 64], {"digest": RELEASE},
-])
-def test_release_claim_must_be_a_digest_or_null(keys: tuple[TicketSigner, TicketVerifier],
-                                                release: object) -> None:
+def _open_payload(token: str) -> bytes:
+    import base64
+
+    body = token.split(".")[2]
+    return base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))[:-64]
+
+
+def test_no_arm_is_readable_from_a_ticket(keys: tuple[TicketSigner, TicketVerifier]) -> None:
+    """Issue 21: a client holding its ticket cannot tell which adapter or release it routes
+    to: neither digest appears in the token's payload (in hex or raw), and tickets of the two
+    arms of a split, and of the base alone, are the same length."""
+    import base64
+    import json
+
+    signer, verifier = keys
+    canary, stable = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+    tokens = {name: _issue(signer, adapter=adapter, release=release)
+              for name, adapter, release in (("canary", ADAPTER, canary),
+                                             ("stable", "sha256:" + "3" * 64, stable),
+                                             ("base", None, None))}
+    for token in tokens.values():
+        payload = _open_payload(token)
+        assert set(json.loads(payload)) == WIRE
+        for digest in (ADAPTER, canary, stable, "sha256:" + "3" * 64):
+            hexpart = digest.split(":")[1]
+            assert hexpart.encode() not in payload and bytes.fromhex(hexpart) not in payload
+            assert bytes.fromhex(hexpart) not in base64.urlsafe_b64decode(
+                json.loads(payload)["arm"] + "==")
+        assert "sha256:" not in token
+    assert len({len(t) for t in tokens.values()}) == 1
+    opened = verifier.verify(tokens["canary"])
+    assert (opened.adapter, opened.release, opened.disclose) == (ADAPTER, canary, False)
+    base = verifier.verify(tokens["base"])
+    assert (base.adapter, base.release) == (None, None)
+    assert verifier.verify(_issue(signer, disclose=True)).disclose is True
+
+
+def test_arm_must_open_under_the_signers_seal(keys: tuple[TicketSigner, TicketVerifier],
+                                              tmp_path: Path) -> None:
+    """The arm is opened with the seal key of the key that signed the ticket, bound to the
+    ticket's id: an arm from another ticket, another key's seal, or bytes that are not a seal
+    are refused even when the ticket is genuinely signed."""
     signer, verifier = keys
     assert verifier.verify(_sign_payload(signer, _genuine_payload(signer))).release == RELEASE
+    other, _ = TicketSigner.load_or_create(tmp_path / "other")
+    good = _arm(signer)
+    flipped = good[:-2] + ("A" if good[-2] != "A" else "B") + good[-1]
+    cases = {
+        "seal": [_arm(signer, jti="another ticket"), _arm(other), flipped],
+        "claims": [good + "A", good[:-1], "", "sha256:" + "e" * 64, 1, None, True, [good]],
+    }
+    for reason, arms in cases.items():
+        for arm in arms:
+            with pytest.raises(TicketRejected) as e:
+                verifier.verify(_sign_payload(signer, {**_genuine_payload(signer), "arm": arm}))
+            assert e.value.reason == reason, arm
+    unsealed = TicketVerifier(load_public_keys(tmp_path / "public"), seal_keys={},
+                              model="lora_llm", base=BASE, tokenizer=TOK)
     with pytest.raises(TicketRejected) as e:
-        verifier.verify(_sign_payload(signer, {**_genuine_payload(signer), "release": release}))
-    assert e.value.reason == "claims"
+        unsealed.verify(_issue(signer))
+    assert e.value.reason == "unknown_seal"
 
 
-def test_old_nine_claim_tickets_and_extra_claims_refused(
+def test_older_claim_sets_and_extra_claims_refused(
         keys: tuple[TicketSigner, TicketVerifier]) -> None:
-    """Tickets signed before ``release`` was a claim are refused, even by the right key."""
+    """Tickets of the earlier claim sets (adapter and release in the clear, with or without
+    release) are refused, even by the right key; so is any extra claim."""
     signer, verifier = keys
-    nine = {k: v for k, v in _genuine_payload(signer).items() if k != "release"}
-    for payload in (nine, {**_genuine_payload(signer), "release_name": "x"}):
+    now = int(time.time())
+    clear = dict(tenant="acme", model="lora_llm", base=BASE, adapter=ADAPTER, tokenizer=TOK,
+                 release=RELEASE, iat=now, exp=now + 60, jti="j", kid=signer.kid)
+    nine = {k: v for k, v in clear.items() if k != "release"}
+    for payload in (clear, nine, {**_genuine_payload(signer), "release_name": "x"},
+                    {**_genuine_payload(signer), "adapter": ADAPTER}):
         with pytest.raises(TicketRejected) as e:
             verifier.verify(_sign_payload(signer, payload))
         assert e.value.reason == "claims"
@@ -196,7 +277,7 @@ def test_altered_release_refused(keys: tuple[TicketSigner, TicketVerifier],
     head, purpose, body, footer = _issue(signer).split(".")
     raw = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
     claims = json.loads(raw[:-64])
-    claims["release"] = "sha256:" + "f" * 64
+    claims["arm"] = _arm(signer, jti=claims["jti"], release="sha256:" + "f" * 64)
     forged_body = base64.urlsafe_b64encode(json.dumps(claims, separators=(",", ":")).encode()
                                            + raw[-64:]).rstrip(b"=").decode()
     with pytest.raises(TicketRejected) as e:
@@ -232,7 +313,7 @@ def test_other_key_refused(keys: tuple[TicketSigner, TicketVerifier], tmp_path: 
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(st.binary(max_size=600), st.text(max_size=600)))
 def test_arbitrary_input_never_accepted(data: bytes | str) -> None:
-    verifier = TicketVerifier({}, model="lora_llm", base=BASE, tokenizer=TOK)
+    verifier = TicketVerifier({}, seal_keys={}, model="lora_llm", base=BASE, tokenizer=TOK)
     with pytest.raises(TicketRejected):
         verifier.verify(data)
 
@@ -253,7 +334,8 @@ def _setup() -> tuple[TicketSigner, TicketVerifier, str]:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     s = TicketSigner(Ed25519PrivateKey.generate())
-    v = TicketVerifier({s.kid: s.public_raw}, model="lora_llm", base=BASE, tokenizer=TOK)
+    v = TicketVerifier({s.kid: s.public_raw}, seal_keys=_seal_of(s), model="lora_llm",
+                       base=BASE, tokenizer=TOK)
     return s, v, _issue(s)
 
 
@@ -291,7 +373,8 @@ def _local_with_public_key() -> str:
                          footer=json.dumps({"kid": _SIGNER.kid}).encode()).decode()
 
 
-_VALID_CLAIMS = _VERIFIER.verify(_TOKEN).to_json()
+_VALID_CLAIMS = dict(json.loads(_open_payload(_TOKEN)))  # the wire claims, the arm sealed
+_OPENED = _VERIFIER.verify(_TOKEN).to_json()
 _PARTS = _TOKEN.split(".")
 _KIDS = st.sampled_from([_SIGNER.kid, "0" * 16, "", "../../keys/private/active.pem"])
 
@@ -363,17 +446,18 @@ def _oracle_accepts(claims: dict[str, object], now: float) -> bool:
     """What a valid ticket for this host is, written independently of the decoder."""
     from control.contracts.digests import DIGEST_RE
 
-    if set(claims) != CLAIMS:
+    if set(claims) != WIRE:
         return False
     if not all(type(claims[k]) is str and claims[k] for k in
-               ("tenant", "model", "base", "tokenizer", "jti", "kid")):
+               ("tenant", "model", "base", "tokenizer", "arm", "jti", "kid")):
         return False
     if not all(type(claims[k]) is int for k in ("iat", "exp")):
         return False
-    for k in ("adapter", "release"):  # a digest (the whole string) or null
-        value = claims[k]
-        if value is not None and not (isinstance(value, str) and DIGEST_RE.fullmatch(value)):
-            return False
+    if not all(DIGEST_RE.fullmatch(str(claims[k])) for k in ("base", "tokenizer")):
+        return False
+    # the arm opens only as sealed for its own ticket id (AES-GCM, the id as associated data)
+    if (claims["arm"], claims["jti"]) != (_VALID_CLAIMS["arm"], _VALID_CLAIMS["jti"]):
+        return False
     return (claims["kid"] == _SIGNER.kid and claims["model"] == "lora_llm"
             and claims["base"] == BASE and claims["tokenizer"] == TOK
             and claims["exp"] > now and claims["iat"] <= now + 30  # type: ignore[operator]
@@ -414,7 +498,10 @@ def _fuzz_signed(claims: dict[str, object]) -> None:
                           implicit_assertion=IMPLICIT_ASSERTION).decode()
     now = time.time()
     if _oracle_accepts(claims, now):
-        assert _VERIFIER.verify(token, now=now).to_json() == claims
+        opened = {k: v for k, v in claims.items() if k != "arm"}
+        opened.update(adapter=_OPENED["adapter"], release=_OPENED["release"],
+                      disclose=_OPENED["disclose"])
+        assert _VERIFIER.verify(token, now=now).to_json() == opened
     else:
         with pytest.raises(TicketRejected):
             _VERIFIER.verify(token, now=now)

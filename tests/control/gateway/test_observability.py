@@ -36,7 +36,23 @@ def ledger(tmp_path: Path) -> Ledger:
                _entry("r5", "acme", A, "rejected", "revoked")])
     led.complete([Completion("r1", "ok", 5, 7), Completion("r2", "ok", 3, 2),
                   Completion("r3", "ok", 4, 4)], now=100.5)
+    _own(led, {A: "acme", B: "globex"})
     return led
+
+
+def _own(led: Ledger, owners: dict[str, str]) -> None:
+    """The adapters' projection rows: who owns which digest."""
+    import datetime as dt
+
+    from projections.tables import adapters, create_tables
+
+    create_tables(led.engine)
+    with led.engine.begin() as conn:
+        for digest, tenant in owners.items():
+            conn.execute(adapters.insert().values(
+                digest=digest, tenant=tenant, alias=f"{tenant}-x", base_digest=A,
+                tokenizer_digest=A, state="stable", rank=8, registered_at=dt.datetime.now(dt.UTC),
+                owner="", training_data_version="", licence="", allowed_tasks=""))
 
 
 def test_json_log_lines_carry_extra_fields() -> None:
@@ -105,6 +121,23 @@ def test_digest_stats_scoped_to_the_tenant(ledger: Ledger) -> None:
     [alone] = [r for r in with_unattributed if r.tenant is None]
     assert (alone.adapter_digest, alone.requests, alone.rejected) == (None, 1, 1)
     assert sum(r.rejected for r in with_unattributed) == 2  # every rejected row of the ledger
+
+
+def test_a_granted_tenants_stats_never_name_the_owners_adapter(ledger: Ledger) -> None:
+    """Issue 21: acme sent requests on globex's adapter B (an alias globex granted it), on two
+    arms of globex's rollout (B, then C). Acme's own view counts them under one "granted"
+    entry; neither digest appears. The operator's view still names them."""
+    c = "sha256:" + "c" * 64
+    _own(ledger, {c: "globex"})
+    ledger.admit([_entry("g1", "acme", B), _entry("g2", "acme", c), _entry("g3", "acme", None)])
+    ledger.complete([Completion("g1", "ok", 1, 1), Completion("g2", "ok", 1, 1),
+                     Completion("g3", "ok", 1, 1)], now=100.5)
+    acme = digest_stats(ledger.engine, "acme")
+    assert {(r.adapter_digest, r.requests) for r in acme} == {(A, 3), ("granted", 2), (None, 1)}
+    body = json.dumps(stats_body(acme, operator=False))
+    assert B not in body and c not in body and "globex" not in body
+    everyone = digest_stats(ledger.engine, None)
+    assert {(r.tenant, r.adapter_digest) for r in everyone} >= {("acme", B), ("acme", c)}
 
 
 def test_stats_cli_counts_every_refusal_and_fits_80_columns(ledger: Ledger,

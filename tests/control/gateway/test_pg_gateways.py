@@ -122,7 +122,8 @@ def test_two_gateways_and_follower_share_one_postgres(settings: Settings,
                 return 0, {}
 
         assert _wait(lambda: all(ticket(u)[0] == 200 for u in urls), 60)
-        assert {ticket_claims(str(ticket(u)[1]["ticket"]))["adapter"] for u in urls} == {d}
+        assert {ticket_claims(str(ticket(u)[1]["ticket"]),
+                                  settings.keys_dir)["adapter"] for u in urls} == {d}
         assert {_kid(ticket(u)[1]) for u in urls} == {first_kid}
 
         # A retired signing key: both gateways move to the key rotated in (same keys folder).

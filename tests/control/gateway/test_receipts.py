@@ -21,7 +21,7 @@ from control.contracts.ledger import Completion, Ledger, LedgerEntry, Outcome
 from control.contracts.receipt import trusted_keys, verify_receipt
 from control.contracts.tickets import TicketSigner
 from control.contracts.tlog import ProofError
-from control.gateway.receipts import NO_SUCH_REQUEST
+from control.gateway.receipts import NO_SUCH_REQUEST, NOT_THE_OWNER
 from control.gateway.server import make_app
 from control.gateway.ticket_office import TicketOffice
 from projections.routing import RoutingView
@@ -29,21 +29,38 @@ from tests.fixtures_control import OnPostgres, OnSQLite, WithRegistry
 
 D = "sha256:" + "a" * 64
 HOST = "gw-host"
+# each tenant's own adapter (the adapters projection says who owns it)
+OWN = {"acme": "sha256:" + "c" * 64, "globex": "sha256:" + "d" * 64}
 
 
-def _entry(rid: str, tenant: str, **kw: Any) -> LedgerEntry:
-    return LedgerEntry(rid, f"ticket-{rid}", tenant, "lora_llm", HOST, D, D, D, admitted_at=1.0,
-                       max_tokens=8, temperature=0.0, top_p=1.0, **kw)
+def _entry(rid: str, tenant: str, adapter: str | None = None, **kw: Any) -> LedgerEntry:
+    return LedgerEntry(rid, f"ticket-{rid}", tenant, "lora_llm", HOST, D,
+                       adapter or OWN[tenant], D, admitted_at=1.0, max_tokens=8,
+                       temperature=0.0, top_p=1.0, **kw)
 
 
-def _answer(ledger: Ledger, requests: list[tuple[str, str]]) -> None:
-    """Admit and complete (rid, tenant) requests through a host's writer with its log; the
-    writer's close signs a checkpoint."""
+def _own(engine: Any) -> None:
+    import datetime as dt
+
+    from projections.tables import adapters
+
+    with engine.begin() as conn:
+        for tenant, digest in OWN.items():
+            conn.execute(adapters.insert().values(
+                digest=digest, tenant=tenant, alias=f"{tenant}-x", base_digest=D,
+                tokenizer_digest=D, state="stable", rank=8, registered_at=dt.datetime.now(dt.UTC),
+                owner="", training_data_version="", licence="", allowed_tasks=""))
+
+
+def _answer(ledger: Ledger, requests: list[tuple[str, str]], adapter: str | None = None) -> None:
+    """Admit and complete (rid, tenant) requests through a host's writer with its log, served
+    by each tenant's own adapter or ``adapter``; the writer's close signs a checkpoint."""
     writer = LedgerWriter(ledger, host=HOST, checkpoint_s=3600)
     done = threading.Semaphore(0)
     for rid, tenant in requests:
-        ledger.admit([_entry(rid, tenant)])
-        writer.complete(Completion(rid, Outcome.OK, 3, 5, served_digest=D),
+        entry = _entry(rid, tenant, adapter)
+        ledger.admit([entry])
+        writer.complete(Completion(rid, Outcome.OK, 3, 5, served_digest=entry.adapter_digest),
                         lambda _ok: done.release(), output=f"the answer to {rid}")
     for _ in requests:
         assert done.acquire(timeout=30)
@@ -61,6 +78,7 @@ class ReceiptRouteContract(WithRegistry):
     @pytest.fixture
     def get(self, settings: Settings, registry: Registry, keys: dict[str, str]) -> Iterator[Get]:
         engine = registry.follower.engine
+        _own(engine)
         signer, _ = TicketSigner.load_or_create(settings.keys_dir)
         app = make_app(TicketOffice(settings, RoutingView(engine), signer),
                        ledger=Ledger(engine))
@@ -118,6 +136,21 @@ class ReceiptRouteContract(WithRegistry):
         assert get("rq-globex-1", "not-a-key")[0] == 401
         assert get("rq/../x", keys["acme"])[0] in (400, 404)
         assert get("x" * 37, keys["acme"])[0] == 400
+
+    def test_a_granted_tenant_gets_no_receipt_naming_the_owners_adapter(
+            self, get: Get, keys: dict[str, str], registry: Registry) -> None:
+        """Issue 21: globex's request answered by acme's adapter (an alias acme granted it)
+        has a receipt whose entry names acme's adapter: globex is refused, with a body that
+        names neither the adapter nor acme; its requests on its own adapter are served."""
+        engine = registry.follower.engine
+        _answer(Ledger(engine), [("rq-granted", "globex")], adapter=OWN["acme"])
+        _answer(Ledger(engine), [("rq-own", "globex")])
+        sync(registry, engine)
+        status, _, body = get("rq-granted", keys["globex"])
+        assert status == 403 and body.decode().count(NOT_THE_OWNER["error"]) == 1
+        assert OWN["acme"].encode() not in body and OWN["acme"][7:].encode() not in body
+        assert b"acme" not in body
+        assert get("rq-own", keys["globex"])[0] == 200
 
     def test_running_unlogged_and_past_the_checkpoint_requests(
             self, get: Get, keys: dict[str, str], registry: Registry) -> None:

@@ -49,12 +49,14 @@ def _sync(settings: Settings, recorded: Recorded) -> int:
 
 def _ticket(signer: TicketSigner) -> str:
     return signer.issue(tenant="acme", model="lora_llm", base=DIGEST, adapter=None,
-                        tokenizer=DIGEST, release=None, ttl_s=60)[0]
+                        tokenizer=DIGEST, release=None, disclose=False, ttl_s=60)[0]
 
 
-def _verifier(public: Path) -> TicketVerifier:
+def _verifier(public: Path, *signers: TicketSigner) -> TicketVerifier:
+    """A host's verifier over the key files in ``public``, holding the seals of ``signers``
+    (what this test checks is which public keys the sync leaves trusted)."""
     return TicketVerifier(load_public_keys(public), model="lora_llm", base=DIGEST,
-                          tokenizer=DIGEST)
+                          tokenizer=DIGEST, seal_keys={s.kid: s.seal_key for s in signers})
 
 
 @pytest.fixture
@@ -68,13 +70,14 @@ def test_a_strangers_key_file_is_gone_after_one_sync(settings: Settings) -> None
     public = settings.keys_dir / "public"
     _sync(settings, recorded)
     (public / f"{stranger.kid}.pub").write_text(stranger.public_b64 + "\n")
-    assert _verifier(public).verify(_ticket(stranger)).kid == stranger.kid  # trusted: the bug
+    trusted = _verifier(public, ours, stranger).verify(_ticket(stranger))
+    assert trusted.kid == stranger.kid  # trusted: the bug
     assert _sync(settings, recorded) == 1
     assert sorted(os.listdir(public)) == [f"{ours.kid}.pub"]
     with pytest.raises(TicketRejected) as refused:
-        _verifier(public).verify(_ticket(stranger))
+        _verifier(public, ours, stranger).verify(_ticket(stranger))
     assert refused.value.reason == "unknown_key"
-    assert _verifier(public).verify(_ticket(ours)).kid == ours.kid
+    assert _verifier(public, ours, stranger).verify(_ticket(ours)).kid == ours.kid
     assert _sync(settings, recorded) == 0
 
 

@@ -9,10 +9,9 @@ while no unretired signing key is held (the gateway never signs with a retired k
 The answer holds the ticket, its id, expiry, model and alias: nothing that says which arm of a
 canary split the ticket landed on (no release, no adapter digest). A client that is told its arm
 can re-draw sessions until it lands on the one it wants (two tries at 50 %), and weigh its own
-feedback by arm. What was served to whom stays server-side: the ledger names the release and the
-adapter of every request. (The ticket's own payload, a signed and unencrypted PASETO v4.public,
-still names them, and so does the answer's ``adapter_digest`` output: README, "Feedback",
-says what is left to close.)
+feedback by arm. The ticket carries the arm sealed (``control.contracts.tickets``), and the
+host's answer names the adapter that served to the release's owner only. What was served to whom
+stays server-side: the ledger names the release and the adapter of every request.
 
 An optional ``"session"`` in the body names the client's session: the session keeps the
 release it first resolved (``control.domain.session``) until it ends or its pin expires

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
@@ -31,6 +32,7 @@ from control.domain.ids import adapter_id, alias_id
 from control.domain.rollout import rollout_id
 from projections.incidents import requests_for
 from projections.routing import RoutingView
+from projections.tables import adapters as adapter_rows
 
 if TYPE_CHECKING:
     from control.app.registry import Registry
@@ -213,9 +215,10 @@ def hosts(reg: Registry, window_s: float = 24 * 3600.0) -> list[dict[str, Any]]:
         h["last_at"] = max(h["last_at"], float(r.last))
     for h in out.values():
         h["last"] = iso(h["last_at"])
-    owners = _Owners(reg)
-    resident, evictions = residency(reg, since, owners=owners)
     reports = {st.host: st for st in HostStatusTable(engine).all(since)}
+    owners = _Owners(reg)
+    owners.fetch(e.digest for st in reports.values() for e in (*st.device, *st.host_tier))
+    resident, evictions = residency(reg, since, owners=owners)
     for host in set(resident) | set(evictions) | set(reports):
         h = out.setdefault(host, {"host": host, "last_at": 0.0, "last": "", "outcomes": {}})
     for h in out.values():
@@ -251,17 +254,27 @@ def _status(st: HostStatus, loaded: list[dict[str, Any]], owners: _Owners, now: 
 
 
 class _Owners:
-    """Digest -> the owning tenant's name, from the routing projection ("?" when unknown),
-    each digest looked up once per page."""
+    """Digest -> the owning tenant's name, from the routing projection ("?" when unknown).
+    ``fetch`` reads many in one query: four hosts' reports name 160 digests, and one query
+    each took 80 ms of the page."""
 
     def __init__(self, reg: Registry) -> None:
-        self.view = RoutingView(make_engine(reg.settings.db_url))
+        self.engine = make_engine(reg.settings.db_url)
         self.known: dict[str, str] = {}
+
+    def fetch(self, digests: Iterable[str]) -> None:
+        wanted = sorted(set(digests) - set(self.known))
+        for start in range(0, len(wanted), 500):  # bound the statement's parameters
+            chunk = wanted[start:start + 500]
+            with self.engine.connect() as conn:
+                found = {str(r.digest): str(r.tenant) for r in conn.execute(
+                    sa.select(adapter_rows.c.digest, adapter_rows.c.tenant)
+                    .where(adapter_rows.c.digest.in_(chunk)))}
+            self.known.update({d: found.get(d, "?") for d in chunk})
 
     def __call__(self, digest: str) -> str:
         if digest not in self.known:
-            row = self.view.adapter(digest)
-            self.known[digest] = row.tenant if row is not None else "?"
+            self.fetch([digest])
         return self.known[digest]
 
 
@@ -285,6 +298,7 @@ def residency(reg: Registry, since: float, evictions_kept: int = 10, *,
                             .where(c.outcome == "unloaded", c.started_at >= since)
                             .order_by(c.id.desc()).limit(200)).all()
     owner = owners or _Owners(reg)
+    owner.fetch(r.adapter_digest for r in (*last, *gone))
     resident: dict[str, list[dict[str, Any]]] = {}
     for r in sorted(last, key=lambda r: (r.host, -r.started_at)):
         resident.setdefault(r.host, []).append(

@@ -6,7 +6,8 @@ rows (issue 27 asks for under 200 ms each). A bench, not a test: run it by hand,
 It builds a SQLite home under a temporary folder: a base, one tenant, N adapters registered
 through the registry (perturbed copies of one tiny adapter: real events, real projections),
 one alias with a stable and a canary release and a rollout, and M ledger rows spread over the
-adapters, four hosts and the last 30 days (inserted in bulk, as hosts would have written them).
+adapters, four hosts and the last 30 days (inserted in bulk, as hosts would have written them),
+and each host's status report.
 Then it serves the console on loopback and times each page (median of 5 GETs, after one warm-up)
 and prints one JSON object.
 """
@@ -77,6 +78,24 @@ def build(root: Path, adapters: int, rows: int) -> tuple[Any, list[str]]:
     return reg, digests
 
 
+def report_hosts(settings: Any, digests: list[str]) -> None:
+    """Each of the four hosts' status, as its reporter writes it every 2 s: 8 full slots and
+    32 adapters in its host tier (done again before each measurement: reports go stale)."""
+    from control.contracts.db import make_engine
+    from control.contracts.host_status import HostStatus, HostStatusTable, SlotEntry
+
+    table = HostStatusTable(make_engine(settings.db_url))
+    now = time.time()
+    for h in range(4):
+        held = [digests[(h * 40 + i) % len(digests)] for i in range(40)]
+        table.put(HostStatus(
+            f"triton-{h}", now, now - 3600, 8,
+            device=tuple(SlotEntry(d, 320 << 20, i % 3) for i, d in enumerate(held[:8])),
+            host_tier=tuple(SlotEntry(d, 84 << 20, 0) for d in held[8:]), pending_loads=2,
+            load_waiters=3, load_queue_max=64, running=12, waiting=4, kv_tokens_reserved=900,
+            kv_tokens_budget=8192, health={"violations": 0}))
+
+
 def reopen(root: Path) -> tuple[Any, list[str]]:
     from projections.follower import open_registry
     from projections.routing import RoutingView
@@ -102,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         reg, digests = reopen(root)
     else:
         reg, digests = build(root, a.adapters, a.rows)
+    report_hosts(reg.settings, digests)
     console = Console(reg, actor="bench", verify_every_s=0.0)
     d = digests[1]
     pages = {"adapters": "/adapters", "adapter timeline": f"/adapters/{d}",

@@ -113,6 +113,16 @@ def check_mixed_vs_base(engine: Engine, kit: BenchKit, profile: Profile) -> dict
             "tokens_per_run": counts, "tokens_expected": expected, "reps": profile.reps}
 
 
+def judge_share(share: float, complete: bool, judged: bool) -> Status:
+    """The continuous-batching check's status: lost tokens fail; otherwise the streams' share
+    of the batch speedup against :data:`SCHEDULER_SHARE` where ``judged``."""
+    if not complete:
+        return Status.FAIL
+    if not judged:
+        return Status.MEASURED
+    return Status.PASS if share >= SCHEDULER_SHARE else Status.FAIL
+
+
 def check_continuous(engine: Engine, kit: BenchKit, profile: Profile) -> dict[str, Any]:
     """Every request as a concurrent stream against one stream alone (the scheduler), judged
     against what the same hardware gains from batching without the scheduler.
@@ -142,8 +152,7 @@ def check_continuous(engine: Engine, kit: BenchKit, profile: Profile) -> dict[st
     tokens = {"many": rates.many_tokens, "one": rates.one_tokens}
     expected = {"many": len(requests) * NEW_TOKENS, "one": NEW_TOKENS}
     complete = tokens == expected and counts == {"all": expected["many"], "one": NEW_TOKENS}
-    status = (Status.FAIL if not complete else Status.MEASURED if not profile.judged
-              else Status.PASS if share >= SCHEDULER_SHARE else Status.FAIL)
+    status = judge_share(share, complete, profile.judged)
     return {"status": status, "ratio": ratio, "batch_speedup": speedup,
             "share_of_batch_speedup": share, "goal": f"share_of_batch_speedup >= "
             f"{SCHEDULER_SHARE}", "goal_judged": profile.judged,
@@ -166,6 +175,19 @@ class _Quiet:
 
     def finish(self, result: GenerationResult, outcome: str, reason: str | None) -> None:
         pass
+
+
+def judge_memory(categories: dict[str, int], allocated: int) -> dict[str, Any]:
+    """The categories' sum against what the allocator holds (``allocated``), in total and beyond
+    the base weights: at the real sizes the weights are most of the total, so the total alone
+    would hide a KV or workspace miscount."""
+    counted = sum(categories.values())
+    share = counted / allocated
+    weights = categories["base_weights"]
+    rest = (counted - weights) / (allocated - weights) if allocated > weights else 0.0
+    ok = abs(share - 1) <= MEMORY_RTOL and abs(rest - 1) <= MEMORY_RTOL
+    return {"status": Status.PASS if ok else Status.FAIL, "allocated_bytes": allocated,
+            "counted_over_allocated": share, "counted_over_allocated_beyond_weights": rest}
 
 
 def check_memory(engine: Engine, kit: BenchKit, allocated_before: int) -> dict[str, Any]:
@@ -195,14 +217,6 @@ def check_memory(engine: Engine, kit: BenchKit, allocated_before: int) -> dict[s
                     **out}
         torch.cuda.synchronize(engine.device)
         allocated = torch.cuda.memory_allocated(engine.device) - allocated_before
-        share = counted / allocated
-        # The weights are most of it at the real sizes, so the total alone would hide a KV or
-        # workspace miscount: what is beyond the weights must agree within the same share.
-        weights = categories["base_weights"]
-        rest = (counted - weights) / (allocated - weights) if allocated > weights else 0.0
-        ok = abs(share - 1) <= MEMORY_RTOL and abs(rest - 1) <= MEMORY_RTOL
-        return {"status": Status.PASS if ok else Status.FAIL, "allocated_bytes": allocated,
-                "counted_over_allocated": share,
-                "counted_over_allocated_beyond_weights": rest, **out}
+        return {**judge_memory(categories, allocated), **out}
     finally:
         sched.stop()

@@ -34,7 +34,12 @@ from typing import Any
 import torch
 
 from backend.serving.engine import DecodeBatch, Engine, GenerationRequest
-from backend.serving.memory import KV_HEADROOM_FRACTION, TARGET_MODULES, device_memory
+from backend.serving.memory import (
+    KV_HEADROOM_FRACTION,
+    TARGET_MODULES,
+    MemoryPlan,
+    device_memory,
+)
 from control.contracts.digests import directory_digest
 from control.tools.bench.kit import BenchShape
 from control.tools.kit import build_tokenizer
@@ -200,17 +205,23 @@ def measure_context(engine: Engine, kit: ShapeKit, profile: ShapeProfile, contex
         "decode_steps": len(steps), "tokens": sum(produced),
         "tokens_expected": profile.rows * (profile.steps + 1), "failures": failures}
     if device.type == "cuda":
-        plan = engine.plan
-        weights = plan.shapes.weight_count() * plan.element_size
-        live_kv = profile.rows * (context + profile.steps) * plan.kv_token_bytes
-        headroom = int(KV_HEADROOM_FRACTION * device_memory(str(device)))
-        planned = weights + plan.bank_bytes + 2 * live_kv + headroom
         peak = torch.cuda.max_memory_allocated(device) - allocated_before
-        out.update(peak_bytes=peak, planned_bytes=planned, peak_over_plan=peak / planned,
-                   live_kv_bytes=live_kv,
-                   peak_beyond_weights_and_banks_over_live_kv=(
-                       (peak - weights - plan.bank_bytes) / live_kv))
+        out.update(peak_against_plan(engine.plan, profile.rows * (context + profile.steps),
+                                     peak, device_memory(str(device))))
     return out
+
+
+def peak_against_plan(plan: MemoryPlan, live_tokens: int, peak: int,
+                      device_bytes: int) -> dict[str, Any]:
+    """A batch's peak allocation against what the memory plan allows it: the weights, the slot
+    banks, twice the live KV (the old and the new KV of a step) and the activation headroom."""
+    weights = plan.shapes.weight_count() * plan.element_size
+    live_kv = live_tokens * plan.kv_token_bytes
+    planned = weights + plan.bank_bytes + 2 * live_kv + int(KV_HEADROOM_FRACTION * device_bytes)
+    return {"peak_bytes": peak, "planned_bytes": planned, "peak_over_plan": peak / planned,
+            "live_kv_bytes": live_kv,
+            "peak_beyond_weights_and_banks_over_live_kv": (
+                (peak - weights - plan.bank_bytes) / live_kv)}
 
 
 def check_production_shapes(profile: ShapeProfile, device: torch.device, dtype: torch.dtype,

@@ -82,6 +82,13 @@ BASE_DIGEST_ENV = "LORAPLANE_BASE_DIGEST"
 HOST_ID_ENV = "LORAPLANE_HOST_ID"  # the ledger's host column (default: the hostname)
 HOST_DB_URL_ENV = "LORAPLANE_HOST_DB_URL"  # a Triton host's own database credential
 GATEWAY_DB_URL_ENV = "LORAPLANE_GATEWAY_DB_URL"  # the gateway's read-mostly credential
+# Where a Triton host sits: its pool (``shared``, or a tenant's dedicated pool) and region. A host
+# refuses any ticket that does not name its pool and allow its region (control.contracts.tickets).
+HOST_POOL_ENV = "LORAPLANE_HOST_POOL"
+HOST_REGION_ENV = "LORAPLANE_HOST_REGION"
+SHARED_POOL = "shared"
+DEFAULT_REGION = "local"
+PLACEMENT_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _BYTE_UNITS = {"": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _BYTES_RE = re.compile(r"^(\d+)\s*(KiB|MiB|GiB|TiB)?$")
 
@@ -222,8 +229,12 @@ class Settings:
     # Out of the repr: a URL may carry its password, and settings end up in log lines.
     host_db: str | None = field(default=None, repr=False)
     gateway_db: str | None = field(default=None, repr=False)
+    host_pool: str = SHARED_POOL  # this Triton host's pool and region (see HOST_POOL_ENV)
+    host_region: str = DEFAULT_REGION
 
     def __post_init__(self) -> None:
+        for name, value in ((HOST_POOL_ENV, self.host_pool), (HOST_REGION_ENV, self.host_region)):
+            check_placement_name(name, value)
         check_ticket_lifetime(self.ticket_ttl_s, self.ticket_max_ttl_s)
         check_session_ttl(self.session_ttl_s)
         check_adapter_memory_settings(self.max_rank, self.adapter_bytes, self.adapter_slots,
@@ -286,11 +297,20 @@ class Settings:
             session_ttl_s=_seconds(SESSION_TTL_ENV, DEFAULT_SESSION_TTL_S),
             host_db=os.environ.get(HOST_DB_URL_ENV) or None,
             gateway_db=os.environ.get(GATEWAY_DB_URL_ENV) or None,
+            host_pool=os.environ.get(HOST_POOL_ENV, "").strip() or SHARED_POOL,
+            host_region=os.environ.get(HOST_REGION_ENV, "").strip() or DEFAULT_REGION,
         )
 
     def ensure_dirs(self) -> None:
         for d in (self.home, self.store_dir, self.keys_dir, self.run_dir):
             d.mkdir(parents=True, exist_ok=True)
+
+
+def check_placement_name(what: str, value: object) -> None:
+    """A pool or region name: lower-case letters, digits and dashes, at most 63 characters."""
+    if not isinstance(value, str) or not PLACEMENT_NAME_RE.match(value):
+        raise ConfigError(f"{what} must be lower-case letters, digits and dashes (at most 63), "
+                          f"not {value!r}")
 
 
 def _seconds(name: str, default: int) -> int:

@@ -153,6 +153,8 @@ def test_dry_run_runs_the_production_shape_path_at_scaled_down_sizes(
     assert first["smallest_adapter_effect"] > 10 * first["tolerance"]
     assert [c["context"] for c in check["contexts"]] == list(profile.contexts)
     for c in check["contexts"]:
+        assert c["rows_complete"] == c["rows"] == profile.rows and c["failures"] == []
+        # with these seeds no row draws eos: every row made every token
         assert c["tokens"] == c["tokens_expected"] == profile.rows * (profile.steps + 1)
         assert c["decode_steps"] == profile.steps and c["ms_per_step"] > 0
         assert "peak_bytes" not in c  # memory is judged on CUDA only

@@ -29,7 +29,6 @@ import base64
 import hashlib
 import importlib.metadata
 import json
-import os
 import platform
 import re
 import shutil
@@ -126,8 +125,12 @@ def pack_installed(name: str, dest: Path) -> Path:
     """A wheel of the installed distribution ``name``, made from the files its RECORD lists
     (scripts and other files outside site-packages left out: the check runs none)."""
     dist = importlib.metadata.distribution(name)
-    info = next(Path(str(dist.locate_file(f))).parent for f in dist.files or ()
-                if f.name == "METADATA")
+    info = next((Path(str(dist.locate_file(f))).parent for f in dist.files or ()
+                 if f.name == "METADATA"), None)
+    if info is None:
+        raise SystemExit(f"gpu-bundle: {name} {dist.version} is installed without a RECORD of "
+                         "its files, so it cannot be packed; build the bundle from the package "
+                         "index instead (without --from-env)")
     site = info.parent
     tag = wheel_tag((info / "WHEEL").read_text())
     stem = f"{re.sub(r'[-.]+', '_', dist.metadata['Name'])}-{dist.version}"
@@ -159,10 +162,16 @@ def copy_source(dest: Path) -> None:
     shutil.copy2(REPO_ROOT / "pyproject.toml", dest / "pyproject.toml")
 
 
-def _commit() -> str | None:
-    run = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                         text=True, check=False)
-    return run.stdout.strip() or None
+def _source() -> str:
+    """Which source the bundle holds: the working tree, at which commit, changed or not."""
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                             check=False)
+        return run.stdout.strip()
+
+    commit = git("rev-parse", "HEAD") or "no commit"
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", *PACKAGES)
+    return f"the working tree at {commit}" + (" with uncommitted changes" if changed else "")
 
 
 def build(out: Path, *, from_env: bool, python_version: str = PYTHON_VERSION,
@@ -189,7 +198,7 @@ def build(out: Path, *, from_env: bool, python_version: str = PYTHON_VERSION,
         "wheels_from": "installed distributions" if from_env else "the package index",
         "bundled": pins, "from_the_image": sorted(FROM_THE_IMAGE) + [
             f"{p}*" for p in FROM_THE_IMAGE_PREFIXES],
-        "commit": _commit(), "wheel_files": sorted(p.name for p in wheels.iterdir())}
+        "source": _source(), "wheel_files": sorted(p.name for p in wheels.iterdir())}
     (out / "bundle.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
@@ -208,9 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     manifest = build(args.out, from_env=args.from_env, python_version=args.python_version)
     size = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
-    print(f"gpu-bundle: {args.out} ({size / 2**20:.0f} MiB, {len(manifest['bundled'])} "  # type: ignore[arg-type]
-          f"wheels for Python {manifest['python']}); on the GPU host: "
-          f"{os.path.relpath(args.out)}/gpu-check", file=sys.stderr)
+    wheels = len(manifest["wheel_files"])  # type: ignore[arg-type]
+    print(f"gpu-bundle: {args.out} ({size / 2**20:.0f} MiB, {wheels} wheels for Python "
+          f"{manifest['python']}, {manifest['source']}); copy the folder to the GPU host and "
+          f"run its gpu-check there", file=sys.stderr)
     return 0
 
 

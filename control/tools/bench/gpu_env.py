@@ -152,12 +152,17 @@ def _library_version(name: str, path: str) -> str | None:
                 return None
             return f"{out.value // 1000}.{out.value % 1000 // 10}"  # 13000 -> 13.0
         if name == "cublasLt":
+            lib.cublasLtGetVersion.restype = ctypes.c_size_t
             v = int(lib.cublasLtGetVersion())
         else:
-            out = ctypes.c_int()
-            if lib.cublasGetVersion_v2(None, ctypes.byref(out)) != 0:
-                return None
-            v = out.value
+            # cublasGetProperty needs no handle: 0, 1, 2 are major, minor and patch level
+            parts = []
+            for prop in range(3):
+                out = ctypes.c_int()
+                if lib.cublasGetProperty(prop, ctypes.byref(out)) != 0:
+                    return None
+                parts.append(out.value)
+            return ".".join(map(str, parts))
     except (OSError, AttributeError):
         return None
     return f"{v // 10000}.{v // 100 % 100}.{v % 100}"  # 130100 -> 13.1.0

@@ -3,14 +3,21 @@
     python -m control.tools.bench.gpu_check                  # on a GPU, real sizes (a few minutes)
     python -m control.tools.bench.gpu_check --device cpu     # dry run: toy sizes, what CI runs
 
-Nothing is downloaded: the model is a random bench kit (``control.tools.bench.kit``), built in a
-temporary folder. The real run (``--device cuda``) builds a Llama with the layer shape of an 8B
-base (hidden 4096, intermediate 14336, 32 heads, 8 key/value heads; 4 layers, so that building and
-loading it take seconds) and 32 rank-16 adapters on q, k, v, o, and serves in bf16. The dry run
-(``--device cpu``) runs the same checks on a toy base (hidden 64, 2 layers) with 8 adapters.
+On a GPU host with no network, run it from a ``make gpu-bundle`` folder
+(``control.tools.bench.gpu_bundle``). It prints its environment first
+(``control.tools.bench.gpu_env``). Nothing is downloaded: the model is a random bench kit
+(``control.tools.bench.kit``), built in a temporary folder. The real run (``--device cuda``)
+builds a Llama with the layer shape of an 8B base (hidden 4096, intermediate 14336, 32 heads, 8
+key/value heads; 4 layers, so that building and loading it take seconds) and 32 rank-16 adapters
+on q, k, v, o, and serves in bf16. The dry run (``--device cpu``) runs the same checks on a toy
+base (hidden 64, 2 layers) with 8 adapters.
 
 The checks, each reported with its numbers and a status (``pass``, ``fail``, ``measured``: numbers
 taken, goal not judged; ``skipped`` or ``not available``, with the reason):
+
+- ``libraries`` and ``libraries_in_stub_env``: the CUDA runtime, cuDNN and cuBLAS files torch
+  loaded, against the ``nvidia-*`` wheels it was installed with, in this process and in one
+  started with the ``LD_LIBRARY_PATH`` Triton's Python stub gets (``gpu_env``).
 
 - ``peft_equality_segment`` and ``peft_equality_gather``: one mixed batch (every adapter once,
   base rows among them, prompts of different lengths so rows are left-padded), generated greedily
@@ -29,13 +36,17 @@ taken, goal not judged; ``skipped`` or ``not available``, with the reason):
 - ``mixed_vs_base``: tokens/s of the mixed batch (every request its own adapter) against the
   same prompts on the base alone, alternated, best of ``--reps`` (``control.tools.bench.kit``).
 - ``continuous_batching``: tokens/s of every request as a concurrent stream through the
-  scheduler, against one stream alone.
+  scheduler, against one stream alone, judged as a share of the engine's own batch speedup
+  measured in the same run (``gpu_perf.check_continuous`` says why).
 - ``memory_accounting``: the engine's memory by category (``backend.serving.memory_report``) with a
   batch of every adapter running on the gather path and its prompts in a prefix cache, against
   ``torch.cuda.memory_allocated()`` less what was allocated before the engine: within
-  :data:`MEMORY_RTOL`. On a CPU there is no allocator to compare with: skipped, the categories
-  reported (``tests/backend/serving/test_memory_report.py`` checks them against every live
-  tensor there).
+  :data:`MEMORY_RTOL`, in total and beyond the base weights. On a CPU there is no allocator to
+  compare with: skipped, the categories reported (``tests/backend/serving/test_memory_report.py``
+  checks them against every live tensor there).
+- ``production_shapes``: Llama-3-8B's full shape with rank-64 and rank-16 adapters on all seven
+  projections, 4k contexts, sampling on, peak memory against the plan (``gpu_shapes``); scaled
+  down in the dry run.
 
 On a GPU the throughput ratios are judged against ``control.tools.bench.kit.GOALS`` (the issue's
 table); in the dry run they are only measured (toy sizes on a shared CPU say nothing about a

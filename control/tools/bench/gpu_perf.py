@@ -32,7 +32,8 @@ from control.tools.bench.kit import (
 # The memory categories must add up to what the allocator holds within this share (the issue's).
 MEMORY_RTOL = 0.05
 PREFIX_CACHE_BYTES = 1 << 30  # holds every prompt of the memory check at the real sizes
-# The share of the engine's own batch speedup that streams through the scheduler must keep.
+# The share of the engine's own batch speedup that streams through the scheduler must keep: the
+# scheduler may cost a fifth, as Triton may against the in-process engine (triton_vs_inprocess).
 SCHEDULER_SHARE = 0.8
 
 
@@ -65,7 +66,6 @@ def forced_path(path: str) -> Iterator[None]:
         yield
     finally:
         lora_ops.SEGMENT_MAX_ADAPTERS = saved
-
 
 
 # -- throughput ------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ from control.contracts.config import (
 )
 from control.domain import SERVABLE_STATES, canary_bucket, choose_release, hash_api_key
 from control.domain.session import Pin
-from projections.routing import Route, RoutingView, pin_from_row
+from projections.routing import Placement, Route, RoutingView, pin_from_row, placements_of
 from projections.tables import (
     TRACKING_NAME,
     adapters,
@@ -100,6 +100,7 @@ class _Snapshot:
     routes: dict[str, tuple[str | None, str | None, int]] = field(default_factory=dict)
     releases: dict[str, _Release] = field(default_factory=dict)
     retired_kids: frozenset[str] = frozenset()
+    placements: dict[str, Placement] = field(default_factory=dict)
 
 
 def refresh_s_from_env() -> float:
@@ -137,6 +138,7 @@ def _load(conn: Connection, position: int) -> _Snapshot:
         retired_kids=frozenset(str(k) for k in conn.execute(
             sa.select(signing_keys.c.kid).where(signing_keys.c.retired_at.is_not(None)))
             .scalars()),
+        placements=placements_of(conn),
     )
 
 
@@ -270,6 +272,10 @@ class CachedRoutingView(RoutingView):
 
     def retired_key_ids(self) -> frozenset[str]:
         return self._current().retired_kids
+
+    def placement(self, tenant: str) -> Placement:
+        found = self._current().placements.get(tenant)
+        return found if found is not None else Placement()
 
     def resolve(self, tenant: str, alias: str, session: str | None = None) -> Route | None:
         route = self._resolve(self._current(), tenant, alias, session)

@@ -102,6 +102,23 @@ class SigningKeyRow:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where a tenant's requests may run (its policy, issue 25): its dedicated pool (None: the
+    shared one) and regions (empty: any)."""
+
+    pool: str | None = None
+    regions: tuple[str, ...] = ()
+
+
+def placements_of(conn: Connection) -> dict[str, Placement]:
+    """Every tenant's placement that differs from the default."""
+    return {str(r.name): Placement(r.pool, tuple(x for x in str(r.regions).split(",") if x))
+            for r in conn.execute(sa.select(tenants.c.name, tenants.c.pool, tenants.c.regions)
+                                  .where(sa.or_(tenants.c.pool.is_not(None),
+                                                tenants.c.regions != "")))}
+
+
+@dataclass(frozen=True)
 class AliasRow:
     alias: str
     owner: str | None
@@ -239,6 +256,15 @@ class RoutingView:
                                                    routes.c.canary_release.in_(used)))
         with self.engine.connect() as conn:
             return sorted(str(a) for a in conn.execute(q).scalars())
+
+    def placement(self, tenant: str) -> Placement:
+        """Where ``tenant``'s requests may run (the default for an unknown tenant)."""
+        with self.engine.connect() as conn:
+            r = conn.execute(sa.select(tenants.c.pool, tenants.c.regions)
+                             .where(tenants.c.name == tenant)).first()
+        if r is None:
+            return Placement()
+        return Placement(r.pool, tuple(x for x in str(r.regions).split(",") if x))
 
     def alias_row(self, alias: str) -> AliasRow | None:
         """An alias's routing row (operators only: no grant check)."""

@@ -18,9 +18,10 @@ metadata = sa.MetaData()
 # rebuilt
 # from the event store by ``loraplane db upgrade`` (the rows are derived, so nothing is lost).
 # 2: ``signing_keys.retired_at``. 3: ``tenants.tickets_not_before``. 4: ``session_pins`` and
-# ``routes.fallback``. 5: ``revocations.immediate``. 6: ``signing_keys.root_signature``. A new
-# version also teaches ``detect_version`` its columns.
-SCHEMA_VERSION = 6
+# ``routes.fallback``. 5: ``revocations.immediate``. 6: ``signing_keys.root_signature``. 7:
+# ``tenants.pool`` and ``tenants.regions``. A new version also teaches ``detect_version`` its
+# columns.
+SCHEMA_VERSION = 7
 
 _digest = sa.String(71)  # "sha256:" + 64 hex
 _name = sa.String(64)
@@ -72,6 +73,10 @@ tenants = sa.Table(
     # grant removed), as epoch seconds: Triton hosts refuse the tenant's tickets issued at or
     # before it, so the change takes effect on tickets already out, not only on new ones.
     sa.Column("tickets_not_before", sa.Float, nullable=True),
+    # Placement, from the tenant's policy (issue 25): its dedicated pool (None: the shared one)
+    # and the regions its requests may run in (comma-separated; "": any).
+    sa.Column("pool", _name, nullable=True),
+    sa.Column("regions", sa.Text, nullable=False, default=""),
 )
 
 adapters = sa.Table(
@@ -189,7 +194,9 @@ def detect_version(insp: sa.Inspector) -> int:
         return 3
     if not has(revocations, "immediate"):
         return 4
-    return 6 if has(signing_keys, "root_signature") else 5
+    if not has(signing_keys, "root_signature"):
+        return 5
+    return 7 if has(tenants, "pool") else 6
 
 
 def create_tables(engine: Engine) -> None:

@@ -159,6 +159,8 @@ class LoraService:
             base=self.base_digest,
             tokenizer=self.tokenizer_digest,
             max_ttl_s=self.settings.ticket_max_ttl_s,
+            pool=self.settings.host_pool,
+            region=self.settings.host_region,
         )
 
     # -- entry points -----------------------------------------------------------------------

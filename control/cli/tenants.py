@@ -63,6 +63,11 @@ def tenant_policy(
     ] = None,
     trust_key: Annotated[list[Path] | None, typer.Option(
         help="PEM public key or CA certificate trusted to sign adapters (repeatable).")] = None,
+    isolation: Annotated[str, typer.Option(
+        help="shared, or dedicated:POOL: the tenant's adapters and prompts run only on hosts "
+             "of that pool (LORAPLANE_HOST_POOL).")] = "shared",
+    region: Annotated[list[str] | None, typer.Option(
+        help="A region its requests may run in (repeatable; none: any region).")] = None,
 ) -> None:
     """Set a tenant's policy: limits, signature requirement, trusted signing keys."""
     from control.app.signatures import check_trusted_key  # cryptography: only this verb
@@ -76,7 +81,8 @@ def tenant_policy(
         keys = [check_trusted_key(p.read_text()) for p in (trust_key or [])]
         policy = TenantPolicy(require_signature=require_signature, max_adapters=max_adapters,
                               max_file_bytes=max_file_bytes, max_rank=max_rank,
-                              allowed_target_modules=targets, trusted_keys=keys)
+                              allowed_target_modules=targets, trusted_keys=keys,
+                              isolation=isolation, regions=sorted(set(region or [])))
         registry().set_policy(tenant, policy, actor=state.actor)
     data = {"tenant": tenant, **policy.to_json(), "trusted_keys": len(keys)}
     emit(data, lambda: print_fields(data))

@@ -43,7 +43,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from control.contracts.config import DEFAULT_TICKET_MAX_TTL_S
+from control.contracts.config import (
+    DEFAULT_REGION,
+    DEFAULT_TICKET_MAX_TTL_S,
+    PLACEMENT_NAME_RE,
+    SHARED_POOL,
+)
 from control.contracts.digests import DIGEST_RE
 from control.contracts.keys import load_or_create_ed25519, write_atomically
 from control.contracts.ticket_seals import proof_message
@@ -58,7 +63,9 @@ ACTIVE_KEY_FILE = "active.pem"  # under <keys>/private: the key a gateway starts
 _B64URL_RE = re.compile(r"^[A-Za-z0-9_-]*$")
 # Exactly these claims, no more, no fewer. The third claim set sealed ``adapter`` and ``release``
 # into ``arm``: tickets signed before it are refused, which is fine because a ticket lives minutes.
-_CLAIMS = ("tenant", "model", "base", "tokenizer", "arm", "iat", "exp", "jti", "kid")
+_CLAIMS = ("tenant", "model", "base", "tokenizer", "arm", "pool", "regions", "iat", "exp", "jti",
+           "kid")
+MAX_REGIONS = 16
 SEAL_INFO = b"loraplane-ticket-seal-v1"
 _NONCE = 12
 # The sealed arm: one flags byte, then the adapter's and the release's SHA-256 (zeros when
@@ -95,10 +102,15 @@ class TicketClaims:
     # ``adapter_digest``): the gateway sets it for the owner of the release only, so a tenant
     # granted another's alias never learns that tenant's adapter or rollout arm.
     disclose: bool = False
+    # Where it may run (issue 25): hosts of this pool only, in these regions (empty: any).
+    pool: str = SHARED_POOL
+    regions: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The claims as the host reads them, the arm opened (for operators' tools)."""
-        return dict(vars(self))  # fields in declaration order; asdict's deep copy costs more
+        out = dict(vars(self))  # fields in declaration order; asdict's deep copy costs more
+        out["regions"] = list(self.regions)
+        return out
 
 
 def seal_key_of(private: Ed25519PrivateKey) -> bytes:
@@ -204,6 +216,8 @@ class TicketSigner:
         release: str | None,
         disclose: bool,
         ttl_s: int,
+        pool: str = SHARED_POOL,
+        regions: tuple[str, ...] = (),
         now: float | None = None,
     ) -> tuple[str, TicketClaims]:
         """Sign a ticket; returns (token, claims).
@@ -224,9 +238,12 @@ class TicketSigner:
             jti=str(uuid.uuid4()),
             kid=self.kid,
             disclose=disclose,
+            pool=pool,
+            regions=tuple(sorted(set(regions))),
         )
         wire = {"tenant": tenant, "model": model, "base": base, "tokenizer": tokenizer,
                 "arm": seal_arm(self._aead, claims.jti, adapter, release, disclose),
+                "pool": pool, "regions": list(claims.regions),
                 "iat": claims.iat, "exp": claims.exp, "jti": claims.jti, "kid": self.kid}
         token = encode_v4_public(self._private, json.dumps(wire, separators=(",", ":")).encode(),
                                  self._footer)
@@ -292,6 +309,8 @@ class TicketVerifier:
         base: str,
         tokenizer: str,
         max_ttl_s: int = DEFAULT_TICKET_MAX_TTL_S,
+        pool: str = SHARED_POOL,
+        region: str = DEFAULT_REGION,
     ) -> None:
         """``seal_keys``: kid -> the seal key that opens the arm of that key's tickets
         (``control.contracts.ticket_seals.load``). ``max_ttl_s``: the longest lifetime
@@ -303,6 +322,7 @@ class TicketVerifier:
         self.base = base
         self.tokenizer = tokenizer
         self.max_ttl_s = max_ttl_s
+        self.pool, self.region = pool, region  # where this host sits (Settings)
         self._keys: dict[str, Any] = {}
         for kid, raw in public_keys.items():
             pem = _raw_public_to_pem(raw)
@@ -342,6 +362,7 @@ class TicketVerifier:
         if aead is None:  # a key whose seal was not published yet (a reload may find it)
             raise TicketRejected("unknown_seal")
         adapter, release, disclose = open_arm(aead, data["jti"], data.pop("arm"))
+        data["regions"] = tuple(data["regions"])
         claims = TicketClaims(adapter=adapter, release=release, disclose=disclose, **data)
         t = time.time() if now is None else now
         if claims.exp <= t:
@@ -356,6 +377,8 @@ class TicketVerifier:
             raise TicketRejected("base")
         if claims.tokenizer != self.tokenizer:
             raise TicketRejected("tokenizer")
+        if claims.pool != self.pool or (claims.regions and self.region not in claims.regions):
+            raise TicketRejected("placement")  # another pool's, or not for this region
         return claims
 
 
@@ -417,5 +440,11 @@ def _parse_claims(payload: object, kid: str) -> dict[str, Any]:
     if not (DIGEST_RE.fullmatch(data["base"]) and DIGEST_RE.fullmatch(data["tokenizer"])):
         raise TicketRejected("claims")
     if data["kid"] != kid:  # the signed kid must match the footer's
+        raise TicketRejected("claims")
+    regions = data["regions"]
+    if not (isinstance(data["pool"], str) and PLACEMENT_NAME_RE.match(data["pool"])
+            and isinstance(regions, list) and len(regions) <= MAX_REGIONS
+            and all(isinstance(r, str) and PLACEMENT_NAME_RE.match(r) for r in regions)
+            and regions == sorted(set(regions))):  # one spelling per ticket
         raise TicketRejected("claims")
     return data

@@ -5,9 +5,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from control.contracts.config import PLACEMENT_NAME_RE, SHARED_POOL
 from control.contracts.digests import DIGEST_RE
 from control.domain.errors import DomainError
 from control.domain.names import NAME_RE
+
+SHARED = SHARED_POOL
+DEDICATED = "dedicated:"
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,10 @@ class TenantPolicy:
     max_rank: int | None = None
     allowed_target_modules: dict[str, list[str]] = field(default_factory=dict)
     trusted_keys: list[str] = field(default_factory=list)
+    # Placement (issue 25): ``shared``, or ``dedicated:<pool>``: the tenant's adapters and
+    # prompts run only on hosts of that pool; ``regions``: where they may run (empty: anywhere).
+    isolation: str = SHARED
+    regions: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in ("max_adapters", "max_file_bytes", "max_rank"):
@@ -41,8 +49,22 @@ class TenantPolicy:
                               "non-empty lists of module names")
         if not all(isinstance(k, str) and "-----BEGIN " in k for k in self.trusted_keys):
             raise DomainError("policy trusted_keys must be PEM public keys or certificates")
+        if self.isolation != SHARED and not (
+                self.isolation.startswith(DEDICATED)
+                and PLACEMENT_NAME_RE.match(self.isolation[len(DEDICATED):])):
+            raise DomainError("policy isolation must be 'shared' or 'dedicated:<pool>' (a pool "
+                              "name: lower-case letters, digits and dashes)")
+        if not isinstance(self.regions, list) or not all(
+                isinstance(r, str) and PLACEMENT_NAME_RE.match(r) for r in self.regions):
+            raise DomainError("policy regions must be region names (lower-case letters, digits "
+                              "and dashes)")
         if self.require_signature and not self.trusted_keys:
             raise DomainError("a policy that requires signatures needs at least one trusted key")
+
+    @property
+    def pool(self) -> str | None:
+        """The dedicated pool, or None for the shared one."""
+        return self.isolation[len(DEDICATED):] if self.isolation != SHARED else None
 
     def to_json(self) -> dict[str, Any]:
         """The policy as recorded in a ``TenantPolicySet`` event."""

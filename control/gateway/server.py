@@ -130,11 +130,12 @@ async def issue_ticket(request: web.Request) -> web.Response:
         return _json(403, FORBIDDEN)
     c = issued.claims
     # No release and no adapter digest: the arm stays server-side (see the module notes).
-    # ``affinity``: what a balancer places by, a hash of the route, equal on every arm
-    # (control.contracts.placement).
+    # ``affinity`` and ``pool``: what a balancer places by, a hash of the route, equal on every
+    # arm, and the pool the ticket may run in (control.contracts.placement); hosts check the
+    # pool themselves, so neither is more than a placement hint.
     return _json(200, {"ticket": issued.token, "ticket_id": c.jti, "expires_at": c.exp,
                        "model": c.model, "alias": alias,
-                       "affinity": affinity_of(tenant, alias)})
+                       "affinity": affinity_of(tenant, alias), "pool": c.pool})
 
 
 async def end_session(request: web.Request) -> web.Response:

@@ -26,7 +26,7 @@ from eventsourcing.persistence import PersistenceError
 
 from control.app import key_ring
 from control.app.sessions import Pin, SessionPins
-from control.contracts.config import Settings
+from control.contracts.config import SHARED_POOL, Settings
 from control.contracts.ticket_seals import publish_seal
 from control.contracts.tickets import TicketClaims, TicketSigner
 from control.domain import Conflict
@@ -104,6 +104,7 @@ class TicketOffice:
             raise NotGranted()
         if session is not None and self.pins is not None and not route.pinned:
             route = self._pin(tenant, alias, session, route)
+        pool, regions = self._placement(tenant, route)
         token, claims = self.current_signer().issue(
             tenant=tenant,
             model=self.settings.model_name,
@@ -115,8 +116,29 @@ class TicketOffice:
             # learn the owner's adapter or which arm of its rollout it is on
             disclose=route.owner is not None and route.owner == tenant,
             ttl_s=self.settings.ticket_ttl_s,
+            pool=pool,
+            regions=regions,
         )
         return IssuedTicket(token, claims, alias, route.release)
+
+    def _placement(self, tenant: str, route: Route) -> tuple[str, tuple[str, ...]]:
+        """Where the ticket may run: the dedicated pool of the release's owner or of the
+        caller (their prompts and adapter stay in it), else the shared one; in the regions
+        both allow. A dedicated owner granting a tenant dedicated elsewhere, or regions that do
+        not meet, leave nowhere to run: NotGranted, as any refusal."""
+        sides = [self.routing.placement(tenant)]
+        if route.owner is not None and route.owner != tenant:
+            sides.append(self.routing.placement(route.owner))
+        pools = {p.pool for p in sides if p.pool is not None}
+        if len(pools) > 1:
+            raise NotGranted()
+        allowed: set[str] | None = None
+        for side in sides:
+            if side.regions:
+                allowed = set(side.regions) if allowed is None else allowed & set(side.regions)
+        if allowed is not None and not allowed:
+            raise NotGranted()
+        return (pools.pop() if pools else SHARED_POOL), tuple(sorted(allowed or ()))
 
     def _pin(self, tenant: str, alias: str, session: str, fresh: Route) -> Route:
         """Record ``fresh`` as ``session``'s pin, unless another office's pin holds: then

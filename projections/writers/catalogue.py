@@ -23,7 +23,7 @@ from projections.writers.rows import Rows
 
 
 def _tenant_created(e: Tenant.TenantCreated) -> Rows:
-    return [(tenants, {"name": e.name, "created_at": e.timestamp}),
+    return [(tenants, {"name": e.name, "created_at": e.timestamp, "pool": None, "regions": ""}),
             (api_keys, {"key_hash": e.api_key_hash, "tenant": e.name})]
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from control.domain import SigningKey, Tenant
+from control.domain import SigningKey, Tenant, TenantPolicy
 from projections.tables import api_keys, signing_keys, tenants
 from projections.writers.rows import Rows
 
@@ -32,6 +32,13 @@ def _api_keys_revoked(conn: Connection, e: Tenant.ApiKeysRevoked) -> None:
     tickets_not_before(conn, e.tenant, e.timestamp)
 
 
+def _policy_set(conn: Connection, e: Tenant.TenantPolicySet) -> None:
+    # placement only: the other rules are checked by the registry, on the aggregate
+    policy = TenantPolicy.from_json(e.policy)
+    conn.execute(tenants.update().where(tenants.c.name == e.tenant)
+                 .values(pool=policy.pool, regions=",".join(policy.regions)))
+
+
 def _signing_key_retired(conn: Connection, e: SigningKey.SigningKeyRetired) -> None:
     conn.execute(signing_keys.update().where(signing_keys.c.kid == e.kid)
                  .values(retired_at=e.timestamp))
@@ -49,5 +56,6 @@ INSERTS: dict[type, Callable[[Any], Rows]] = {
 HANDLERS: dict[type, Callable[[Connection, Any], None]] = {
     Tenant.ApiKeyRotated: _api_key_rotated,
     Tenant.ApiKeysRevoked: _api_keys_revoked,
+    Tenant.TenantPolicySet: _policy_set,
     SigningKey.SigningKeyRetired: _signing_key_retired,
 }

@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from control.app.integrity import AuditSeal
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
+from control.contracts.ticket_seals import publish_seal
 from control.contracts.tickets import GENERIC_REFUSAL, TicketSigner, write_public_key
 from control.contracts.wire import MODEL
 from control.ops.clients import TritonRefused, generate
@@ -75,6 +76,9 @@ def test_a_forged_signing_key_is_refused_by_triton_and_named_by_audit(stack: Sta
     ledger = Ledger(make_engine(stack.settings.db_url))
     before = {r.request_id for r in ledger.query(adapter=None)}
     forged, forged_claims = evil.issue(**claims)  # type: ignore[arg-type]
+    # and its seal published, as whoever could insert the event could: the seal's proof is
+    # the key's own, so only the root's say (the recorded, vouched key) keeps it out
+    publish_seal(make_engine(stack.settings.db_url), evil)
     for proto, url in (("http", stack.http), ("grpc", stack.grpc)):
         # as a taken-over host would: its public half in the host's key folder (the control
         # plane's key sync removes it again, so put it back before each request)

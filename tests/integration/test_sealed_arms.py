@@ -69,11 +69,12 @@ def test_no_tenant_can_read_its_arm_and_only_the_owner_is_told_the_adapter(
             status, body = request_ticket(stack.deployment.gateway_url, stack.api_keys[tenant],
                                           ALIAS, f"{tenant}-session-{i}")
             assert status == 200, body
-            assert set(body) >= {"ticket"} and not {"release", "adapter_digest"} & set(body)
+            assert "ticket" in body and not {"release", "adapter_digest"} & set(body)
             ticket = str(body["ticket"])
             assert not any(h in _payload(ticket) for h in secret)
             assert set(json.loads(_payload(ticket))) == {
-                "tenant", "model", "base", "tokenizer", "arm", "iat", "exp", "jti", "kid"}
+                "tenant", "model", "base", "tokenizer", "arm", "pool", "regions", "iat", "exp",
+                "jti", "kid"}
             lengths[tenant].add(len(ticket))
             protocol = ("http", "grpc")[i % 2]
             url = stack.http if protocol == "http" else stack.grpc

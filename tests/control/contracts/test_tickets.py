@@ -27,8 +27,9 @@ RELEASE = "sha256:" + "e" * 64
 # The claim sets, written out here rather than read from the code under test: what a host reads
 # once the arm is opened, and what travels (the arm sealed).
 CLAIMS = {"tenant", "model", "base", "adapter", "tokenizer", "release", "iat", "exp", "jti",
-          "kid", "disclose"}
-WIRE = {"tenant", "model", "base", "tokenizer", "arm", "iat", "exp", "jti", "kid"}
+          "kid", "disclose", "pool", "regions"}
+WIRE = {"tenant", "model", "base", "tokenizer", "arm", "pool", "regions", "iat", "exp", "jti",
+        "kid"}
 
 
 def _seal_of(signer: TicketSigner) -> dict[str, bytes]:
@@ -185,7 +186,7 @@ def _arm(signer: TicketSigner, jti: str = "j", adapter: str | None = ADAPTER,
 def _genuine_payload(signer: TicketSigner) -> dict[str, object]:
     now = int(time.time())
     return dict(tenant="acme", model="lora_llm", base=BASE, tokenizer=TOK, arm=_arm(signer),
-                iat=now, exp=now + 60, jti="j", kid=signer.kid)
+                pool="shared", regions=[], iat=now, exp=now + 60, jti="j", kid=signer.kid)
 
 
 def _open_payload(token: str) -> bytes:
@@ -249,6 +250,34 @@ def test_arm_must_open_under_the_signers_seal(keys: tuple[TicketSigner, TicketVe
     with pytest.raises(TicketRejected) as e:
         unsealed.verify(_issue(signer))
     assert e.value.reason == "unknown_seal"
+
+
+def test_a_ticket_runs_only_in_its_pool_and_regions(tmp_path: Path) -> None:
+    """Issue 25: a host refuses a ticket of another pool, or one whose regions leave its own
+    out, however genuine; placement claims have one spelling each."""
+    signer, _ = TicketSigner.load_or_create(tmp_path)
+
+    def host(pool: str, region: str) -> TicketVerifier:
+        return TicketVerifier(load_public_keys(tmp_path / "public"), seal_keys=_seal_of(signer),
+                              model="lora_llm", base=BASE, tokenizer=TOK, pool=pool,
+                              region=region)
+
+    shared, gold_eu, gold_us = host("shared", "eu"), host("gold", "eu"), host("gold", "us")
+    gold = _issue(signer, pool="gold", regions=("us", "eu"))
+    assert gold_eu.verify(gold).regions == ("eu", "us") and gold_us.verify(gold).pool == "gold"
+    anywhere = _issue(signer)  # the shared pool, any region
+    assert shared.verify(anywhere).pool == "shared"
+    for verifier, token in ((shared, gold), (gold_eu, anywhere),
+                            (gold_us, _issue(signer, pool="gold", regions=("eu",)))):
+        with pytest.raises(TicketRejected) as e:
+            verifier.verify(token)
+        assert e.value.reason == "placement"
+    for over in ({"pool": "Gold"}, {"pool": ""}, {"pool": None}, {"regions": ["us", "eu"]},
+                 {"regions": ["eu", "eu"]}, {"regions": "eu"}, {"regions": ["EU"]},
+                 {"regions": [f"r{i}" for i in range(17)]}):
+        with pytest.raises(TicketRejected) as e:
+            shared.verify(_sign_payload(signer, {**_genuine_payload(signer), **over}))
+        assert e.value.reason == "claims", over
 
 
 def test_older_claim_sets_and_extra_claims_refused(
@@ -455,6 +484,8 @@ def _oracle_accepts(claims: dict[str, object], now: float) -> bool:
         return False
     if not all(DIGEST_RE.fullmatch(str(claims[k])) for k in ("base", "tokenizer")):
         return False
+    if claims["pool"] != "shared" or claims["regions"] not in ([], ["local"]):
+        return False  # this host: pool shared, region local; the only spellings it accepts
     # the arm opens only as sealed for its own ticket id (AES-GCM, the id as associated data)
     if (claims["arm"], claims["jti"]) != (_VALID_CLAIMS["arm"], _VALID_CLAIMS["jti"]):
         return False
@@ -499,6 +530,7 @@ def _fuzz_signed(claims: dict[str, object]) -> None:
     now = time.time()
     if _oracle_accepts(claims, now):
         opened = {k: v for k, v in claims.items() if k != "arm"}
+        opened["regions"] = list(claims["regions"])  # type: ignore[call-overload]
         opened.update(adapter=_OPENED["adapter"], release=_OPENED["release"],
                       disclose=_OPENED["disclose"])
         assert _VERIFIER.verify(token, now=now).to_json() == opened

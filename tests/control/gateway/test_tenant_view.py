@@ -79,7 +79,7 @@ class TestTenantView(OnSQLite, WithRegistry):
                                 {"alias": "chat", "session": f"s{session}"})
             assert status == 200
             assert set(body) == {"ticket", "ticket_id", "expires_at", "model", "alias",
-                                 "affinity"}
+                                 "affinity", "pool"}
             rest = json.dumps({k: v for k, v in body.items() if k != "ticket"})
             assert "sha256:" not in rest
             seen.append(rest)

@@ -12,13 +12,13 @@ Three tiers, each with a byte budget:
 
 Rules: least recently used among *unreferenced* adapters goes first; an adapter referenced by a
 queued or running request is never evicted or unloaded; cold loads go through a bounded queue and
-one load worker; each tenant may hold at most ``resident_share`` of the device budget (never less
-than one slot, so every tenant can be served whenever the budget holds an adapter at all) and
-start at most ``loads_per_minute`` cold loads, so one tenant churning versions cannot push
-everyone out. The device budget is, unless given, what the engine's slot banks hold
+run on kept load workers of a lower priority, one intra-op thread each
+(``backend.serving.load_workers``); each tenant may hold at most ``resident_share`` of the device
+budget (never less than one slot, so every tenant can be served whenever the budget holds an
+adapter at all) and start at most ``loads_per_minute`` cold loads, so one tenant churning versions
+cannot push everyone out. The device budget is, unless given, what the engine's slot banks hold
 (``LORAPLANE_ADAPTER_BYTES``, see ``backend.serving.memory``); an adapter larger than it is refused
-as
-``device_budget``.
+as ``device_budget``.
 Revocation purges every tier at once and unloads from the device as soon as no request holds it.
 A revoked digest stays in the cache as a tombstone: nothing can load it again, not even a request
 that passed the revocation check just before the revocation landed.
@@ -39,11 +39,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
+from backend.serving import load_workers
 from backend.serving.engine import AdapterSource, HostAdapter, PreparedAdapter
 from backend.serving.lease import Lease, Violations
+from backend.serving.load_workers import LoadWorkers
 from backend.serving.memory import MemoryPlan
 from control.contracts.config import ADAPTER_BYTES_ENV, ADAPTER_SLOTS_ENV
 
@@ -181,6 +184,10 @@ class AdapterCache:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU order: oldest first
         self._buckets: dict[str | None, _Bucket] = {}
         self._pending = 0
+        # Loads run on kept, confined threads, shared by the process's caches: one intra-op
+        # thread each, a lower priority (backend.serving.load_workers), so their CPU work
+        # stays out of decoding's way.
+        self._workers: LoadWorkers = load_workers.SHARED
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -208,8 +215,7 @@ class AdapterCache:
                 self._admit_load(tenant)
                 future = e.loading = Future()
                 self._pending += 1
-                threading.Thread(target=self._load, args=(e, tenant, future), daemon=True,
-                                 name="adapter-load").start()
+                self._workers.submit(partial(self._load, e, tenant, future))
             e.refs += 1
         try:
             future.result(timeout=timeout_s)

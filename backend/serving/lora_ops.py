@@ -1,8 +1,8 @@
 """The two ways to add per-row LoRA deltas to a base projection, and the selector between them.
 
-Both read the same stacked slot tensors (see ``backend.serving.slots``), stored transposed:
-``a [slots, in, rank]`` and ``b [slots, rank, out]`` with the adapter's scaling folded into ``b``;
-slot 0 is all zero.
+Both read the same stacked slot tensors (see ``backend.serving.slots``), in PEFT's layouts:
+``a [slots, rank, in]`` and ``b [slots, out, rank]`` with the adapter's scaling folded into ``b``,
+read transposed by the matmuls (a view, no copy); slot 0 is all zero.
 
 - ``segment``: one dense matmul pair per distinct adapter in the batch, over that adapter's rows.
   Cheapest when a batch holds few adapters (the rows of one adapter share one weight read).
@@ -29,7 +29,7 @@ class SlotBatch:
     slots: torch.Tensor  # [batch] long, slot per row (0 = the all-zero base slot)
     segments: tuple[tuple[int, torch.Tensor], ...]  # (slot, rows [n] long) per adapter slot > 0
     path: str  # "none" | "segment" | "gather"
-    # module id -> (a [batch, in, rank], b [batch, rank, out]) gathered for this composition
+    # module id -> (a [batch, rank, in], b [batch, out, rank]) gathered for this composition
     gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
@@ -54,23 +54,23 @@ class SlotBatch:
 def apply_segment(
     out: torch.Tensor,  # [batch, seq, out], updated in place
     x: torch.Tensor,  # [batch, seq, in]
-    a: torch.Tensor,  # [slots, in, rank]
-    b: torch.Tensor,  # [slots, rank, out]
+    a: torch.Tensor,  # [slots, rank, in]
+    b: torch.Tensor,  # [slots, out, rank]
     segments: tuple[tuple[int, torch.Tensor], ...],
 ) -> None:
     """Add ``x[rows] @ A[s]^T @ B[s]^T`` for each adapter slot ``s`` over its rows."""
     for slot, rows in segments:
         xs = x.index_select(0, rows).to(a.dtype)  # [n, seq, in]
-        delta = torch.matmul(torch.matmul(xs, a[slot]), b[slot])  # [n, seq, out]
+        delta = torch.matmul(torch.matmul(xs, a[slot].t()), b[slot].t())  # [n, seq, out]
         out.index_add_(0, rows, delta.to(out.dtype))
 
 
 def apply_gather(
     out: torch.Tensor,  # [batch, seq, out], updated in place
     x: torch.Tensor,  # [batch, seq, in]
-    ga: torch.Tensor,  # [batch, in, rank], gathered per row
-    gb: torch.Tensor,  # [batch, rank, out], gathered per row
+    ga: torch.Tensor,  # [batch, rank, in], gathered per row
+    gb: torch.Tensor,  # [batch, out, rank], gathered per row
 ) -> None:
     """Add every row's delta with two batched matmuls (base rows gather the zero slot)."""
-    h = torch.bmm(x.to(ga.dtype), ga)  # [batch, seq, rank]
-    out.add_(torch.bmm(h, gb).to(out.dtype))
+    h = torch.bmm(x.to(ga.dtype), ga.transpose(1, 2))  # [batch, seq, rank]
+    out.add_(torch.bmm(h, gb.transpose(1, 2)).to(out.dtype))

@@ -105,8 +105,8 @@ class SlotResidency:
                 self.violations.raise_("pinned_unload", f"slot {slot} is free but pinned")
             with torch.inference_mode():
                 for module, name in zip(wrapped, modules, strict=True):
-                    at, bt = adapter.pairs[name]
-                    module.place(slot, at, bt)
+                    a, b = adapter.pairs[name]
+                    module.place(slot, a, b)
             self.provenance.placed(slot, digest)
             self.modules[digest] = modules
             return self.plan.slot_bytes

@@ -3,7 +3,9 @@
 Slot 0 is all zero and never handed out: base rows use it, so no index value a batch can hold
 selects a real adapter unless the engine put that adapter's slot there from a verified ticket.
 Ranks are padded with zeros to ``max_rank``; zero rows of A and zero columns of B add exactly
-nothing. The adapter's scaling is folded into B at placement.
+nothing. The adapter's scaling is folded into B at placement. The banks keep PEFT's own layouts,
+A ``[rank, in]`` and B ``[out, rank]``: the matmuls read them transposed at no cost, while
+transposing a 4,096-wide adapter on the host cost a cold load more than reading its file.
 
 The engine builds one ``SlottedLinear`` per target module when it starts, each allocating its banks
 for every slot at once (``backend.serving.memory`` says why and how many slots); a load only
@@ -41,10 +43,10 @@ class SlottedLinear(nn.Module):
         self.base = base
         self.context = context
         dev = base.weight.device
-        # Stored transposed, [slots, in, rank] and [slots, rank, out], so gathered rows feed
-        # batched matmuls contiguously. Slot 0 stays zero.
-        self.a = torch.zeros((num_slots, base.in_features, max_rank), dtype=dtype, device=dev)
-        self.b = torch.zeros((num_slots, max_rank, base.out_features), dtype=dtype, device=dev)
+        # PEFT's layouts, [slots, rank, in] and [slots, out, rank] (see the module notes).
+        # Slot 0 stays zero.
+        self.a = torch.zeros((num_slots, max_rank, base.in_features), dtype=dtype, device=dev)
+        self.b = torch.zeros((num_slots, base.out_features, max_rank), dtype=dtype, device=dev)
         self.occupied: set[int] = set()
 
     @property
@@ -63,18 +65,18 @@ class SlottedLinear(nn.Module):
         """The whole A and B banks, every slot (memory accounting)."""
         return self.a, self.b
 
-    def place(self, slot: int, at: torch.Tensor, bt: torch.Tensor) -> None:
-        """Copy one adapter's prepared pair into ``slot``: ``at`` = A^T [in, rank], ``bt`` =
-        scaled B^T [rank, out], in the banks' dtype.
+    def place(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Copy one adapter's prepared pair into ``slot``: ``a`` = A [rank, in], ``b`` =
+        scaled B [out, rank], in the banks' dtype.
 
         A free slot is all zero (the banks start zero and ``clear`` zeroes a slot when it is
         freed), so only the adapter's own rank columns are written: the padding stays zero.
         From pinned host memory the copies are asynchronous; CUDA orders them before the next
         forward pass on the same stream.
         """
-        rank = at.shape[1]
-        self.a[slot, :, :rank].copy_(at, non_blocking=True)
-        self.b[slot, :rank].copy_(bt, non_blocking=True)
+        rank = a.shape[0]
+        self.a[slot, :rank].copy_(a, non_blocking=True)
+        self.b[slot, :, :rank].copy_(b, non_blocking=True)
         self.occupied.add(slot)
 
     def clear(self, slot: int) -> None:

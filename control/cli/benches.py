@@ -5,7 +5,8 @@
 ``loraplane bench engine``   the multi-LoRA engine's ratios (see ``control.tools.bench.engine``).
 ``loraplane bench control``  the control plane's ratios (see ``control.tools.bench_control``).
 ``loraplane bench scale``    incident queries over a million ledger rows (see
-                             ``control.tools.bench_incidents``).
+                             ``control.tools.bench_incidents``) and cold loads of 7B-shaped
+                             adapters (``control.tools.bench_coldload``).
 """
 
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
@@ -254,13 +255,16 @@ def bench_scale(
     ] = None,
 ) -> None:
     """Incident queries over a million ledger rows, by adapter, release, training data version
-    and base (one hour), on SQLite and PostgreSQL: median and p95 ms, rows, indexes used."""
+    and base (one hour), on SQLite and PostgreSQL: median and p95 ms, rows, indexes used; and
+    cold loads of 7B-shaped adapters against a plain read and SHA-256 of the same files."""
+    from control.tools import bench_coldload
     from control.tools.bench_incidents import run_bench  # a scratch ledger of its own
 
     with errors():
         result = {"incidents": run_bench(
             quick=quick, pg_url=pg_url or os.environ.get("LORAPLANE_TEST_PG_URL"),
-            progress=_progress)}
+            progress=_progress),
+            "cold_loads": bench_coldload.run_bench(quick=quick, progress=_progress)}
 
     def human() -> None:
         from rich.table import Table
@@ -281,6 +285,17 @@ def bench_scale(
                           f"{k['p95_ms']:.1f}", str(k["rows_median"]),
                           ", ".join(k["indexes"]) or "none (table scan)",
                           "yes" if k["met"] else "NO")
+        console.print(t)
+        c = result["cold_loads"]
+        t = Table(title=f"cold loads, {c['adapter_bytes'] / 2**20:.0f} MiB 7B-shaped adapters, "
+                        f"{c['loads']} loads: {c['covers']}")
+        for col in ("key", "measured", "goal", "met"):
+            t.add_column(col)
+        t.add_row("cold_load_vs_read_7b", f"{c['cold_load_vs_read_7b']:.2f}", c["goal_ratio"],
+                  "yes" if c["met_ratio"] else "NO")
+        t.add_row("cold load p95 (s)", f"{c['cold_load_p95_s']:.3f}", c["goal_cold_load_p95_s"],
+                  "yes" if c["met_seconds"] else "NO")
+        t.add_row("read + SHA-256 p95 (s)", f"{c['read_hash_p95_s']:.3f}", "", "")
         console.print(t)
 
     emit(result, human)

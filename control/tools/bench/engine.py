@@ -26,7 +26,6 @@ extremes, and the spread of the per-round ratios.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import os
@@ -67,6 +66,7 @@ from control.tools.bench.kit import (
     continuous_batching,
     count_tokens,
     meets,
+    read_and_hash,
 )
 from control.tools.bench.open_peer import open_repository
 from projections.follower import open_registry
@@ -108,12 +108,6 @@ def _peft_mixed(kit: BenchKit, prompts: list[str], digests: list[str],
         return sum(len(row[: row.index(eos) + 1]) if eos in row else len(row) for row in new)
 
     return run
-
-
-def _read_and_hash(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            hashlib.sha256(p.read_bytes()).hexdigest()
 
 
 def _p95(xs: list[float]) -> float:
@@ -404,7 +398,7 @@ def _run(root: Path, reps: int, triton_runs: int,
     reads: list[float] = []
     for d in digests:
         t0 = time.perf_counter()
-        _read_and_hash(store.path(d))
+        read_and_hash(store.path(d))
         reads.append(time.perf_counter() - t0)
     cache = AdapterCache(engine, store.read_verified, budgets=CacheBudgets(),
                          quota=CacheQuota(resident_share=1.0, loads_per_minute=1e6,

@@ -15,6 +15,7 @@ printable ASCII, so every greedy step picks a printable byte: a request runs its
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import statistics
@@ -233,6 +234,13 @@ def continuous_batching(engine: Engine, requests: list[GenerationRequest],
 STORM_SLOTS = 4  # device slots during the storm: 32 adapters over 4, so every load is cold
 STORM_REQUESTS = 24  # base-only requests timed per run
 STORM_TOKENS = 8
+
+
+def read_and_hash(path: Path) -> None:
+    """What a cold load is compared with: read every file under ``path`` and SHA-256 it."""
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            hashlib.sha256(p.read_bytes()).hexdigest()
 
 
 def _p95(xs: list[float]) -> float:

@@ -12,7 +12,7 @@ Three tiers, each with a byte budget:
 
 Rules: least recently used among *unreferenced* adapters goes first; an adapter referenced by a
 queued or running request is never evicted or unloaded; cold loads go through a bounded queue and
-run on kept load workers of a lower priority, one intra-op thread each
+run on kept load workers, one intra-op thread each
 (``backend.serving.load_workers``); each tenant may hold at most ``resident_share`` of the device
 budget (never less than one slot, so every tenant can be served whenever the budget holds an
 adapter at all) and start at most ``loads_per_minute`` cold loads, so one tenant churning versions
@@ -185,8 +185,8 @@ class AdapterCache:
         self._buckets: dict[str | None, _Bucket] = {}
         self._pending = 0
         # Loads run on kept, confined threads, shared by the process's caches: one intra-op
-        # thread each, a lower priority (backend.serving.load_workers), so their CPU work
-        # stays out of decoding's way.
+        # thread each (backend.serving.load_workers), so their tensor work does not spread
+        # over the cores decoding runs on.
         self._workers: LoadWorkers = load_workers.SHARED
 
     # -- requests ---------------------------------------------------------------------------

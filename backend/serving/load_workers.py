@@ -1,7 +1,7 @@
 """The threads that run cold adapter loads, kept apart from the serving threads' cores.
 
-A cold load is CPU work: read and hash the files, parse, check, convert. Three things keep it
-from slowing the rows being served:
+A cold load is CPU work: read and hash the files, parse, check, convert. How it is kept from
+slowing the rows being served:
 
 - **Kept threads.** A thread's first torch operations cost it milliseconds of set-up (its
   OpenMP team, allocator caches); a thread per load paid them on every load, more than the
@@ -12,11 +12,12 @@ from slowing the rows being served:
   makes the load itself many times slower (a 4,096-wide adapter's conversion: 60 ms on one
   thread, up to a second on two busy cores). OpenMP's thread count is per calling thread, so a
   worker sets its own to one and the serving threads keep theirs.
-- **A lower priority.** Linux gives each thread its own nice value; a worker raises its own by
-  :data:`NICE_DELTA`, so when the cores are short the scheduler serves decoding first. Only the
-  worker's own threads are affected. A worker does take the cache's and the engine's locks, but
-  only to place an already prepared adapter (copies); a modest delta, not 19, keeps a worker
-  that holds them from waiting long for a core.
+- **A priority of their own, not lowered by default.** Linux gives each thread its own nice
+  value, and a pool can raise its workers' by ``nice_delta``. On two shared cores +5 did not
+  lower the base rows' p95 during a storm of cold loads (``base_p95_storm_vs_quiet`` 1.14 and
+  1.52 at +0, 1.33 and 1.40 at +5, alternated in one process on 2026-12-03), and a worker also
+  takes the cache's and the engine's locks to place an adapter, where a starved worker would
+  hold up decoding: :data:`NICE_DELTA` is 0.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 log = logging.getLogger("loraplane.cache")
 
 IDLE_EXIT_S = 60.0  # an idle worker ends after this long
-NICE_DELTA = 5  # added to a worker's nice value (19 at most); 0 leaves it as it is
+NICE_DELTA = 0  # added to a worker's nice value (19 at most); 0 leaves it as it is
 
 
 @cache
@@ -56,7 +57,7 @@ def _omp_set_num_threads() -> Callable[[int], object] | None:
 
 def confine_this_thread(nice_delta: int = NICE_DELTA) -> None:
     """Make the calling thread's torch operations run on itself alone (one OpenMP thread, for
-    this thread only), and lower its scheduling priority by ``nice_delta``."""
+    this thread only), and raise its nice value by ``nice_delta`` (0: unchanged)."""
     torch.get_num_threads()  # torch sets each thread's OpenMP count on first use: do it now
     set_threads = _omp_set_num_threads()
     if set_threads is not None:

@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(VENV)/bin/loraplane demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=25
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check control projections backend tests model_repository $(wildcard bench)

@@ -76,7 +76,7 @@ tenants = sa.Table(
     # Placement, from the tenant's policy (issue 25): its dedicated pool (None: the shared one)
     # and the regions its requests may run in (comma-separated; "": any).
     sa.Column("pool", _name, nullable=True),
-    sa.Column("regions", sa.Text, nullable=False, default=""),
+    sa.Column("regions", sa.Text, nullable=False, default="", server_default=""),
 )
 
 adapters = sa.Table(

@@ -257,7 +257,7 @@ def bench_scale(
     """Incident queries over a million ledger rows, by adapter, release, training data version
     and base (one hour), on SQLite and PostgreSQL: median and p95 ms, rows, indexes used; and
     cold loads of 7B-shaped adapters against a plain read and SHA-256 of the same files."""
-    from control.tools import bench_coldload
+    from control.tools import bench_coldload  # torch and transformers load for this bench only
     from control.tools.bench_incidents import run_bench  # a scratch ledger of its own
 
     with errors():

@@ -85,8 +85,8 @@ def residency_7b(hidden: int = HIDDEN, layers: int = LAYERS) -> Any:
     meta device (module shapes, no weights), in the dtype the engine serves in here."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from backend.serving.lease import Violations
-    from backend.serving.residency import SlotResidency
+    from backend.serving.lease import Violations  # the serving side loads torch: bench only
+    from backend.serving.residency import SlotResidency  # the same
 
     heads = max(1, hidden // 128)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
@@ -114,8 +114,9 @@ def measure(adapters: int, rounds: int, *, hidden: int = HIDDEN, layers: int = L
             progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """Write ``adapters`` adapters, then ``rounds`` times each: a plain read + SHA-256, and a
     cold load to the host tier on a load worker; p95s, ratio and stage medians."""
+    # The serving side's load workers and the store, loaded when the bench runs (torch)
     from backend.serving.load_workers import LoadWorkers
-    from control.contracts.store import ArtifactStore
+    from control.contracts.store import ArtifactStore  # the same
 
     with tempfile.TemporaryDirectory(prefix="lp-bench-coldload-") as tmp:
         root = Path(tmp)

@@ -1,6 +1,7 @@
 """CLI verbs that run loraplane: on one machine, or across hosts; and the ledger's totals.
 
-``loraplane serve``          the gateway, the projection follower and Triton, on this machine.
+``loraplane serve``          the gateway, the projection follower and Triton, on this machine
+                             (``--hosts N``: N Triton hosts behind the local balancer).
 ``loraplane demo``           the whole story end to end, in a folder of its own.
 ``loraplane control-plane``  the gateway and the projection follower, no Triton (one or more).
 ``loraplane triton-host``    one Triton host, no gateway; waits for a registered base model.
@@ -15,7 +16,7 @@ Every process reads the same ``LORAPLANE_DB_URL``; see ``control/ops/serve.py`` 
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated, Protocol
 
 import typer
 
@@ -34,10 +35,6 @@ from control.cli.database import require_schema
 from control.contracts.signals import TerminationSignals
 from control.contracts.telemetry import configure_logging
 from control.tools.views import cell
-
-if TYPE_CHECKING:
-    from control.ops.serve import Deployment
-
 
 FRONT_DOOR_HELP = (
     "auto: tenants reach Triton through HAProxy (the front door) whenever haproxy is installed, "
@@ -87,6 +84,15 @@ def serve(
     console_port: Annotated[int, typer.Option(
         help="Also serve the operator console on 127.0.0.1:PORT (0: not at all); never on the "
              "gateway's port. Log in with `loraplane console token`.")] = 0,
+    hosts: Annotated[int, typer.Option(
+        help="Scale-out: run this many Triton hosts (homes under <home>/hosts/) behind the "
+             "local balancer (HAProxy) on --http-port and --grpc-port; host i's Triton on "
+             "loopback at --triton-http-port + 2i and --triton-grpc-port + 2i, its metrics on "
+             "--metrics-port + i. 0: one host behind its front door.")] = 0,
+    pool: Annotated[list[str] | None, typer.Option(
+        help="With --hosts: NAME=COUNT puts COUNT of the hosts in the dedicated pool NAME "
+             "(repeatable); the rest are in the shared pool. Requests go to the pool their "
+             "x-loraplane-pool header names, else to the shared pool.")] = None,
 ) -> None:
     """Run the gateway, the projection follower and tritonserver until interrupted."""
     # the deployment (gateway, follower, Triton process): only the serving verbs pay for it
@@ -94,11 +100,22 @@ def serve(
 
     with errors():
         require_schema(settings())  # before anything starts: "run `loraplane db upgrade`"
-    dep = Deployment(settings(), Ports(http_port, grpc_port, metrics_port, gateway_port,
-                                       triton_http_port, triton_grpc_port),
-                     base=base, actor=state.actor, progress=lambda m: err_console.print(m),
-                     bind=listen, front_door=front_door,
-                     triton_user=default_triton_user(triton_user))
+    ports = Ports(http_port, grpc_port, metrics_port, gateway_port, triton_http_port,
+                  triton_grpc_port)
+    dep: Runnable
+    if hosts or pool:
+        from control.ops.scale_out import ScaleOut, parse_pools, plan_hosts  # serve only
+
+        with errors():
+            pools = parse_pools(pool or [])
+            plan_hosts(hosts, pools)  # a wrong count is refused before anything starts
+        dep = ScaleOut(settings(), hosts, pools, ports, base=base, actor=state.actor,
+                       progress=lambda m: err_console.print(m), bind=listen,
+                       triton_user=default_triton_user(triton_user))
+    else:
+        dep = Deployment(settings(), ports, base=base, actor=state.actor,
+                         progress=lambda m: err_console.print(m), bind=listen,
+                         front_door=front_door, triton_user=default_triton_user(triton_user))
     if console_port:
         # the console (aiohttp, Jinja2): only a serve that asks for it loads it
         from control.console.background import serve_in_thread
@@ -125,7 +142,15 @@ def demo(
     raise typer.Exit(code)
 
 
-def run_until_stopped(dep: "Deployment") -> None:
+class Runnable(Protocol):
+    """A deployment or a scale-out: started, then stopped."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def run_until_stopped(dep: Runnable) -> None:
     """Start a deployment and keep it up until SIGTERM or Ctrl-C; always stop it."""
     with TerminationSignals() as term:
         try:

@@ -18,6 +18,10 @@ from __future__ import annotations
 import hashlib
 
 AFFINITY_HEADER = "x-loraplane-affinity"
+# The pool a request is for (the ticket answer's ``pool``): a balancer sends it to that pool's
+# hosts, and a missing or unknown value to the shared pool's. Like the affinity value it only
+# places: every host refuses a ticket whose pool is not its own.
+POOL_HEADER = "x-loraplane-pool"
 _DOMAIN = b"loraplane-affinity\0"
 
 

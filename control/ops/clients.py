@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from control.contracts.placement import AFFINITY_HEADER
+from control.contracts.placement import AFFINITY_HEADER, POOL_HEADER
 from control.contracts.wire import (
     ADAPTER_DIGEST,
     ENGINE_MODEL,
@@ -119,6 +119,7 @@ def infer_with(
     headers: Mapping[str, str] | None = None,
     inputs: Mapping[str, float | int] | None = None,
     affinity: str | None = None,
+    pool: str | None = None,
 ) -> Generation:
     """One lora_llm inference through an open ``tritonclient`` client of ``protocol`` (http or
     grpc); raises TritonRefused on an error answer.
@@ -136,6 +137,8 @@ def infer_with(
     sent_headers = dict(headers or {})
     if affinity is not None:  # the ticket answer's placement value, for a balancer
         sent_headers[AFFINITY_HEADER] = affinity
+    if pool is not None:  # the ticket answer's pool: the balancer's backend of that pool
+        sent_headers[POOL_HEADER] = pool
     if ticket is not None:
         if header:
             sent_headers[TICKET_HEADER] = ticket
@@ -163,15 +166,16 @@ def generate(
     headers: Mapping[str, str] | None = None,
     inputs: Mapping[str, float | int] | None = None,
     affinity: str | None = None,
+    pool: str | None = None,
 ) -> Generation:
     """One lora_llm inference over HTTP or gRPC on a client of its own (see
-    :func:`infer_with` for the arguments; ``affinity``: the ticket answer's, sent as the
-    balancer's placement header); raises TritonRefused on an error answer."""
+    :func:`infer_with` for the arguments; ``affinity`` and ``pool``: the ticket answer's, sent
+    as the balancer's placement headers); raises TritonRefused on an error answer."""
     client = _client_module(protocol).InferenceServerClient(url)
     try:
         return infer_with(client, protocol, text, ticket, max_tokens=max_tokens, header=header,
                           parameters=parameters, headers=headers, inputs=inputs,
-                          affinity=affinity)
+                          affinity=affinity, pool=pool)
     finally:
         client.close()
 

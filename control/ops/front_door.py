@@ -50,7 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from control.contracts.placement import AFFINITY_HEADER
+from control.contracts.config import SHARED_POOL
+from control.contracts.placement import AFFINITY_HEADER, POOL_HEADER
 from control.contracts.wire import TICKET_HEADER
 from control.ops.triton_access import GRPC_HEADER_PREFIX, OPERATOR_HEADER
 from control.ops.triton_server import check_ports_free
@@ -110,6 +111,11 @@ class Upstream:
     host: str
     http_port: int
     grpc_port: int
+    # The host's pool (``Settings.host_pool``): a balancer sends it the requests whose
+    # ``x-loraplane-pool`` header names that pool. Names the config file may hold: checked by
+    # the host's settings (lower-case letters, digits, dashes).
+    pool: str = SHARED_POOL
+    name: str | None = None  # the server's name in HAProxy's log; None: from ``host``
 
 
 @dataclass(frozen=True)
@@ -210,6 +216,7 @@ def render(c: DoorConfig) -> str:
         _refuse_http(400, GENERATE_TICKET_HEADER_REFUSAL, "if generate ticket_header"),
         _refuse_http(411, LENGTH_REQUIRED, "if post !has_length or chunked"),
         _refuse_http(413, BODY_TOO_LARGE.format(c.max_body_bytes), "if too_large"),
+        *_pool_rules(c, "triton_http"),
         "    default_backend triton_http",
         "",
         "frontend tenant_grpc",
@@ -221,20 +228,44 @@ def render(c: DoorConfig) -> str:
         _refuse_grpc(NOT_A_TENANT_ROUTE, "unless METH_POST tenant_method"),
         _refuse_grpc(TICKET_HEADERS_REFUSAL, "if ticket_headers"),
         _refuse_grpc(BODY_TOO_LARGE.format(c.max_body_bytes), "if too_large"),
+        *_pool_rules(c, "triton_grpc"),
         "    default_backend triton_grpc",
         "",
-        "backend triton_http",
-        *(["    option httpchk GET /v2/health/ready"] if c.health_checks else []),
-        *_placement(c),
-        *(_server(i, u, u.http_port, c, "") for i, u in enumerate(c.upstreams)),
-        "",
-        "backend triton_grpc",
-        *(["    option httpchk GET /v2/health/ready"] if c.health_checks else []),
-        *_placement(c),
-        *(_server(i, u, u.grpc_port, c, " proto h2") for i, u in enumerate(c.upstreams)),
-        "",
     ]
+    for pool in _pools(c):
+        members = [(i, u) for i, u in enumerate(c.upstreams) if u.pool == pool]
+        lines += [
+            f"backend {_backend('triton_http', pool)}",
+            *(["    option httpchk GET /v2/health/ready"] if c.health_checks else []),
+            *_placement(c),
+            *(_server(i, u, u.http_port, c, "") for i, u in members),
+            "",
+            f"backend {_backend('triton_grpc', pool)}",
+            *(["    option httpchk GET /v2/health/ready"] if c.health_checks else []),
+            *_placement(c),
+            *(_server(i, u, u.grpc_port, c, " proto h2") for i, u in members),
+            "",
+        ]
     return "\n".join(lines)
+
+
+def _pools(c: DoorConfig) -> list[str]:
+    """The pools of ``c``'s upstreams, the shared pool first and always: requests without a
+    pool header (or naming no pool here) go to its backend, which answers 503 when empty."""
+    return [SHARED_POOL, *sorted({u.pool for u in c.upstreams} - {SHARED_POOL})]
+
+
+def _backend(prefix: str, pool: str) -> str:
+    # the shared pool keeps the names a one-pool door has always had (docker/haproxy.cfg)
+    return prefix if pool == SHARED_POOL else f"{prefix}_{pool}"
+
+
+def _pool_rules(c: DoorConfig, prefix: str) -> list[str]:
+    """One rule per dedicated pool: the pool header names the backend. The header only
+    places, like the affinity header: a host verifies that the ticket allows its pool, so a
+    forged value is refused there, never served."""
+    return [f"    use_backend {_backend(prefix, pool)} "
+            f"if {{ req.hdr({POOL_HEADER}) -m str {pool} }}" for pool in _pools(c)[1:]]
 
 
 def _placement(c: DoorConfig) -> list[str]:
@@ -254,7 +285,8 @@ def _placement(c: DoorConfig) -> list[str]:
 
 
 def _server(i: int, u: Upstream, port: int, c: DoorConfig, proto: str) -> str:
-    name = u.host if u.host.replace("-", "").isalnum() else f"triton{i}"
+    label = u.name or u.host
+    name = label if label.replace("-", "").isalnum() else f"triton{i}"
     opts = proto
     if c.health_checks:
         # every host is checked on its HTTP port, in HTTP/1.1 even behind an HTTP/2 server

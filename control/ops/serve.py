@@ -57,6 +57,8 @@ from control.contracts.config import (
     GATEWAY_DB_URL_ENV,
     HOST_DB_URL_ENV,
     HOST_ID_ENV,
+    HOST_POOL_ENV,
+    HOST_REGION_ENV,
     Settings,
     seal_interval_from_env,
 )
@@ -358,6 +360,8 @@ class Deployment:
         # Triton holds the host's credential only (db roles): the others blanked, as it inherits.
         env = {"LORAPLANE_HOME": str(s.home), "LORAPLANE_DB_URL": s.host_db_url,
                HOST_DB_URL_ENV: "", GATEWAY_DB_URL_ENV: "", BASE_DIGEST_ENV: base,
+               # the pool and region this host serves: it refuses tickets for others
+               HOST_POOL_ENV: s.host_pool, HOST_REGION_ENV: s.host_region,
                **s.memory_env()}
         if self.host_id:
             env[HOST_ID_ENV] = self.host_id

@@ -60,6 +60,32 @@ class Stack:
         return str(body["ticket"])
 
 
+def require_servers(root: Path, *, haproxy: bool = False) -> None:
+    """Skip (fail in CI) unless the real tritonserver, and with ``haproxy`` the balancer, are
+    installed."""
+    from control.ops.front_door import find_haproxy  # only the balanced clusters need it
+
+    try:
+        find_triton(root)
+    except TritonUnavailable as e:
+        unavailable("the real tritonserver", str(e))
+    if haproxy and find_haproxy() is None:
+        unavailable("haproxy", "apt-get install haproxy")
+
+
+def hosts_of(db_url: str, request_ids: list[str]) -> dict[str, str]:
+    """The host that wrote each request's ledger row (the one that answered it)."""
+    import sqlalchemy as sa
+
+    from control.contracts.db import make_engine
+    from control.contracts.ledger import request_ledger as t
+
+    with make_engine(db_url).connect() as conn:
+        rows = conn.execute(sa.select(t.c.request_id, t.c.host)
+                            .where(t.c.request_id.in_(request_ids))).all()
+    return {r.request_id: r.host for r in rows}
+
+
 def sqlite_home(tmp_path_factory: pytest.TempPathFactory, name: str) -> Settings:
     """A fresh home with a SQLite database; skips where tritonserver is not installed."""
     home = tmp_path_factory.mktemp(name)

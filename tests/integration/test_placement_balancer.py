@@ -11,7 +11,6 @@ LORAPLANE_TEST_PG_URL or haproxy.
 
 from __future__ import annotations
 
-import shutil
 import time
 import urllib.error
 import urllib.request
@@ -25,19 +24,18 @@ import sqlalchemy as sa
 
 from control.app.registry import Registry
 from control.contracts import root_of_trust
-from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import adapter_loads, request_ledger
 from control.ops.balancer import start_balancer
 from control.ops.clients import Generation, TritonRefused, free_port, generate, request_ticket
-from control.ops.front_door import FrontDoor, Upstream, find_haproxy
+from control.ops.front_door import FrontDoor, Upstream
+from control.ops.scale_out import host_settings, start_all
 from control.ops.serve import Deployment, Ports
-from control.ops.triton_server import TritonUnavailable, find_triton
 from control.tools.bench_cli import fresh_adapter
 from control.tools.kit import KitManifest
 from projections.follower import open_registry
 from tests.fixtures_control import close_registry, postgres_settings
-from tests.required import unavailable
+from tests.integration.conftest import hosts_of, require_servers
 
 ACTOR = "placement-test"
 HOSTS = ("host-0", "host-1", "host-2")
@@ -64,11 +62,7 @@ class Pool:
         return str(body["ticket"]), str(body["affinity"])
 
     def host_of(self, request_ids: list[str]) -> dict[str, str]:
-        t = request_ledger
-        with make_engine(self.db_url).connect() as conn:
-            rows = conn.execute(sa.select(t.c.request_id, t.c.host)
-                                .where(t.c.request_id.in_(request_ids))).all()
-        return {r.request_id: r.host for r in rows}
+        return hosts_of(self.db_url, request_ids)
 
     def tokens_out(self, request_ids: list[str]) -> int:
         t = request_ledger
@@ -89,27 +83,16 @@ def _aliases() -> list[str]:
 @pytest.fixture(scope="module")
 def pool(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     root = tmp_path_factory.mktemp("placement")
-    try:
-        find_triton(root)
-    except TritonUnavailable as e:
-        unavailable("the real tritonserver", str(e))
-    if find_haproxy() is None:
-        unavailable("haproxy", "apt-get install haproxy")
+    require_servers(root, haproxy=True)
     with postgres_settings(root / "gw") as first:
         url = first.db_url
         first.home.mkdir(parents=True, exist_ok=True)
         first.ensure_dirs()
         root_of_trust.dev_root(first.keys_dir)
-        host_settings = []
-        for name in HOSTS:
-            # one tenant owns every adapter here: its resident share is the whole device
-            s = Settings(home=root / name, db_url=url, adapter_slots=SLOTS, resident_share=1.0)
-            s.home.mkdir(parents=True)
-            (s.home / "store").symlink_to(first.store_dir)  # one shared artifact store
-            s.keys_dir.mkdir(parents=True, exist_ok=True)
-            shutil.copy(root_of_trust.root_pub_path(first.keys_dir),
-                        root_of_trust.root_pub_path(s.keys_dir))
-            host_settings.append(s)
+        # homes as `serve --hosts` makes them: one store, one database, the root public key;
+        # one tenant owns every adapter here: its resident share is the whole device
+        settings = [host_settings(first, name, adapter_slots=SLOTS, resident_share=1.0)
+                    for name in HOSTS]
         kit = KitManifest.load(kit_dir)
         reg = open_registry(first)
         reg.register_base(kit_dir / kit.base_path, kit_dir / kit.tokenizer_path,
@@ -135,12 +118,11 @@ def pool(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Po
                              role="control", actor=ACTOR)
         hosts = [Deployment(s, Ports(free_port(), free_port(), free_port(), free_port()),
                             role="triton", host_id=name, actor=ACTOR, front_door="external")
-                 for name, s in zip(HOSTS, host_settings, strict=True)]
+                 for name, s in zip(HOSTS, settings, strict=True)]
         doors: list[FrontDoor] = []
         try:
             gateway.start()
-            with ThreadPoolExecutor(len(hosts)) as ex:
-                list(ex.map(lambda d: d.start(), hosts))
+            start_all(hosts)
             upstreams = [Upstream("127.0.0.1", h.ports.http, h.ports.grpc) for h in hosts]
             for policy in ("affinity", "roundrobin"):
                 doors.append(start_balancer(root / f"balancer-{policy}", upstreams,

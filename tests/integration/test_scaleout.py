@@ -25,12 +25,11 @@ from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
 from control.ops.clients import TritonRefused, free_port, generate, request_ticket
 from control.ops.serve import Deployment, Ports
-from control.ops.triton_server import TritonUnavailable, find_triton
 from control.tools.kit import KitManifest
 from projections.follower import open_registry
 from projections.routing import RoutingView
 from tests.fixtures_control import close_registry, postgres_settings
-from tests.required import unavailable
+from tests.integration.conftest import require_servers
 
 ACTOR = "scaleout-test"
 pytestmark = pytest.mark.postgres
@@ -63,10 +62,7 @@ def _ports() -> Ports:
 @pytest.fixture(scope="module")
 def cluster(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("scaleout")
-    try:
-        find_triton(root)
-    except TritonUnavailable as e:
-        unavailable("the real tritonserver", str(e))
+    require_servers(root)
     with postgres_settings(root / "gw-1") as first:
         url = first.db_url
         homes = {name: root / name for name in ("gw-1", "gw-2", "host-a", "host-b")}

@@ -168,8 +168,9 @@ def control_plane(
     bind: Annotated[str, typer.Option(help="Gateway listen address (0.0.0.0 in a container).")
                     ] = "127.0.0.1",
     triton: Annotated[list[str] | None, typer.Option(
-        help="A Triton host (host:port of its HTTP endpoint) for the OpenAI-compatible routes; "
-        "repeatable; added to $LORAPLANE_TRITON_URLS.")] = None,
+        help="A Triton host (host:port of its HTTP endpoint; POOL=host:port for a host of a "
+        "dedicated pool) for the OpenAI-compatible routes and rollout probes; repeatable; added "
+        "to $LORAPLANE_TRITON_URLS.")] = None,
 ) -> None:
     """Run the gateway and the projection follower (no Triton) until interrupted."""
     # the deployment (gateway, follower, Triton process): only the serving verbs pay for it

@@ -214,8 +214,8 @@ def rollout_abort(
 @rollout_app.command("controller")
 def rollout_controller(
     triton: Annotated[list[str] | None, typer.Option(
-        help="A Triton host (host:port of its HTTP endpoint) to probe; repeatable; added to "
-             "$LORAPLANE_TRITON_URLS.")] = None,
+        help="A Triton host (host:port of its HTTP endpoint; POOL=host:port for a host of a "
+             "dedicated pool) to probe; repeatable; added to $LORAPLANE_TRITON_URLS.")] = None,
 ) -> None:
     """Run the rollout controller alone until interrupted (serve and control-plane run one)."""
     # the controller and the deployment's settings names: only this verb loads them

@@ -11,11 +11,21 @@ landed on (``control.gateway.server``), and a per-arm value would. Both arms of 
 placed on one host, which keeps both resident there. It decides nothing: the header only places
 a request. Authorization stays with the ticket, which every host verifies; a wrong or forged
 value costs a cold load on another host, never access.
+
+Where the control plane itself calls Triton hosts (the gateway's OpenAI routes, the rollout
+controller's probes), it places the same way without a balancer: ``LORAPLANE_TRITON_URLS``
+entries may name a host's pool (``gold=10.0.0.5:8000``; none: the shared pool), and
+:func:`place` orders a request's candidates as the hosts of its ticket's pool, by rendezvous
+hashing on the affinity value (a host's going away moves only the routes it held).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from control.contracts.config import SHARED_POOL, check_placement_name
 
 AFFINITY_HEADER = "x-loraplane-affinity"
 # The pool a request is for (the ticket answer's ``pool``): a balancer sends it to that pool's
@@ -28,3 +38,39 @@ _DOMAIN = b"loraplane-affinity\0"
 def affinity_of(tenant: str, alias: str) -> str:
     """The affinity value of tickets issued to ``tenant`` for ``alias`` (16 hex characters)."""
     return hashlib.sha256(_DOMAIN + tenant.encode() + b"\0" + alias.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class HostUrl:
+    """A Triton host's ``host:port`` and the pool it serves (``Settings.host_pool``)."""
+
+    url: str
+    pool: str = SHARED_POOL
+
+    def spec(self) -> str:
+        """As ``LORAPLANE_TRITON_URLS`` spells it."""
+        return self.url if self.pool == SHARED_POOL else f"{self.pool}={self.url}"
+
+
+def parse_host_urls(specs: Iterable[str]) -> list[HostUrl]:
+    """``host:port`` or ``POOL=host:port`` entries (blank ones skipped); a bad pool name raises
+    ConfigError naming it."""
+    hosts = []
+    for spec in (s.strip() for s in specs):
+        if not spec:
+            continue
+        pool, sep, url = spec.rpartition("=")
+        pool = pool.strip()
+        if sep:
+            check_placement_name(f"the pool of Triton URL {url!r}", pool)
+        hosts.append(HostUrl(url.strip(), pool if sep else SHARED_POOL))
+    return hosts
+
+
+def place(hosts: Sequence[HostUrl], pool: str, affinity: str) -> list[str]:
+    """The URLs of ``pool``'s hosts, in the order to try them for a request of ``affinity``:
+    highest rendezvous weight first, so every caller puts one route on the same host while it
+    is up, and the routes of a host that goes away spread over the rest."""
+    members = [h.url for h in hosts if h.pool == pool]
+    return sorted(members, key=lambda url: hashlib.sha256(
+        _DOMAIN + affinity.encode() + b"\0" + url.encode()).digest(), reverse=True)

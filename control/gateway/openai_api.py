@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
 import json
 import logging
 import time
@@ -64,6 +63,7 @@ from aiohttp import web
 
 from control.contracts import wire
 from control.contracts.ledger import request_ledger
+from control.contracts.placement import HostUrl, affinity_of, parse_host_urls, place
 from control.contracts.sampling import (
     DEFAULT_MAX_TOKENS,
 )
@@ -91,21 +91,20 @@ SESSION_HEADER = "x-session-id"
 
 @dataclass
 class Upstream:
-    """Triton hosts to forward to, taken in turn; a host that refuses connections is skipped."""
+    """Triton hosts to forward to: a request goes to the hosts of its ticket's pool, the one
+    its route's affinity hashes to first (``control.contracts.placement.place``); a host that
+    refuses connections is skipped for the next."""
 
-    urls: list[str]  # host:port of Triton's HTTP endpoint
+    hosts: list[HostUrl]
     model: str = wire.MODEL
     session: aiohttp.ClientSession | None = None
     tracer: Any = None
     metrics: GatewayMetrics | None = None
-    _turn: itertools.count[int] | None = None
     _models: dict[str, frozenset[str]] | None = None
 
-    def order(self) -> list[str]:
-        if self._turn is None:
-            self._turn = itertools.count()
-        k = next(self._turn) % len(self.urls)
-        return self.urls[k:] + self.urls[:k]
+    def order(self, pool: str, affinity: str) -> list[str]:
+        """Where to send a request of ticket pool ``pool`` and route ``affinity``, in turn."""
+        return place(self.hosts, pool, affinity)
 
     async def target(self, stream: bool) -> tuple[str, frozenset[str]]:
         """The model to call and its input names. Streaming goes to ``<model>_stream`` (the
@@ -115,7 +114,7 @@ class Upstream:
         if self._models is None:
             assert self.session is not None
             found: dict[str, frozenset[str]] = {}
-            for url in self.urls:
+            for url in (h.url for h in self.hosts):
                 try:
                     for name in (self.model, self.model + wire.ENGINE_SUFFIX):
                         async with self.session.get(
@@ -232,14 +231,15 @@ def _upstream_error(status: int, metrics: GatewayMetrics | None) -> ApiError:
     return ApiError(502, "the model failed to answer", "server_error")
 
 
-async def _events(request: web.Request, model: str, body: dict[str, Any], stream: bool
-                  ) -> AsyncGenerator[dict[str, Any], None]:
-    """Triton's answer(s) as JSON objects; raises ApiError before the first one on failure."""
+async def _events(request: web.Request, model: str, body: dict[str, Any], stream: bool,
+                  hosts: list[str]) -> AsyncGenerator[dict[str, Any], None]:
+    """Triton's answer(s) from the first of ``hosts`` that takes the connection, as JSON
+    objects; raises ApiError before the first one on failure."""
     up = request.app[UPSTREAM_KEY]
     assert up.session is not None
     endpoint = "generate_stream" if stream else "generate"
     last: Exception | None = None
-    for url in up.order():
+    for url in hosts:
         try:
             # traceparent also as a header: Triton's own OpenTelemetry trace links to it
             tp = body["parameters"].get("traceparent")
@@ -310,7 +310,12 @@ async def _complete(request: web.Request, chat: bool, g: Generation, issued: Any
     with span(up.tracer, "gateway.openai." + ("chat" if chat else "completions"), attrs) as s:
         model, inputs = await up.target(g.stream)
         triton_body = _triton_body(inputs, g, issued.token, traceparent_of(s))
-        events = _events(request, model, triton_body, g.stream)
+        hosts = up.order(issued.claims.pool, affinity_of(issued.claims.tenant, issued.alias))
+        if not hosts:  # an operator's mistake (no host of the pool listed), not the tenant's
+            log.warning("no Triton host of the ticket's pool %s is listed (%s)",
+                        issued.claims.pool, "LORAPLANE_TRITON_URLS")
+            raise ApiError(503, "the model is busy or unavailable; retry", "server_error")
+        events = _events(request, model, triton_body, g.stream, hosts)
         if not g.stream:
             answer = await anext(events)
             await events.aclose()  # releases the upstream connection now
@@ -423,7 +428,7 @@ def add_routes(app: web.Application, office: TicketOffice, triton_urls: list[str
 
     if not triton_urls:
         raise ValueError("the OpenAI-compatible routes need at least one Triton URL")
-    up = Upstream(list(triton_urls), model=model, tracer=tracer or trace.NoOpTracer(),
+    up = Upstream(parse_host_urls(triton_urls), model=model, tracer=tracer or trace.NoOpTracer(),
                   metrics=metrics)
     app[UPSTREAM_KEY] = up
     app[OFFICE_KEY] = office

@@ -59,10 +59,11 @@ from eventsourcing.utils import get_topic
 
 from control.app import key_ring
 from control.app.rollouts import RolloutDesk
-from control.contracts.config import Settings
+from control.contracts.config import SHARED_POOL, Settings
 from control.contracts.db import make_engine
 from control.contracts.event_log import page_after
 from control.contracts.ledger import LOAD_FAILED, MEMORY_REFUSALS, Ledger, Outcome, p95
+from control.contracts.placement import parse_host_urls
 from control.contracts.signals import TerminationSignals
 from control.contracts.synthetic import PROBE_TENANT, is_synthetic
 from control.contracts.ticket_seals import publish_seal
@@ -112,7 +113,7 @@ class TritonProbe:
     def __init__(self, settings: Settings, hosts: Sequence[str], routing: RoutingView,
                  ledger: Ledger, *, timeout_s: float = 30.0) -> None:
         self.settings = settings
-        self.hosts = list(hosts)
+        self.hosts = parse_host_urls(hosts)  # each with its pool (POOL=host:port)
         self.routing = routing
         self.ledger = ledger
         self.timeout_s = timeout_s
@@ -130,16 +131,26 @@ class TritonProbe:
     def probe(self, owner: str | None, release: Release, requests: int) -> ProbeReport:
         signer = self._signer()
         if signer is None or owner is None:
-            return ProbeReport(hosts=self.hosts, requests=0, ok=0, errors=[
+            return ProbeReport(hosts=[h.url for h in self.hosts], requests=0, ok=0, errors=[
                 "no recorded, unretired signing key held here" if signer is None
                 else "the alias has no owner to probe as"])
+        # The release runs where its owner's policy puts it (issue 25): the probe's ticket binds
+        # the owner's pool and regions, and only that pool's hosts are probed, so a dedicated
+        # adapter is never loaded on a shared host, not even by the control plane.
+        placement = self.routing.placement(owner)
+        pool = placement.pool or SHARED_POOL
+        hosts = [h.url for h in self.hosts if h.pool == pool]
+        if not hosts:
+            return ProbeReport(hosts=[], requests=0, ok=0, errors=[
+                f"no Triton host of pool {pool} is listed to probe (LORAPLANE_TRITON_URLS)"])
         # The probe's requests are the control plane's own (control.contracts.synthetic): its
         # ticket names the synthetic tenant, so no window counts them as the alias owner's.
         token, _claims = signer.issue(
             tenant=PROBE_TENANT, model=self.settings.model_name, base=release.base_digest,
             adapter=release.adapter_digest, tokenizer=release.tokenizer_digest,
             release=release.digest, disclose=True,  # the control plane checks the digest
-            ttl_s=min(PROBE_TICKET_TTL_S, self.settings.ticket_ttl_s))
+            ttl_s=min(PROBE_TICKET_TTL_S, self.settings.ticket_ttl_s),
+            pool=pool, regions=placement.regions)
         import tritonclient.http as http  # the client library: only a probe needs it
 
         started = time.time()
@@ -147,7 +158,7 @@ class TritonProbe:
         sent = ok = 0
         errors: list[str] = []
         latencies: list[float] = []
-        for host in self.hosts:
+        for host in hosts:
             client = http.InferenceServerClient(host, connection_timeout=self.timeout_s,
                                                 network_timeout=self.timeout_s)
             try:
@@ -176,7 +187,7 @@ class TritonProbe:
                                if load.outcome == LOAD_FAILED and load.started_at >= started)
         mismatches = len(self.ledger.query(release=release.digest, since=started,
                                            outcome=Outcome.IDENTITY_MISMATCH.value))
-        return ProbeReport(hosts=self.hosts, requests=sent, ok=ok, load_failures=failed_loads,
+        return ProbeReport(hosts=hosts, requests=sent, ok=ok, load_failures=failed_loads,
                            identity_mismatches=mismatches, p95_latency_s=p95(latencies),
                            errors=errors[:10])
 

@@ -12,7 +12,8 @@ Its host id, the ledger's host column, is its name: ``<pool>-<i>``. Tritonserver
 loopback only (``front_door="external"``): the balancer (``control.ops.balancer``, HAProxy) is
 the only way in, on the tenant ports, and is every host's front door. The control plane (the
 gateway, the projection follower, the rollout controller) runs as a ``control`` role deployment
-whose OpenAI routes and rollout probes go to the hosts' own ports.
+whose OpenAI routes and rollout probes go to the hosts' own ports, each to the hosts of the
+ticket's pool (``POOL=host:port``, ``control.contracts.placement.place``).
 
 Pools: ``--pool NAME=COUNT`` puts COUNT of the N hosts in pool NAME (``Settings.host_pool``);
 the rest are in the shared pool. The balancer renders one backend per pool and sends a request
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from control.contracts import root_of_trust
 from control.contracts.config import SHARED_POOL, Settings, check_placement_name
+from control.contracts.placement import HostUrl
 from control.ops.balancer import CHECK_MS, start_balancer
 from control.ops.front_door import FrontDoor, Upstream, require_haproxy
 from control.ops.serve import Deployment, Ports
@@ -140,7 +142,9 @@ class ScaleOut:
                        front_door="external", triton_user=self.triton_user,
                        progress=self._tagged(h.name))
             for i, h in enumerate(plan)]
-        urls = [f"127.0.0.1:{d.ports.http}" for d in self.triton_hosts]
+        # the OpenAI routes and the rollout probes place by pool too (POOL=host:port)
+        urls = [HostUrl(f"127.0.0.1:{d.ports.http}", h.pool).spec()
+                for h, d in zip(plan, self.triton_hosts, strict=True)]
         self.control = Deployment(self.settings, Ports(gateway=p.gateway), base=self.base,
                                   actor=self.actor, role="control", triton_urls=urls,
                                   bind=self.bind, progress=self.progress)

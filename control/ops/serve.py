@@ -8,7 +8,7 @@ Roles, for scale-out on one PostgreSQL URL (every process reads ``LORAPLANE_DB_U
 - ``all``: everything in one process group (the default; a laptop, the demo).
 - ``control``: the gateway and the projection follower, no Triton. Several may run; the follower's
   compare-and-set keeps them consistent. Its OpenAI-compatible routes forward to the Triton hosts
-  in ``triton_urls`` (``LORAPLANE_TRITON_URLS``).
+  in ``triton_urls`` (``LORAPLANE_TRITON_URLS``), each request to a host of its ticket's pool.
 
 ``all`` and ``control`` also run the rollout controller (``control.ops.rollout_controller``),
 which probes the Triton hosts above before each step of a rollout: several may run at once (each
@@ -65,6 +65,7 @@ from control.contracts.config import (
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger, request_ledger
 from control.contracts.loops import new_event_loop
+from control.contracts.placement import HostUrl
 from control.contracts.store import ArtifactStore
 from control.contracts.ticket_seals import publish_seal
 from control.contracts.tickets import TicketSigner
@@ -226,7 +227,8 @@ class Deployment:
     progress: Callable[[str], None] = lambda _msg: None
     role: str = "all"
     host_id: str | None = None  # the ledger's host column for this Triton host
-    triton_urls: list[str] = field(default_factory=list)  # extra Triton hosts (host:port)
+    # extra Triton hosts: host:port, or POOL=host:port for a host of a dedicated pool
+    triton_urls: list[str] = field(default_factory=list)
     # The address the gateway and the front door (Triton itself when there is none) listen on:
     # loopback unless the deployment serves other machines (`--listen 0.0.0.0`; the containers
     # do). Behind a door, Triton listens on loopback whatever this says.
@@ -304,8 +306,7 @@ class Deployment:
                 self.stop()  # nothing started is left running: threads, Triton, the door
                 raise
         if office is not None:
-            urls = ([self.triton.http_url] if self.triton else []) + list(self.triton_urls)
-            self._start_gateway(office, urls)
+            self._start_gateway(office, self._host_urls())
             self.progress(f"gateway on {self.gateway_url}")
         if self.triton is not None:
             try:
@@ -328,8 +329,13 @@ class Deployment:
             self._thread("engine-watch", watch.run)
         if office is not None and self.rollout_controller:
             # Started once Triton answers: its first act may be a probe.
-            self._start_rollouts(([self.triton.http_url] if self.triton else [])
-                                 + list(self.triton_urls))
+            self._start_rollouts(self._host_urls())
+
+    def _host_urls(self) -> list[str]:
+        """The Triton hosts this control plane calls (its own first), each with its pool
+        (``POOL=host:port`` unless shared), as ``LORAPLANE_TRITON_URLS`` spells them."""
+        own = [HostUrl(self.triton.http_url, self.settings.host_pool).spec()] if self.triton else []
+        return own + list(self.triton_urls)
 
     def _start_rollouts(self, hosts: list[str]) -> None:
         if not hosts:
@@ -499,7 +505,8 @@ class Deployment:
     @classmethod
     def from_env(cls, settings: Settings, ports: Ports, **kw: object) -> Deployment:
         """A deployment whose host id and Triton URLs come from the environment
-        (``LORAPLANE_HOST_ID``, ``LORAPLANE_TRITON_URLS``, comma-separated host:port)."""
+        (``LORAPLANE_HOST_ID``, ``LORAPLANE_TRITON_URLS``, comma-separated host:port or
+        POOL=host:port)."""
         urls = [u.strip() for u in os.environ.get(TRITON_URLS_ENV, "").split(",") if u.strip()]
         return cls(settings, ports, host_id=os.environ.get(HOST_ID_ENV) or None,
                    triton_urls=urls, **kw)  # type: ignore[arg-type]

@@ -11,7 +11,9 @@ listens and stops cleanly. Skipped without LORAPLANE_TEST_PG_URL, tritonserver o
 
 from __future__ import annotations
 
+import json
 import socket
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +139,26 @@ def test_a_forged_pool_header_only_places(cluster: Cluster) -> None:
             for name in ("acme", "globex", "gold", "chat", "law"):  # names nothing
                 assert name not in refused.value.message.replace(GENERIC_REFUSAL, "")
         assert cluster.refusals_on(host) == before + 2  # refused by that host, and recorded
+
+
+def _openai(c: Cluster, tenant: str, alias: str, i: int) -> str:
+    """One OpenAI completion through the control plane's gateway; its request id."""
+    req = urllib.request.Request(
+        f"{c.scale.gateway_url}/v1/completions",
+        data=json.dumps({"model": alias, "prompt": f"openai {i}", "max_tokens": 2}).encode(),
+        headers={"Authorization": f"Bearer {c.keys[tenant]}",
+                 "Content-Type": "application/json", "x-session-id": f"s{i}"},
+        method="POST")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return str(json.loads(r.read())["id"]).removeprefix("cmpl-")
+
+
+def test_the_gateways_openai_routes_place_by_pool_too(cluster: Cluster) -> None:
+    # the gateway calls the hosts itself (POOL=host:port): each request on its pool's host
+    served = {alias: [_openai(cluster, tenant, alias, i) for i in range(3)]
+              for tenant, alias in (("acme", "chat"), ("globex", "law"))}
+    hosts = {alias: set(cluster.host_of(ids).values()) for alias, ids in served.items()}
+    assert hosts == {"chat": {"shared-0"}, "law": {"gold-0"}}, hosts
 
 
 def test_it_says_where_everything_listens(cluster: Cluster) -> None:

@@ -60,9 +60,19 @@ def driver(tmp_path: Path) -> Iterator[Any]:
 
 
 def wait_for(check: Callable[[], Any], timeout: float = 20.0, what: str = "") -> Any:
+    # A page being navigated to, or a live fragment being replaced, has the element missing or
+    # stale for a moment: that is "not yet", like a false check.
+    from selenium.common.exceptions import (  # the dev extra: browser tests only
+        NoSuchElementException,
+        StaleElementReferenceException,
+    )
+
     deadline = time.monotonic() + timeout
     while True:
-        got = check()
+        try:
+            got = check()
+        except (NoSuchElementException, StaleElementReferenceException):
+            got = None
         if got:
             return got
         if time.monotonic() > deadline:

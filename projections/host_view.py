@@ -61,6 +61,27 @@ class ReleaseBinding:
     base_digest: str
     tokenizer_digest: str
     defaults: dict[str, Any] = field(default_factory=dict)
+    # The release's owner: whose resident share its adapter counts against on the host (None:
+    # a base-only release).
+    tenant: str | None = None
+
+
+@dataclass(frozen=True)
+class HeldWhere:
+    """A tenant's placement from its policy: its dedicated pool (None: the shared one) and
+    regions (empty: any). The gateway's own reading is ``projections.routing.Placement``; the
+    host keeps this one so that it imports nothing of the routing view."""
+
+    pool: str | None = None
+    regions: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CacheLimits:
+    """A tenant's limits on a host's adapter cache, from its policy (None: the host's own)."""
+
+    resident_share: float | None = None
+    loads_per_minute: float | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +99,16 @@ class GovernanceState:
     releases: dict[str, ReleaseBinding] = field(default_factory=dict)
     # tenant -> epoch seconds: its tickets issued at or before are no longer honoured
     tickets_not_before: dict[str, float] = field(default_factory=dict)
+    # tenant -> its cache limits, for the tenants whose policy sets any
+    cache_limits: dict[str, CacheLimits] = field(default_factory=dict)
+    # tenant -> where its adapters may be held, for the tenants whose policy says (the warm-up
+    # preloads an adapter only on a host its owner's placement allows)
+    placements: dict[str, HeldWhere] = field(default_factory=dict)
+
+    def owner_of(self, adapter: str) -> str | None:
+        """The owner of a release naming ``adapter`` (None: no release names it)."""
+        return next((b.tenant for b in self.releases.values()
+                     if b.adapter_digest == adapter and b.tenant is not None), None)
 
 
 def _position(conn: Connection) -> int:
@@ -109,14 +140,28 @@ def _load(conn: Connection, position: int, root: Ed25519PublicKey | None) -> Gov
             .scalars()),
         releases={str(r.digest): ReleaseBinding(r.adapter_digest, str(r.base_digest),
                                                 str(r.tokenizer_digest),
-                                                dict(json.loads(r.inference_defaults or "{}")))
+                                                dict(json.loads(r.inference_defaults or "{}")),
+                                                r.tenant)
                   for r in conn.execute(sa.select(releases.c.digest, releases.c.adapter_digest,
                                                   releases.c.base_digest,
                                                   releases.c.tokenizer_digest,
-                                                  releases.c.inference_defaults))},
+                                                  releases.c.inference_defaults,
+                                                  releases.c.tenant))},
         tickets_not_before={str(r.name): float(r.tickets_not_before) for r in conn.execute(
             sa.select(tenants.c.name, tenants.c.tickets_not_before)
             .where(tenants.c.tickets_not_before.is_not(None)))},
+        cache_limits={str(r.name): CacheLimits(r.resident_share, r.loads_per_minute)
+                      for r in conn.execute(
+                          sa.select(tenants.c.name, tenants.c.resident_share,
+                                    tenants.c.loads_per_minute)
+                          .where(sa.or_(tenants.c.resident_share.is_not(None),
+                                        tenants.c.loads_per_minute.is_not(None))))},
+        placements={str(r.name): HeldWhere(r.pool, tuple(x for x in str(r.regions).split(",")
+                                                        if x))
+                    for r in conn.execute(sa.select(tenants.c.name, tenants.c.pool,
+                                                    tenants.c.regions)
+                                          .where(sa.or_(tenants.c.pool.is_not(None),
+                                                        tenants.c.regions != "")))},
     )
 
 

@@ -19,9 +19,9 @@ metadata = sa.MetaData()
 # from the event store by ``loraplane db upgrade`` (the rows are derived, so nothing is lost).
 # 2: ``signing_keys.retired_at``. 3: ``tenants.tickets_not_before``. 4: ``session_pins`` and
 # ``routes.fallback``. 5: ``revocations.immediate``. 6: ``signing_keys.root_signature``. 7:
-# ``tenants.pool`` and ``tenants.regions``. A new version also teaches ``detect_version`` its
-# columns.
-SCHEMA_VERSION = 7
+# ``tenants.pool`` and ``tenants.regions``. 8: ``tenants.resident_share`` and
+# ``tenants.loads_per_minute``. A new version also teaches ``detect_version`` its columns.
+SCHEMA_VERSION = 8
 
 _digest = sa.String(71)  # "sha256:" + 64 hex
 _name = sa.String(64)
@@ -77,6 +77,11 @@ tenants = sa.Table(
     # and the regions its requests may run in (comma-separated; "": any).
     sa.Column("pool", _name, nullable=True),
     sa.Column("regions", sa.Text, nullable=False, default="", server_default=""),
+    # Fair sharing of the hosts' adapter cache, from the tenant's policy (issue 24; None: the
+    # host's defaults): the part of a host's adapter memory its adapters may hold, and the cold
+    # loads per minute its requests may start.
+    sa.Column("resident_share", sa.Float, nullable=True),
+    sa.Column("loads_per_minute", sa.Float, nullable=True),
 )
 
 adapters = sa.Table(
@@ -196,7 +201,9 @@ def detect_version(insp: sa.Inspector) -> int:
         return 4
     if not has(signing_keys, "root_signature"):
         return 5
-    return 7 if has(tenants, "pool") else 6
+    if not has(tenants, "pool"):
+        return 6
+    return 8 if has(tenants, "resident_share") else 7
 
 
 def create_tables(engine: Engine) -> None:

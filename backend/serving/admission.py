@@ -24,14 +24,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from backend.serving.cache import CacheClaim
 from backend.serving.ticket_param import RequestRefused, ticket_from_parameters
 from control.contracts.tickets import TicketClaims, TicketRejected, TicketVerifier
-from projections.host_view import GovernanceState
+from projections.host_view import GovernanceState, ReleaseBinding
 
 VERIFIED_CACHE_SIZE = 4096
 KEY_RELOAD_INTERVAL_S = 1.0
 RELOAD_REASONS = frozenset({"unknown_key", "unknown_seal"})
-__all__ = ["RequestRefused", "VerifiedTickets", "check_governance", "ticket_from_parameters"]
+__all__ = ["RequestRefused", "VerifiedTickets", "cache_claim", "check_governance",
+           "ticket_from_parameters"]
 
 
 class VerifiedTickets:
@@ -117,3 +119,18 @@ def check_governance(claims: TicketClaims, state: GovernanceState) -> None:
     if bound is None or (bound.adapter_digest, bound.base_digest, bound.tokenizer_digest) != (
             claims.adapter, claims.base, claims.tokenizer):
         raise RequestRefused("release")
+
+
+def cache_claim(claims: TicketClaims, bound: ReleaseBinding | None,
+                state: GovernanceState) -> CacheClaim:
+    """Whom the ticket's adapter counts against in the host's cache: the owner of the release
+    it names (``check_governance`` has matched the release to the ticket's adapter, so the
+    owner comes from the event store, never from the client), with that owner's resident share
+    and the requester's load rate from their policies."""
+    owner = bound.tenant if bound is not None and bound.tenant is not None else claims.tenant
+    owned = state.cache_limits.get(owner)
+    asks = state.cache_limits.get(claims.tenant)
+    return CacheClaim(requester=claims.tenant, owner=owner,
+                      owner_share=owned.resident_share if owned is not None else None,
+                      requester_loads_per_minute=asks.loads_per_minute if asks is not None
+                      else None)

@@ -16,7 +16,21 @@ run on kept load workers, one intra-op thread each
 (``backend.serving.load_workers``); each tenant may hold at most ``resident_share`` of the device
 budget (never less than one slot, so every tenant can be served whenever the budget holds an
 adapter at all) and start at most ``loads_per_minute`` cold loads, so one tenant churning versions
-cannot push everyone out. The device budget is, unless given, what the engine's slot banks hold
+cannot push everyone out.
+
+Fair sharing (issue 24) is by ownership: an adapter's bytes count against the tenant that owns it
+(the release owner the ticket's verified ``release`` claim names), never against the tenant whose
+request happened to load it first, so a tenant granted another's alias neither fills its own share
+with them nor frees the owner's. A cold load spends the *requester's* load rate and pending-load
+allowance (whoever causes the work pays for it). Each tenant's share and rate come from its policy
+(``TenantPolicy.resident_share`` / ``loads_per_minute``, carried in a :class:`CacheClaim`); the
+host's settings are the defaults. When a tier is full, the victim is the least recently used
+unreferenced adapter among the owners holding more than their fair part of that tier: the tier
+split between the owners resident in it (and the one loading) in proportion to their shares. Only
+when no owner is over its part does plain LRU decide. So a tenant that churns versions evicts its
+own adapters, and every other tenant keeps at least its fair part of the device and host tiers.
+
+The device budget is, unless given, what the engine's slot banks hold
 (``LORAPLANE_ADAPTER_BYTES``, see ``backend.serving.memory``); an adapter larger than it is refused
 as ``device_budget``.
 Revocation purges every tier at once and unloads from the device as soon as no request holds it.
@@ -36,7 +50,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -45,6 +59,13 @@ from typing import Protocol
 
 from backend.serving import load_workers
 from backend.serving.engine import AdapterSource, HostAdapter, PreparedAdapter
+from backend.serving.fair_share import (
+    CacheClaim,
+    CacheQuota,
+    CacheRefused,
+    FairShare,
+    fair_victim,
+)
 from backend.serving.lease import Lease, Violations
 from backend.serving.load_workers import LoadWorkers
 from backend.serving.memory import MemoryPlan
@@ -52,12 +73,13 @@ from control.contracts.config import ADAPTER_BYTES_ENV, ADAPTER_SLOTS_ENV
 
 log = logging.getLogger("loraplane.cache")
 
-class CacheRefused(Exception):
-    """The cache cannot make the adapter resident now; ``reason`` is a short code."""
+__all__ = ["AdapterCache", "CacheBudgets", "CacheClaim", "CacheQuota", "CacheRefused",
+           "DigestReport"]
 
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
+# Digests the cache keeps statistics for after they left every tier: beyond this many, the least
+# recently used of those go (a tenant churning versions would otherwise grow the map forever, and
+# every eviction reads it). Revoked tombstones and anything held, loading or resident stay.
+REMEMBERED = 4096
 
 
 class AdapterPlacement(Protocol):
@@ -81,21 +103,6 @@ class CacheBudgets:
     device_bytes: int | None = None
     host_bytes: int = 1024 * 2**20
     store_bytes: int = 4096 * 2**20
-
-
-@dataclass(frozen=True)
-class CacheQuota:
-    """Limits on the shared cache: each tenant's share of the device budget and rate of cold
-    loads, and the load queue all tenants share (what a tenant may *register* is another
-    thing, ``control.domain.TenantPolicy``)."""
-
-    resident_share: float = 0.5  # of the device budget
-    loads_per_minute: float = 120.0
-    load_burst: int = 16
-    max_pending_loads: int = 64  # the bounded load queue, all tenants together
-    # How long a load waits for a referenced adapter to be released before it is refused
-    # for want of room (every slot, the budget or the tenant's share held by live requests).
-    room_wait_s: float = 10.0
 
 
 @dataclass
@@ -139,12 +146,6 @@ class _Entry:
     loading: Future[None] | None = None
 
 
-@dataclass
-class _Bucket:
-    tokens: float
-    stamp: float
-
-
 # (digest, outcome loaded|failed|unloaded, started_at, seconds, resident bytes, reason)
 LoadEvent = Callable[[str, str, float, float, int | None, str | None], None]
 
@@ -182,8 +183,8 @@ class AdapterCache:
         self.clock = clock
         self._lock = threading.Condition()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU order: oldest first
-        self._buckets: dict[str | None, _Bucket] = {}
         self._pending = 0
+        self._fair = FairShare(self.quota, clock)  # per-tenant shares, rates, queue parts
         # Loads run on kept, confined threads, shared by the process's caches: one intra-op
         # thread each (backend.serving.load_workers), so their tensor work does not spread
         # over the cores decoding runs on.
@@ -191,19 +192,25 @@ class AdapterCache:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def acquire(self, digest: str, tenant: str | None, timeout_s: float = 120.0) -> Lease:
+    def acquire(self, digest: str, tenant: str | None, timeout_s: float = 120.0, *,
+                claim: CacheClaim | None = None) -> Lease:
         """Reference ``digest`` and make it device-resident; blocks while it loads.
 
-        The reference is taken before any load starts, so the adapter cannot be evicted between
+        ``claim`` says who owns the adapter and who asks (None: ``tenant`` is both). The
+        reference is taken before any load starts, so the adapter cannot be evicted between
         being placed and being used; the returned lease gives it back, once. Raises
         ``CacheRefused`` (and holds nothing) on failure.
         """
+        claim = claim or CacheClaim(tenant, tenant)
         with self._lock:
             e = self._entries.get(digest)
             if e is not None and e.revoked:
                 raise CacheRefused("revoked", "adapter revoked")
             if e is None:
-                e = self._entries[digest] = _Entry(digest, tenant)
+                e = self._entries[digest] = _Entry(digest, claim.owner)
+            elif claim.owner is not None:
+                e.tenant = claim.owner  # the verified owner, whoever loaded it before
+            self._fair.note_share(claim.owner, claim.owner_share)
             self._entries.move_to_end(digest)
             if e.on_device:
                 e.hits += 1
@@ -212,10 +219,11 @@ class AdapterCache:
             e.misses += 1
             future = e.loading
             if future is None:
-                self._admit_load(tenant)
+                self._fair.admit(claim, self._pending)
                 future = e.loading = Future()
                 self._pending += 1
-                self._workers.submit(partial(self._load, e, tenant, future))
+                self._fair.started(claim.requester)
+                self._workers.submit(partial(self._load, e, claim.requester, future))
             e.refs += 1
         try:
             future.result(timeout=timeout_s)
@@ -253,24 +261,9 @@ class AdapterCache:
             if e.refs == 0:
                 self._lock.notify_all()  # a load may be waiting for room
 
-    def _admit_load(self, tenant: str | None) -> None:
-        """Bounded load queue and per-tenant load rate (token bucket); caller holds the lock."""
-        if self._pending >= self.quota.max_pending_loads:
-            raise CacheRefused("load_queue_full", "too many adapter loads queued, retry later")
-        now = self.clock()
-        rate = self.quota.loads_per_minute / 60.0
-        b = self._buckets.get(tenant)
-        if b is None:
-            b = self._buckets[tenant] = _Bucket(float(self.quota.load_burst), now)
-        b.tokens = min(float(self.quota.load_burst), b.tokens + (now - b.stamp) * rate)
-        b.stamp = now
-        if b.tokens < 1.0:
-            raise CacheRefused("load_rate", "adapter load rate exceeded, retry later")
-        b.tokens -= 1.0
-
     # -- loading ----------------------------------------------------------------------------
 
-    def _load(self, e: _Entry, tenant: str | None, future: Future[None]) -> None:
+    def _load(self, e: _Entry, requester: str | None, future: Future[None]) -> None:
         started = time.time()
         t0 = time.perf_counter()
         try:
@@ -293,10 +286,9 @@ class AdapterCache:
                 if e.revoked:
                     raise CacheRefused("revoked", "adapter revoked")
                 need = self.engine.slot_bytes_for(host)
-                self._make_device_room(e, tenant, need)
+                self._make_device_room(e, need)
                 nbytes = self.engine.place(e.digest, host)
                 e.on_device, e.device_bytes = True, nbytes
-                e.tenant = e.tenant or tenant
                 e.loads += 1
                 e.last_load_seconds = time.perf_counter() - t0
             self._record(e.digest, "loaded", started, e.last_load_seconds or 0.0, nbytes, None)
@@ -311,10 +303,12 @@ class AdapterCache:
             with self._lock:
                 e.loading = None
                 self._pending -= 1
+                self._fair.finished(requester)
+                _forget_cold(self._entries)
                 self._lock.notify_all()
 
-    def _make_device_room(self, e: _Entry, tenant: str | None, need: int) -> None:
-        """Evict unreferenced adapters until ``need`` fits the tenant share, budget and slots.
+    def _make_device_room(self, e: _Entry, need: int) -> None:
+        """Evict unreferenced adapters until ``need`` fits the owner's share, budget and slots.
 
         When every candidate is referenced by queued or running requests, wait (the lock is
         released meanwhile) up to ``room_wait_s`` for one to be released: those requests finish
@@ -326,11 +320,11 @@ class AdapterCache:
                                f"one adapter needs {need} bytes of device memory, the adapter "
                                f"budget ({ADAPTER_BYTES_ENV}) gives {budget}")
         # At least one slot: a share smaller than an adapter would refuse its tenant everything.
-        share = max(int(self.quota.resident_share * budget), need)
+        share = max(int(self._fair.share_of(e.tenant) * budget), need)
         deadline = time.monotonic() + self.quota.room_wait_s
         while True:
             try:
-                self._evict_for(e, tenant, need, share)
+                self._evict_for(e, need, share)
                 return
             except CacheRefused as refused:
                 left = deadline - time.monotonic()
@@ -340,35 +334,43 @@ class AdapterCache:
                 if e.revoked:
                     raise CacheRefused("revoked", "adapter revoked") from refused
 
-    def _evict_for(self, e: _Entry, tenant: str | None, need: int, share: int) -> None:
+    def _evict_for(self, e: _Entry, need: int, share: int) -> None:
         """One attempt at making room; CacheRefused when what blocks it is referenced."""
+        owner = e.tenant
 
-        def tenant_bytes() -> int:
+        def owner_bytes() -> int:
             return sum(x.device_bytes for x in self._entries.values()
-                       if x.on_device and x.tenant == tenant)
+                       if x.on_device and x.tenant == owner)
 
-        if tenant is not None and share < self._device_budget:
-            while tenant_bytes() + need > share:
-                if not self._evict_one("tenant_share", e, tenant=tenant):
+        if owner is not None and share < self._device_budget:
+            while owner_bytes() + need > share:
+                if not self._evict_one("tenant_share", e, owner=owner):
                     raise CacheRefused("tenant_share", "tenant's resident share is in use")
         while self._used("device") + need > self._device_budget:
-            if not self._evict_one("device_budget", e):
+            if not self._evict_one("device_budget", e, need=need):
                 raise CacheRefused("no_room", f"the device budget ({ADAPTER_BYTES_ENV}) is held "
                                               "by running requests")
         while sum(1 for x in self._entries.values() if x.on_device) >= self.engine.max_adapters:
-            if not self._evict_one("slots_full", e):
+            if not self._evict_one("slots_full", e, need=need):
                 raise CacheRefused("no_room", f"every adapter slot ({ADAPTER_SLOTS_ENV}) is held "
                                               "by running requests")
 
-    def _evict_one(self, reason: str, keep: _Entry, tenant: str | None = None) -> bool:
-        for x in self._entries.values():  # oldest first
-            if x is keep or not x.on_device or x.refs > 0:
-                continue
-            if tenant is not None and x.tenant != tenant:
-                continue
-            self._unload(x, reason)
-            return True
-        return False
+    def _evict_one(self, reason: str, keep: _Entry, *, owner: str | None = None,
+                   need: int = 0) -> bool:
+        """Unload one unreferenced adapter: ``owner``'s least recently used when given, else
+        the fair victim. False when there is none."""
+        if owner is not None:
+            victim = next((x for x in self._entries.values()  # oldest first
+                           if x is not keep and x.on_device and x.refs == 0
+                           and x.tenant == owner), None)
+        else:  # the fair victim (backend.serving.fair_share.fair_victim)
+            victim = fair_victim(
+                self._entries.values(), keep, need, self._device_budget, self._fair.share_of,
+                held=lambda x: x.device_bytes, evictable=lambda x: x.on_device and x.refs == 0)
+        if victim is None:
+            return False
+        self._unload(victim, reason)
+        return True
 
     def _unload(self, x: _Entry, reason: str) -> None:
         self.engine.unload_adapter(x.digest)
@@ -390,19 +392,19 @@ class AdapterCache:
         if need > budget:
             raise CacheRefused("no_room", f"adapter larger than the {tier} budget")
         while self._used(tier) + need > budget:
-            victim = next((x for x in self._entries.values() if x is not keep
-                           and x.loading is None and _holds(x, tier)), None)
+            victim = (fair_victim(self._entries.values(), keep, need, budget,
+                                  self._fair.share_of, held=lambda x: x.host_bytes,
+                                  evictable=lambda x: x.loading is None and _holds(x, "host"))
+                      if tier == "host" else
+                      next((x for x in self._entries.values() if x is not keep
+                            and x.loading is None and _holds(x, tier)), None))
             if victim is None:
                 raise CacheRefused("no_room", f"{tier} budget in use")
             _drop_tier(victim, tier)
             victim.evictions[f"{tier}_budget"] = victim.evictions.get(f"{tier}_budget", 0) + 1
 
     def _used(self, tier: str) -> int:
-        if tier == "device":
-            return sum(x.device_bytes for x in self._entries.values() if x.on_device)
-        if tier == "host":
-            return sum(x.host_bytes for x in self._entries.values())
-        return sum(x.store_bytes for x in self._entries.values())
+        return _bytes_in(self._entries.values(), tier)
 
     # -- governance -------------------------------------------------------------------------
 
@@ -431,22 +433,57 @@ class AdapterCache:
         with self._lock:
             return {t: self._used(t) for t in ("device", "host", "store")}
 
+    def tiers(self) -> dict[str, dict[str, int]]:
+        """Per tier: adapters held, bytes and budget; and the loads queued or running now
+        (under ``loads``), for operators' gauges."""
+        with self._lock:
+            return _tiers(self._entries.values(), self.budgets, self._pending,
+                          self.quota.max_pending_loads)
+
     def report(self) -> dict[str, DigestReport]:
         """Per digest: tier, bytes, active requests, hits/misses, loads, evictions."""
         with self._lock:
-            return {
-                d: DigestReport(
-                    digest=d,
-                    tier="device" if e.on_device else "host" if e.host else
-                    "store" if e.path else "none",
-                    tenant=e.tenant, resident_bytes=e.device_bytes, host_bytes=e.host_bytes,
-                    store_bytes=e.store_bytes, active_requests=e.refs, hits=e.hits,
-                    misses=e.misses, loads=e.loads, load_failures=e.load_failures,
-                    last_load_seconds=e.last_load_seconds, evictions=dict(e.evictions),
-                    revoked=e.revoked,
-                )
-                for d, e in self._entries.items()
-            }
+            return {d: _report(e) for d, e in self._entries.items()}
+
+
+def _forget_cold(entries: OrderedDict[str, _Entry]) -> None:
+    """Drop the oldest entries that hold nothing beyond :data:`REMEMBERED`; caller holds the
+    cache's lock."""
+    excess = len(entries) - REMEMBERED
+    if excess > 0:
+        cold = [d for d, x in entries.items()
+                if not (x.on_device or x.refs or x.loading or x.revoked or x.host or x.path)]
+        for d in cold[:excess]:
+            del entries[d]
+
+
+def _bytes_in(entries: Iterable[_Entry], tier: str) -> int:
+    if tier == "device":
+        return sum(x.device_bytes for x in entries if x.on_device)
+    return sum(x.host_bytes if tier == "host" else x.store_bytes for x in entries)
+
+
+def _tiers(entries: Iterable[_Entry], budgets: CacheBudgets, pending: int,
+           max_pending: int) -> dict[str, dict[str, int]]:
+    held = list(entries)
+    out = {t: {"adapters": sum(1 for x in held if (x.on_device if t == "device"
+                                                    else _holds(x, t))),
+               "bytes": _bytes_in(held, t),
+               "budget": int({"device": budgets.device_bytes, "host": budgets.host_bytes,
+                              "store": budgets.store_bytes}[t] or 0)}
+           for t in ("device", "host", "store")}
+    out["loads"] = {"pending": pending, "max": max_pending}
+    return out
+
+
+def _report(e: _Entry) -> DigestReport:
+    return DigestReport(
+        digest=e.digest,
+        tier="device" if e.on_device else "host" if e.host else "store" if e.path else "none",
+        tenant=e.tenant, resident_bytes=e.device_bytes, host_bytes=e.host_bytes,
+        store_bytes=e.store_bytes, active_requests=e.refs, hits=e.hits, misses=e.misses,
+        loads=e.loads, load_failures=e.load_failures, last_load_seconds=e.last_load_seconds,
+        evictions=dict(e.evictions), revoked=e.revoked)
 
 
 def _holds(x: _Entry, tier: str) -> bool:

@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from backend.serving.admission import RequestRefused
-from backend.serving.cache import AdapterCache, CacheRefused
+from backend.serving.cache import AdapterCache, CacheClaim, CacheRefused
 from backend.serving.engine_types import (
     EngineError,
     GenerationRequest,
@@ -93,7 +93,8 @@ class IntakeService(Protocol):
     @property
     def tokenizer_digest(self) -> str: ...
 
-    def _authorize(self, req: IncomingRequest) -> tuple[TicketClaims, Mapping[str, object]]: ...
+    def _authorize(self, req: IncomingRequest
+                   ) -> tuple[TicketClaims, Mapping[str, object], CacheClaim]: ...
 
     def _generation_request(self, req: IncomingRequest, claims: TicketClaims,
                             defaults: Mapping[str, object]) -> GenerationRequest: ...
@@ -162,7 +163,7 @@ class Intake:
         # 1. the ticket, 2. governance, 3. the request's own parameters; only then may any
         # adapter bytes be read
         try:
-            claims, defaults = svc._authorize(req)
+            claims, defaults, owner = svc._authorize(req)
             gen = svc._generation_request(req, claims, defaults)
         except (TicketRejected, RequestRefused) as e:
             svc.stats.refuse(e.reason)
@@ -184,7 +185,7 @@ class Intake:
             lease = Lease(None, svc.engine.violations)
         else:
             try:
-                lease = svc.cache.acquire(claims.adapter, claims.tenant)
+                lease = svc.cache.acquire(claims.adapter, claims.tenant, claim=owner)
             except CacheRefused as e:
                 # Not served, so "rejected": the incident view lists only what a digest served.
                 svc.stats.load_failures += 1

@@ -39,10 +39,11 @@ from collections.abc import Callable, Mapping, Sequence
 from backend.serving.admission import (
     RequestRefused,
     VerifiedTickets,
+    cache_claim,
     check_governance,
     ticket_from_parameters,
 )
-from backend.serving.cache import AdapterCache, CacheBudgets, CacheQuota
+from backend.serving.cache import AdapterCache, CacheBudgets, CacheClaim, CacheQuota
 from backend.serving.engine import DecodeBatch, Engine, GenerationRequest, GenerationResult
 from backend.serving.intake import Intake
 from backend.serving.memory import AdapterBudget
@@ -61,6 +62,7 @@ from backend.serving.requests import (
 from backend.serving.revocation_watch import RevocationWatch
 from backend.serving.sampling import check_sampling
 from backend.serving.scheduler import Scheduler, SchedulerLimits
+from backend.serving.warmup import WarmupReport, warm_up
 from control.contracts import ticket_seals
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
@@ -149,6 +151,21 @@ class LoraService:
         self._watcher = threading.Thread(target=self._watch, name="governance-watch",
                                          daemon=True)
         self._watcher.start()
+        self.warmup = WarmupReport()  # done at once when the warm-up is off
+        if settings.warmup_adapters > 0:
+            threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
+        else:
+            self.warmup.done.set()
+
+    def _warm_up(self) -> None:
+        """Preload what this host held when it last ran (``backend.serving.warmup``)."""
+        try:
+            digests = self.ledger.last_resident(self.host, self.settings.warmup_adapters)
+            warm_up(self, digests, self.governance.current(), pool=self.settings.host_pool,
+                    region=self.settings.host_region, report=self.warmup)
+        except Exception:  # a failed warm-up only leaves the first requests to load
+            log.exception("warm-up failed")
+            self.warmup.done.set()
 
     def _load_verifier(self) -> TicketVerifier:
         public = load_public_keys(self.settings.keys_dir / "public")
@@ -213,10 +230,12 @@ class LoraService:
 
     # -- the steps a subclass (the open bench peer) or a test may replace -------------------
 
-    def _authorize(self, req: IncomingRequest) -> tuple[TicketClaims, Mapping[str, object]]:
-        """The verified claims of the request's ticket, if governance allows them now, and the
+    def _authorize(self, req: IncomingRequest
+                   ) -> tuple[TicketClaims, Mapping[str, object], CacheClaim]:
+        """The verified claims of the request's ticket, if governance allows them now, the
         inference defaults of the release the ticket names (its ``release`` claim: no lookup
-        beyond the governance snapshot already read)."""
+        beyond the governance snapshot already read), and whom its adapter counts against in
+        the cache (the release's owner, with the owner's and the requester's policy limits)."""
         claims = self.tickets.verify(ticket_from_parameters(req.parameters))
         state = self.governance.current()
         self._apply_governance(state)
@@ -225,7 +244,8 @@ class LoraService:
         except RequestRefused as e:
             raise RequestRefused(e.reason, claims) from None
         bound = state.releases.get(claims.release) if claims.release is not None else None
-        return claims, bound.defaults if bound is not None else {}
+        return (claims, bound.defaults if bound is not None else {},
+                cache_claim(claims, bound, state))
 
     def _generation_request(self, req: IncomingRequest, claims: TicketClaims,
                             defaults: Mapping[str, object]) -> GenerationRequest:

@@ -22,6 +22,11 @@ and turns them into series:
                                               adapter_weights, the part of adapter_banks that
                                               resident adapters occupy (not added again)
 ``loraplane_backend_resident_adapters``       adapters resident now
+``loraplane_backend_cache_tier_bytes``        the adapter cache's bytes by ``tier`` (device, host,
+                                              store); ``..._tier_budget_bytes`` its budgets,
+                                              ``..._tier_adapters`` the adapters each holds
+``loraplane_backend_cache_pending_loads``     cold loads queued or running (at most the load
+                                              queue's bound)
 ``loraplane_backend_leases``                  adapter leases held by live requests (0 when idle)
 ``loraplane_backend_slot_pins``               slot pins held by live sequences (0 when idle)
 ``loraplane_backend_invariant_violations``    broken lease/pin/job invariants by ``kind``
@@ -129,7 +134,9 @@ class BackendMetrics:
     def __init__(self, pb_utils: Any, db: sa.engine.Engine, host: str,
                  engine: Any = None, health: Callable[[], dict[str, int]] | None = None,
                  violations: Callable[[], dict[str, int]] | None = None,
-                 memory_report: Callable[[], Mapping[str, int]] | None = None) -> None:
+                 memory_report: Callable[[], Mapping[str, int]] | None = None,
+                 cache_tiers: Callable[[], Mapping[str, Mapping[str, int]]] | None = None
+                 ) -> None:
         """``memory_report``: bytes by category (``backend.serving.memory_report.resident_memory``
         over
         the service's engine, scheduler and prefix cache); without it, the engine's alone."""
@@ -138,6 +145,7 @@ class BackendMetrics:
         self.host = host
         self.engine = engine
         self.memory_report = memory_report
+        self.cache_tiers = cache_tiers  # the adapter cache's ``tiers()``
         self.health = health
         self.violation_counts = violations
         self.values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
@@ -165,6 +173,14 @@ class BackendMetrics:
                               "Bytes resident in this model instance, by kind.", "gauge")
         self.adapters = _Series(self, "loraplane_backend_resident_adapters",
                                 "Adapters resident in this model instance.", "gauge")
+        self.tier_bytes = _Series(self, "loraplane_backend_cache_tier_bytes",
+                                  "Adapter cache bytes by tier (device, host, store).", "gauge")
+        self.tier_budget = _Series(self, "loraplane_backend_cache_tier_budget_bytes",
+                                   "Adapter cache budget by tier.", "gauge")
+        self.tier_adapters = _Series(self, "loraplane_backend_cache_tier_adapters",
+                                     "Adapters held by tier.", "gauge")
+        self.pending_loads = _Series(self, "loraplane_backend_cache_pending_loads",
+                                     "Cold adapter loads queued or running.", "gauge")
         self.leases = _Series(self, "loraplane_backend_leases",
                               "Adapter leases held by live requests.", "gauge")
         self.pins = _Series(self, "loraplane_backend_slot_pins",
@@ -299,6 +315,14 @@ class BackendMetrics:
         if self.violation_counts is not None:
             for kind, n in self.violation_counts().items():
                 self.violations.set({"kind": kind}, float(n))
+        if self.cache_tiers is not None:
+            tiers = self.cache_tiers()
+            for tier in ("device", "host", "store"):
+                t = tiers.get(tier, {})
+                self.tier_bytes.set({"tier": tier}, float(t.get("bytes", 0)))
+                self.tier_budget.set({"tier": tier}, float(t.get("budget", 0)))
+                self.tier_adapters.set({"tier": tier}, float(t.get("adapters", 0)))
+            self.pending_loads.set({}, float(tiers.get("loads", {}).get("pending", 0)))
         if self.engine is None:
             return
         report = (self.memory_report() if self.memory_report is not None
@@ -357,7 +381,8 @@ class Telemetry:
         metrics = BackendMetrics(pb_utils, service.ledger.engine, service.host,
                                  engine=service.engine, health=service.health,
                                  violations=service.engine.violations.snapshot,
-                                 memory_report=service.memory_report).start()
+                                 memory_report=service.memory_report,
+                                 cache_tiers=service.cache.tiers).start()
         placement = PlacementMetrics.for_service(pb_utils, service).start()
         return cls(metrics, tracer("loraplane-backend"), placement)
 

@@ -121,7 +121,9 @@ GRANTS: dict[str, dict[str, Grant]] = {
     "bases": {GATEWAY: READ, HOST: READ},
     "revocations": {GATEWAY: READ, HOST: READ},
     "signing_keys": {GATEWAY: READ, HOST: READ},
-    "tenants": {GATEWAY: READ, HOST: Grant(select=("name", "tickets_not_before"))},
+    "tenants": {GATEWAY: READ, HOST: Grant(select=("name", "tickets_not_before",
+                                                   "resident_share", "loads_per_minute",
+                                                   "pool", "regions"))},
     "projection_tracking": {GATEWAY: READ, HOST: READ},
     # the request ledger and what hangs off it
     "request_ledger": {

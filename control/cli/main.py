@@ -25,6 +25,7 @@ from control.cli import (  # noqa: F401  (imported for their registrations)
     aliases,
     audit,
     benches,
+    cache,
     console,
     credentials,
     database,

@@ -68,6 +68,13 @@ def tenant_policy(
              "of that pool (LORAPLANE_HOST_POOL).")] = "shared",
     region: Annotated[list[str] | None, typer.Option(
         help="A region its requests may run in (repeatable; none: any region).")] = None,
+    resident_share: Annotated[float | None, typer.Option(
+        help="The part of each host's adapter memory its adapters may hold, counted by owner "
+             "(above 0, at most 1; default: the host's LORAPLANE_TENANT_RESIDENT_SHARE).")
+    ] = None,
+    loads_per_minute: Annotated[float | None, typer.Option(
+        help="Cold adapter loads a minute its requests may start on one host (default 120).")
+    ] = None,
 ) -> None:
     """Set a tenant's policy: limits, signature requirement, trusted signing keys."""
     from control.app.signatures import check_trusted_key  # cryptography: only this verb
@@ -82,7 +89,8 @@ def tenant_policy(
         policy = TenantPolicy(require_signature=require_signature, max_adapters=max_adapters,
                               max_file_bytes=max_file_bytes, max_rank=max_rank,
                               allowed_target_modules=targets, trusted_keys=keys,
-                              isolation=isolation, regions=sorted(set(region or [])))
+                              isolation=isolation, regions=sorted(set(region or [])),
+                              resident_share=resident_share, loads_per_minute=loads_per_minute)
         registry().set_policy(tenant, policy, actor=state.actor)
     data = {"tenant": tenant, **policy.to_json(), "trusted_keys": len(keys)}
     emit(data, lambda: print_fields(data))

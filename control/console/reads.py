@@ -33,6 +33,7 @@ from control.domain.rollout import rollout_id
 from projections.incidents import requests_for
 from projections.routing import RoutingView
 from projections.tables import adapters as adapter_rows
+from projections.tables import tenants as tenant_rows
 
 if TYPE_CHECKING:
     from control.app.registry import Registry
@@ -311,3 +312,60 @@ def residency(reg: Registry, since: float, evictions_kept: int = 10, *,
             kept.append({"digest": r.adapter_digest, "tenant": owner(r.adapter_digest),
                          "reason": r.reason or "", "at": iso(r.started_at)})
     return resident, evicted
+
+
+def cache_status(reg: Registry, window_s: float = 3600.0, top: int = 10) -> dict[str, Any]:
+    """``loraplane cache status``: each reporting host's tiers (adapters, bytes, budgets), its
+    load queue, each tenant's use of its resident share (device bytes of the adapters it owns,
+    over the host's device budget, beside the share its policy or the host's default gives),
+    and the evictions of the last ``window_s`` by reason with the most evicted adapters."""
+    now = time.time()
+    engine = Ledger(make_engine(reg.settings.db_url)).engine
+    reports = HostStatusTable(engine).all(now - window_s)
+    owners = _Owners(reg)
+    owners.fetch(e.digest for st in reports for e in (*st.device, *st.host_tier))
+    with make_engine(reg.settings.db_url).connect() as conn:
+        policy = {str(r.name): r.resident_share for r in conn.execute(
+            sa.select(tenant_rows.c.name, tenant_rows.c.resident_share))}
+    default_share = reg.settings.resident_share
+    hosts: list[dict[str, Any]] = []
+    for st in sorted(reports, key=lambda s: s.host):
+        use: dict[str, int] = {}
+        for e in st.device:
+            use[owners(e.digest)] = use.get(owners(e.digest), 0) + e.bytes
+        hosts.append({
+            "host": st.host,
+            "state": "stale" if now - st.reported_at > STALE_AFTER_S else "healthy",
+            "tiers": {
+                "device": {"adapters": len(st.device), "slots": st.slots_total,
+                           "bytes": st.device_bytes, "budget": st.device_budget},
+                "host": {"adapters": len(st.host_tier), "bytes": st.host_bytes,
+                         "budget": st.host_budget}},
+            "load_queue": {"pending_loads": st.pending_loads, "waiting_requests": st.load_waiters,
+                           "max": st.load_queue_max},
+            "tenants": [{"tenant": t, "device_bytes": b,
+                         "share_used": b / st.device_budget if st.device_budget else 0.0,
+                         "share": policy.get(t) or default_share}
+                        for t, b in sorted(use.items(), key=lambda kv: -kv[1])],
+        })
+    c = adapter_loads.c
+    with engine.connect() as conn:
+        reasons = conn.execute(
+            sa.select(c.reason, sa.func.count().label("n"))
+            .where(c.outcome == "unloaded", c.started_at >= now - window_s)
+            .group_by(c.reason)).all()
+        most = conn.execute(
+            sa.select(c.adapter_digest, sa.func.count().label("n"))
+            .where(c.outcome == "unloaded", c.started_at >= now - window_s)
+            .group_by(c.adapter_digest).order_by(sa.func.count().desc()).limit(top)).all()
+    owners.fetch(r.adapter_digest for r in most)
+    return {
+        "hosts": hosts,
+        "evictions": {
+            "window_s": window_s,
+            "by_reason": {str(r.reason or "unknown"): int(r.n)
+                          for r in sorted(reasons, key=lambda r: -int(r.n))},
+            "top": [{"digest": r.adapter_digest, "tenant": owners(r.adapter_digest),
+                     "evictions": int(r.n)} for r in most],
+        },
+    }

@@ -27,6 +27,9 @@ memory left after the base weights), ``LORAPLANE_ADAPTER_SLOTS`` (cap on residen
 default 64), ``LORAPLANE_MAX_RANK`` (default 64; every slot is padded to it) and
 ``LORAPLANE_TENANT_RESIDENT_SHARE`` (the part of the adapter memory one tenant may hold, default
 0.5, never less than one slot). A malformed value is refused when the settings are read.
+``LORAPLANE_WARMUP_ADAPTERS`` (default 0: off): after a restart, a host loads up to that many
+of the adapters its device slots held when it last ran before traffic arrives
+(``backend.serving.warmup``).
 
 Timing settings (:func:`check_timing_settings`, called first thing when ``serve`` starts and
 whenever a gateway's cached routing view reads them). The product promises that an API key
@@ -69,6 +72,7 @@ CEILING_SESSION_TTL_S = 7 * 24 * 3600
 DEFAULT_MAX_RANK = 64
 DEFAULT_ADAPTER_SLOTS = 64
 DEFAULT_RESIDENT_SHARE = 0.5
+DEFAULT_WARMUP_ADAPTERS = 0  # opt-in: a restarted host then preloads what it held
 TICKET_TTL_ENV = "LORAPLANE_TICKET_TTL_S"
 TICKET_MAX_TTL_ENV = "LORAPLANE_TICKET_MAX_TTL_S"
 SESSION_TTL_ENV = "LORAPLANE_SESSION_TTL_S"
@@ -76,6 +80,7 @@ MAX_RANK_ENV = "LORAPLANE_MAX_RANK"
 ADAPTER_BYTES_ENV = "LORAPLANE_ADAPTER_BYTES"
 ADAPTER_SLOTS_ENV = "LORAPLANE_ADAPTER_SLOTS"
 RESIDENT_SHARE_ENV = "LORAPLANE_TENANT_RESIDENT_SHARE"
+WARMUP_ENV = "LORAPLANE_WARMUP_ADAPTERS"
 # What a Triton host serves and how its ledger rows name it; ``serve`` sets them, the backend
 # reads them (here, not in the backend, so starting a host does not import the engine).
 BASE_DIGEST_ENV = "LORAPLANE_BASE_DIGEST"
@@ -224,6 +229,7 @@ class Settings:
     adapter_bytes: int | None = None  # None: derived from the device's memory
     adapter_slots: int = DEFAULT_ADAPTER_SLOTS
     resident_share: float = DEFAULT_RESIDENT_SHARE
+    warmup_adapters: int = DEFAULT_WARMUP_ADAPTERS  # preloaded after a restart (0: none)
     session_ttl_s: int = DEFAULT_SESSION_TTL_S  # how long a session keeps its release
     # The Triton hosts' and the gateways' own URLs (None: ``db_url``), see the module notes.
     # Out of the repr: a URL may carry its password, and settings end up in log lines.
@@ -239,6 +245,9 @@ class Settings:
         check_session_ttl(self.session_ttl_s)
         check_adapter_memory_settings(self.max_rank, self.adapter_bytes, self.adapter_slots,
                                       self.resident_share)
+        if not isinstance(self.warmup_adapters, int) or not 0 <= self.warmup_adapters <= 4096:
+            raise ConfigError(f"{WARMUP_ENV} must be a whole number from 0 to 4096, "
+                              f"not {self.warmup_adapters!r}")
 
     @staticmethod
     def check_timing() -> TimingSettings:
@@ -253,6 +262,7 @@ class Settings:
             ADAPTER_BYTES_ENV: "" if self.adapter_bytes is None else str(self.adapter_bytes),
             ADAPTER_SLOTS_ENV: str(self.adapter_slots),
             RESIDENT_SHARE_ENV: repr(self.resident_share),
+            WARMUP_ENV: str(self.warmup_adapters),
         }
 
     @property
@@ -294,6 +304,7 @@ class Settings:
             adapter_bytes=_bytes(ADAPTER_BYTES_ENV),
             adapter_slots=_whole(ADAPTER_SLOTS_ENV, DEFAULT_ADAPTER_SLOTS),
             resident_share=_fraction(RESIDENT_SHARE_ENV, DEFAULT_RESIDENT_SHARE),
+            warmup_adapters=_whole(WARMUP_ENV, DEFAULT_WARMUP_ADAPTERS),
             session_ttl_s=_seconds(SESSION_TTL_ENV, DEFAULT_SESSION_TTL_S),
             host_db=os.environ.get(HOST_DB_URL_ENV) or None,
             gateway_db=os.environ.get(GATEWAY_DB_URL_ENV) or None,

@@ -232,6 +232,27 @@ class Ledger:
             conn.execute(adapter_loads.insert(), [{f: getattr(load, f)
                                                    for f in AdapterLoad.__dataclass_fields__}])
 
+    def last_resident(self, host: str, limit: int, scan: int = 10_000) -> list[str]:
+        """The adapters ``host``'s device slots held when it last wrote a load record for
+        them (their latest record says ``loaded``), most recently loaded first, at most
+        ``limit``; read from the host's last ``scan`` records only, so a long history costs no
+        more than a short one."""
+        c = adapter_loads.c
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(c.adapter_digest, c.outcome)
+                                .where(c.host == host).order_by(c.id.desc()).limit(scan)).all()
+        seen: set[str] = set()
+        out: list[str] = []
+        for r in rows:  # newest first: a digest's first row is its latest
+            if r.adapter_digest in seen:
+                continue
+            seen.add(r.adapter_digest)
+            if r.outcome == "loaded":
+                out.append(str(r.adapter_digest))
+                if len(out) >= limit:
+                    break
+        return out
+
     def loads(self, adapter: str | None = None) -> list[AdapterLoad]:
         q = sa.select(*[adapter_loads.c[f] for f in AdapterLoad.__dataclass_fields__])
         if adapter is not None:

@@ -34,6 +34,12 @@ class TenantPolicy:
     # prompts run only on hosts of that pool; ``regions``: where they may run (empty: anywhere).
     isolation: str = SHARED
     regions: list[str] = field(default_factory=list)
+    # Fair sharing of each host's adapter cache (issue 24; None: the host's defaults,
+    # LORAPLANE_TENANT_RESIDENT_SHARE and 120 loads a minute): the part of a host's adapter
+    # memory this tenant's adapters may hold, counted by ownership, and the cold loads a minute
+    # its requests may start on one host.
+    resident_share: float | None = None
+    loads_per_minute: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_adapters", "max_file_bytes", "max_rank"):
@@ -58,6 +64,16 @@ class TenantPolicy:
                 isinstance(r, str) and PLACEMENT_NAME_RE.match(r) for r in self.regions):
             raise DomainError("policy regions must be region names (lower-case letters, digits "
                               "and dashes)")
+        if self.resident_share is not None and not (
+                isinstance(self.resident_share, (int, float))
+                and not isinstance(self.resident_share, bool)
+                and 0.0 < self.resident_share <= 1.0):
+            raise DomainError("policy resident_share must be above 0 and at most 1")
+        if self.loads_per_minute is not None and not (
+                isinstance(self.loads_per_minute, (int, float))
+                and not isinstance(self.loads_per_minute, bool)
+                and 0.0 < self.loads_per_minute <= 1e6):
+            raise DomainError("policy loads_per_minute must be above 0 and at most 1000000")
         if self.require_signature and not self.trusted_keys:
             raise DomainError("a policy that requires signatures needs at least one trusted key")
 

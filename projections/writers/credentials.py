@@ -33,10 +33,12 @@ def _api_keys_revoked(conn: Connection, e: Tenant.ApiKeysRevoked) -> None:
 
 
 def _policy_set(conn: Connection, e: Tenant.TenantPolicySet) -> None:
-    # placement only: the other rules are checked by the registry, on the aggregate
+    # placement and cache limits only: the other rules are checked by the registry, on the aggregate
     policy = TenantPolicy.from_json(e.policy)
     conn.execute(tenants.update().where(tenants.c.name == e.tenant)
-                 .values(pool=policy.pool, regions=",".join(policy.regions)))
+                 .values(pool=policy.pool, regions=",".join(policy.regions),
+                         resident_share=policy.resident_share,
+                         loads_per_minute=policy.loads_per_minute))
 
 
 def _signing_key_retired(conn: Connection, e: SigningKey.SigningKeyRetired) -> None:

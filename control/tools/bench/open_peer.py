@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.serving.admission import ticket_from_parameters
+from backend.serving.cache import CacheClaim
 from backend.serving.recorder import LedgerWriter, Then
 from backend.serving.service import IncomingRequest, LoraService
 from backend.triton.glue import TritonGlue
@@ -77,13 +78,15 @@ class OpenService(LoraService):
         self.writer = UnrecordedWriter()
         self._claims: dict[str, TicketClaims] = {}
 
-    def _authorize(self, req: IncomingRequest) -> tuple[TicketClaims, Mapping[str, object]]:
+    def _authorize(self, req: IncomingRequest
+                   ) -> tuple[TicketClaims, Mapping[str, object], CacheClaim]:
         token = ticket_from_parameters(req.parameters)
         claims = self._claims.get(token)
         if claims is None:
             claims = self.tickets.verify(token)
             self._claims[token] = claims
-        return claims, {}  # the bench's releases set no inference defaults
+        # the bench's releases set no inference defaults; its one tenant owns what it asks for
+        return claims, {}, CacheClaim(claims.tenant, claims.tenant)
 
     def _write_running(self, entry: LedgerEntry) -> None:
         pass

@@ -13,7 +13,10 @@ until it is resolved.
 
 ``verify`` (``loraplane audit verify --ledger``) re-reads every host's log and ledger rows and
 names, by host and position, each row or entry modified, deleted, inserted or reordered, and each
-verified checkpoint whose root the stored entries no longer give. ``coverage`` says which ledger
+verified checkpoint whose root the stored entries no longer give. An entry whose row an archive
+recorded in the event store took (``control.app.ledger_archive``: ``LedgerArchive``, recorded
+before the delete) is counted as archived, not deleted; a row deleted without one is still
+reported deleted. ``coverage`` says which ledger
 rows verified checkpoints cover (``loraplane incident requests``); ``receipt`` builds one
 request's c2sp.org/tlog-proof (``loraplane receipt get``).
 """
@@ -60,6 +63,7 @@ from control.contracts.tlog import (
     open_note,
 )
 from control.domain.host_ledger import HostLedger, host_ledger_id
+from control.domain.ledger_archive import LedgerArchive, ledger_archive_id
 
 log = logging.getLogger("loraplane.ledger_audit")
 
@@ -227,6 +231,7 @@ class LedgerReport:
     entries: int = 0
     verified: int = 0  # entries covered by verified checkpoints
     unlogged: int = 0
+    archived: int = 0  # entries whose row a recorded archive took
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -236,7 +241,7 @@ class LedgerReport:
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "hosts": self.hosts, "entries": self.entries,
                 "verified": self.verified, "unlogged": self.unlogged,
-                "findings": [asdict(f) for f in self.findings]}
+                "archived": self.archived, "findings": [asdict(f) for f in self.findings]}
 
 
 def _rows(conn: Connection, host: str, ids: Iterable[str]) -> dict[str, dict[str, Any]]:
@@ -257,12 +262,16 @@ def verify(app: Application[Any], engine: Engine, keys_dir: Path | None = None) 
     report = LedgerReport()
     engine = opened(engine)
     root = root_public_key(keys_dir_of(app, keys_dir))
+    try:
+        archives: LedgerArchive | None = app.repository.get(ledger_archive_id())
+    except AggregateNotFoundError:
+        archives = None
     with engine.connect() as conn:
         logged = set(hosts(conn))
         every = logged | set(conn.execute(sa.select(request_ledger.c.host).distinct()).scalars())
         for host in sorted(every):
             report.hosts += 1
-            _verify_host(conn, app, host, report)
+            _verify_host(conn, app, host, report, archives)
             _check_keys(conn, host, load(app, host), root, report)
     return report
 
@@ -286,7 +295,7 @@ def _check_keys(conn: Connection, host: str, agg: HostLedger | None, root: Any,
 
 
 def _verify_host(conn: Connection, app: Application[Any], host: str,
-                 report: LedgerReport) -> None:
+                 report: LedgerReport, archives: LedgerArchive | None = None) -> None:
     out = report.findings
     entries = leaves(conn, host)
     head = conn.execute(sa.select(ledger_log_heads.c.size).where(
@@ -312,6 +321,9 @@ def _verify_host(conn: Connection, app: Application[Any], host: str,
         seen.add(logged_id)
         finished.append(float(doc.get("finished_at") or 0.0))
         row = rows.get(logged_id)
+        if row is None and archives is not None and archives.archived_at(host, idx):
+            report.archived += 1  # the archive file holds it: `audit archive-verify`
+            continue
         if row is None:
             out.append(Finding("deleted", host, idx, f"request {logged_id}'s ledger row is gone"))
             continue

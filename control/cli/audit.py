@@ -2,13 +2,16 @@
 its integrity against signed checkpoints, and incident queries on the request ledger.
 
 ``loraplane audit log`` / ``verify [--ledger]`` / ``checkpoint`` / ``export`` / ``ledger-sync``
-``loraplane incident requests`` (with whether verified ledger checkpoints cover the rows)
+``loraplane audit archive --before T --out FILE`` / ``archive-verify FILE`` (ledger retention)
+``loraplane incident requests`` (with whether verified ledger checkpoints cover the rows, and
+which archives took rows of the range)
 """
 
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
 # and would eval each string (see control/cli/main.py).
 
 import datetime as dt
+import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -26,6 +29,7 @@ from control.cli.base import (
     incident_app,
     parse_time,
     registry,
+    state,
 )
 from control.contracts.digests import short
 from control.tools.views import audit_table, cell, incident_table, iso
@@ -136,7 +140,7 @@ def _print_ledger(r: "LedgerReport") -> None:
     verdict = "[green]intact[/green]" if r.ok else "[red]TAMPERED[/red]"
     console.print(f"ledger {verdict}: {r.hosts} hosts, {r.entries} log entries, {r.verified} "
                   f"covered by verified checkpoints, {r.unlogged} rows outside the logs "
-                  "(front failures, restarts)")
+                  f"(front failures, restarts), {r.archived} rows archived")
     for f in r.findings:
         at = "" if f.position is None else f" position {f.position}"
         console.print(f"  {f.kind:<10} host {f.host}{at}: {f.detail}")
@@ -162,6 +166,81 @@ def audit_ledger_sync() -> None:
 
     emit(data, human)
     if r.refused:
+        raise typer.Exit(1)
+
+
+@audit_app.command("archive")
+def audit_archive(
+    before: Annotated[str, typer.Option(
+        "--before", help="ISO time: archive the finished rows admitted before it.")],
+    out: Annotated[Path, typer.Option(
+        "--out", help="The archive file to write (JSON lines; its SHA-256 is recorded).")],
+    host: Annotated[str | None, typer.Option(
+        "--host", help="Archive this host's rows only (default: every host's).")] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace FILE if it exists (never a recorded archive's file).")] = False,
+) -> None:
+    """Move old ledger rows to an archive file: export, record the archive, then delete."""
+    # the ledger, the hosts' logs and the event store: only this verb
+    from control.app.ledger_archive import archive
+    from control.app.ledger_audit import sync
+    from control.contracts.db import make_engine
+
+    cut = parse_time(before)
+    assert cut is not None
+    with errors():
+        reg = registry(existing=True)
+        engine = make_engine(reg.settings.db_url)
+        sync(reg, engine)  # checkpoints signed so far verified first: the archived rows' proofs
+        r = archive(reg, engine, cut, out, host=host, force=force, actor=state.actor)
+    data = r.to_json()
+
+    def human() -> None:
+        for sha, n in r.completed:
+            console.print(f"completed archive sha256:{sha}: {n} rows deleted")
+        if r.sha256 is None:
+            console.print(f"nothing to archive: no finished rows admitted before "
+                          f"{data['before']}" + (f" on host {host}" if host else "")
+                          + " (archived already, or none)")
+            return
+        console.print(f"{r.rows} rows admitted before {data['before']} -> {r.out}\n"
+                      f"  sha256:{r.sha256} (recorded), {r.deleted} rows deleted")
+        for h, d in sorted(data["hosts"].items()):
+            at = "" if d["first"] is None else f", log positions from {d['first']} to {d['last']}"
+            console.print(f"  host {h}: {d['rows']} rows, {d['logged']} logged{at}")
+
+    emit(data, human)
+
+
+@audit_app.command("archive-verify")
+def audit_archive_verify(
+    file: Annotated[Path, typer.Argument(help="An archive file `audit archive` wrote.")],
+) -> None:
+    """Check an archive file against its recorded event and the hosts' logs."""
+    # the ledger, the hosts' logs and the event store: only this verb
+    from control.app.ledger_archive import verify_archive
+    from control.app.ledger_audit import sync
+    from control.contracts.db import make_engine
+
+    with errors():
+        reg = registry(existing=True)
+        engine = make_engine(reg.settings.db_url)
+        sync(reg, engine)
+        c = verify_archive(reg, engine, file)
+    data = c.to_json()
+
+    def human() -> None:
+        verdict = "[green]archive verified[/green]" if c.ok else "[red]ARCHIVE FAILS[/red]"
+        console.print(f"{verdict}: sha256:{c.sha256}, {c.rows} rows admitted before "
+                      f"{data['before'] or '?'}; {c.covered} log entries covered by verified "
+                      f"checkpoints; {c.still_in_ledger} rows still in the ledger")
+        for check, detail in c.problems[:20]:
+            console.print(f"  {check:<10} {detail}")
+        if len(c.problems) > 20:
+            console.print(f"  ... {len(c.problems) - 20} more")
+
+    emit(data, human)
+    if not c.ok:
         raise typer.Exit(1)
 
 
@@ -239,7 +318,7 @@ def incident_requests(
     for r in data:
         r["admitted_at_iso"] = iso(r["admitted_at"])
     with errors():
-        cover = _coverage([r.request_id for r in rows])
+        cover, archived = _coverage([r.request_id for r in rows], parse_time(since))
     gaps = cover.gaps()
 
     def human() -> None:
@@ -251,15 +330,29 @@ def incident_requests(
 
     for r in data:  # each row says whether a verified checkpoint of its host's log covers it
         r["ledger_proof"] = cover.status.get(r["request_id"], "unlogged")
-    emit(data, human)
+
+    def human_and_archives() -> None:
+        human()
+        for a in archived:
+            console.print(f"  [yellow]archived[/yellow] rows admitted before {a['before']} "
+                          f"({a['scope']}) are not listed here: archive sha256:{a['sha256']} "
+                          f"({a['rows']} rows of every subject, {a['file']})")
+
+    if archived and state.json:  # stdout stays the rows (one shape); the note goes beside it
+        print(json.dumps({"archived": archived}), file=sys.stderr)
+    emit(data, human_and_archives)
 
 
-def _coverage(request_ids: list[str]) -> "Coverage":
+def _coverage(request_ids: list[str], since: float | None
+              ) -> tuple["Coverage", list[dict[str, Any]]]:
+    """The rows' coverage by verified checkpoints, and the archives that took rows admitted
+    since ``since`` (so an answer never reads as complete when rows were archived)."""
     # the registry's ledger records and the hosts' logs: only when rows are listed
+    from control.app.ledger_archive import archives_overlapping
     from control.app.ledger_audit import coverage, sync
     from control.contracts.db import make_engine
 
     reg = registry(existing=True)
     engine = make_engine(reg.settings.db_url)
     sync(reg, engine)
-    return coverage(reg, engine, request_ids)
+    return coverage(reg, engine, request_ids), archives_overlapping(reg, since)

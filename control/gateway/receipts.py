@@ -18,6 +18,8 @@ Answers, with the caller's API key (``Authorization: Bearer``) as every tenant r
 - 404, one fixed body: the id is unknown or another tenant's (the two read the same, so a
   tenant cannot probe other tenants' request ids); also a request of the caller's that never
   entered a host's log (refused before its engine saw it), which will never have a receipt.
+  A request whose ledger row was archived (``loraplane audit archive``) is answered from its log
+  entry once a verified checkpoint covers it, as if the row were still there.
 - 409 with ``Retry-After``: the request is the caller's but not yet covered by a verified
   checkpoint (still running, or past its host's last verified checkpoint): retry after the next
   one (hosts sign every few seconds, the control plane verifies every ``VERIFY_S``).
@@ -30,13 +32,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 from aiohttp import web
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from control.contracts.ledger import Outcome, request_ledger
-from control.contracts.ledger_log import first_verified, position, prove
+from control.contracts.ledger_log import first_verified, ledger_log, parse_leaf, position, prove
 from control.gateway.ticket_office import TicketOffice
 from projections.tables import adapters
 
@@ -70,9 +73,11 @@ class Found:
 def find_receipt(engine: Engine, tenant: str, request_id: str) -> Found:
     """What ``tenant`` gets for ``request_id`` (module notes); blocking: run off the loop."""
     with engine.connect() as conn:
-        row = conn.execute(sa.select(request_ledger.c.tenant, request_ledger.c.outcome,
-                                     request_ledger.c.adapter_digest).where(
+        row: Any = conn.execute(sa.select(request_ledger.c.tenant, request_ledger.c.outcome,
+                                          request_ledger.c.adapter_digest).where(
             request_ledger.c.request_id == request_id)).first()
+        if row is None:
+            row = _archived(conn, request_id)
         if row is None or row.tenant != tenant:
             return Found(404, NO_SUCH_REQUEST)
         if row.adapter_digest is not None and conn.execute(
@@ -95,6 +100,26 @@ def find_receipt(engine: Engine, tenant: str, request_id: str) -> Found:
                   "run `loraplane audit verify --ledger`", host, size)
         return Found(503, BROKEN)
     return Found(200, receipt=text)
+
+
+@dataclass(frozen=True)
+class _LoggedRow:
+    tenant: str
+    outcome: str
+    adapter_digest: str | None
+
+
+def _archived(conn: Connection, request_id: str) -> _LoggedRow | None:
+    """The row of a request whose ledger row was archived (``loraplane audit archive``), as
+    its log entry holds it, once a verified checkpoint covers that entry; else None. The entry
+    is the row the host logged, bound by the checkpoint's root, so it answers who the request
+    was for as the row did."""
+    r = conn.execute(sa.select(ledger_log.c.host, ledger_log.c.idx, ledger_log.c.leaf).where(
+        ledger_log.c.request_id == request_id).order_by(ledger_log.c.idx).limit(1)).first()
+    if r is None or first_verified(conn, r.host, int(r.idx)) is None:
+        return None
+    doc = parse_leaf(r.leaf)
+    return _LoggedRow(str(doc["tenant"]), str(doc["outcome"]), doc.get("adapter_digest"))
 
 
 async def get_receipt(request: web.Request) -> web.Response:

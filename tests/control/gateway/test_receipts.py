@@ -171,6 +171,22 @@ class ReceiptRouteContract(WithRegistry):
         sync(registry, engine)  # the next verified checkpoint covers it
         assert get("rq-acme-2", keys["acme"])[0] == 200
 
+    def test_an_archived_request_keeps_its_receipt(
+            self, get: Get, keys: dict[str, str], registry: Registry, tmp_path: Any) -> None:
+        """A row archived by ``audit archive`` is gone from the ledger; its log entry stays,
+        so its tenant still gets the receipt, and another tenant still gets the same 404."""
+        from control.app.ledger_archive import archive
+
+        engine = registry.follower.engine
+        _answer(Ledger(engine), [("rq-old", "acme")])
+        sync(registry, engine)
+        before = get("rq-old", keys["acme"])
+        archive(registry, engine, 2.0, tmp_path / "archive.jsonl", actor="op")
+        assert Ledger(engine).get("rq-old") is None
+        after = get("rq-old", keys["acme"])
+        assert after[0] == before[0] == 200 and after[2] == before[2]
+        assert get("rq-old", keys["globex"])[2] == get("rq-nobody", keys["globex"])[2]
+
 
 class TestReceiptRouteSQLite(OnSQLite, ReceiptRouteContract):
     pass

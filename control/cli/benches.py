@@ -5,8 +5,11 @@
 ``loraplane bench engine``   the multi-LoRA engine's ratios (see ``control.tools.bench.engine``).
 ``loraplane bench control``  the control plane's ratios (see ``control.tools.bench_control``).
 ``loraplane bench scale``    incident queries over a million ledger rows (see
-                             ``control.tools.bench_incidents``) and cold loads of 7B-shaped
-                             adapters (``control.tools.bench_coldload``).
+                             ``control.tools.bench_incidents``), cold loads of 7B-shaped
+                             adapters (``control.tools.bench_coldload``), Zipf traffic over
+                             1,000 adapters (``control.tools.bench_zipf``), the churn attack
+                             (``control.tools.bench_fairness``) and the warm-up list
+                             (``control.tools.bench_warmup``).
 """
 
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
@@ -253,18 +256,40 @@ def bench_scale(
     pg_url: Annotated[str | None, typer.Option(
         help="Also measure on this PostgreSQL database (default: LORAPLANE_TEST_PG_URL).")
     ] = None,
+    kit: Annotated[Path | None, typer.Option(
+        help="A built reference kit for the Zipf bench (`loraplane kit build`); default: "
+             "build one (a minute).")] = None,
 ) -> None:
     """Incident queries over a million ledger rows, by adapter, release, training data version
-    and base (one hour), on SQLite and PostgreSQL: median and p95 ms, rows, indexes used; and
-    cold loads of 7B-shaped adapters against a plain read and SHA-256 of the same files."""
-    from control.tools import bench_coldload  # torch and transformers load for this bench only
-    from control.tools.bench_incidents import run_bench  # a scratch ledger of its own
+    and base (one hour), on SQLite and PostgreSQL: median and p95 ms, rows, indexes used; cold
+    loads of 7B-shaped adapters against a plain read and SHA-256 of the same files; and
+    zipf_1000_vs_32, tokens/s through a real Triton with Zipf traffic over 1,000 adapters (200
+    with --quick) on 32 device slots over the same traffic on 32 adapters; the churn attack on
+    the adapter cache (bench_fairness) and the first request after a restart with and without
+    the warm-up list (bench_warmup)."""
+    import tempfile
 
-    with errors():
+    from control.tools import (
+        bench_coldload,  # torch and transformers load for this bench only
+        bench_fairness,  # the serving path in-process: likewise
+        bench_warmup,  # likewise
+        bench_zipf,  # a deployment with a real tritonserver: likewise
+    )
+    from control.tools.bench_incidents import run_bench  # a scratch ledger of its own
+    from control.tools.kit import build_kit  # transformers: only when no kit is given
+
+    with errors(), tempfile.TemporaryDirectory(prefix="loraplane-scale-") as tmp:
+        if kit is None:  # one kit for every bench below
+            _progress("building the reference kit (a minute)")
+            kit = Path(tmp) / "kit"
+            build_kit(kit)
         result = {"incidents": run_bench(
             quick=quick, pg_url=pg_url or os.environ.get("LORAPLANE_TEST_PG_URL"),
             progress=_progress),
-            "cold_loads": bench_coldload.run_bench(quick=quick, progress=_progress)}
+            "cold_loads": bench_coldload.run_bench(quick=quick, progress=_progress),
+            "zipf": bench_zipf.run_bench(kit, quick=quick, progress=_progress),
+            "fairness": bench_fairness.run_bench(kit, quick=quick, progress=_progress),
+            "warmup": bench_warmup.run_bench(kit, quick=quick, progress=_progress)}
 
     def human() -> None:
         from rich.table import Table
@@ -296,6 +321,53 @@ def bench_scale(
         t.add_row("cold load p95 (s)", f"{c['cold_load_p95_s']:.3f}", c["goal_cold_load_p95_s"],
                   "yes" if c["met_seconds"] else "NO")
         t.add_row("read + SHA-256 p95 (s)", f"{c['read_hash_p95_s']:.3f}", "", "")
+        console.print(t)
+        z = result["zipf"]
+
+        def num(v: Any, fmt: str = "{:.3f}") -> str:
+            return "n/a" if v is None else fmt.format(v)
+
+        setup = z["setup"]
+        t = Table(title=f"zipf_1000_vs_32 = {z['zipf_1000_vs_32']:.3f} (round pairs "
+                        f"{z['spread']['min']:.3f}-{z['spread']['max']:.3f}), "
+                        f"{z['goals']['zipf_1000_vs_32']}: "
+                        f"{'met' if z['met']['goal'] else 'NOT met'}"
+                        f"{'' if z['met']['floor'] else ', BELOW the floor'}; {z['adapters']} "
+                        f"vs {z['small_adapters']} adapters, {setup['slots']} slots, "
+                        f"{setup['clients']} clients, {setup['requests_per_round']} requests x "
+                        f"{setup['rounds_each']} rounds each")
+        for col in ("side", "tokens/s median", "rounds", "ok/sent", "device hit",
+                    "host-tier hit", "loads/s", "evictions", "load wait p95 s (waiting / all)",
+                    "latency p95 s"):
+            t.add_column(col)
+        for side in ("large", "small"):
+            s = z["sides"][side]
+            hr, w = s["hit_rate"], s["load_wait_s"]
+            t.add_row(side, num(s["tokens_per_s"]["median"], "{:.1f}"),
+                      " ".join(f"{v:.1f}" for v in s["tokens_per_s"]["rounds"]),
+                      f"{s['ok']}/{s['requests']}", num(hr["device"]), num(hr["host"]),
+                      num(s["loads_per_s"], "{:.2f}"),
+                      ", ".join(f"{k} {v}" for k, v in s["evictions"].items()) or "-",
+                      f"{num(w['p95_waiting'])} / {num(w['p95_all'])}",
+                      num(s["latency_s"]["p95"]))
+        p = z["provenance"]
+        t.caption = (f"provenance {'ok' if p['provenance_ok'] else 'FAILED'}: "
+                     f"{p['ok_answers']} ok answers, {p['digest_mismatches']} digest and "
+                     f"{p['ledger_mismatches']} ledger mismatches, {p['sample_mismatches']} of "
+                     f"{p['sampled']} sampled outputs differ from PEFT; registration "
+                     f"{setup['registration_s']:.0f} s, run {setup['seconds']:.0f} s")
+        console.print(t)
+        f, w = result["fairness"], result["warmup"]
+        t = Table(title=f"fair sharing under a churn attack ({f['goal']}: "
+                        f"{'met' if f['met'] else 'NOT met'}) and the warm-up list")
+        for col in ("figure", "measured"):
+            t.add_column(col)
+        t.add_row("victims' p95, churn / none", f"{f['churn_vs_none_p95']:.3f}")
+        t.add_row("victims' hit rate, churn / none", f"{f['churn_vs_none_hit_rate']:.3f}")
+        t.add_row("victims' p95, churn / steady attacker", f"{f['churn_vs_steady_p95']:.3f}")
+        t.add_row("first-request TTFT after a restart, with / without the list",
+                  f"{w['with_vs_without']:.3f} ({w['ttft_first_with_s'] * 1e3:.1f} / "
+                  f"{w['ttft_first_without_s'] * 1e3:.1f} ms)")
         console.print(t)
 
     emit(result, human)

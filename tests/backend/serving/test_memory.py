@@ -289,4 +289,5 @@ def test_serve_hands_the_checked_memory_settings_to_triton(
     assert isinstance(triton, Recorded)
     assert {k: triton.env[k] for k in settings.memory_env()} == {
         "LORAPLANE_MAX_RANK": "32", "LORAPLANE_ADAPTER_BYTES": str(2 * MiB),
-        "LORAPLANE_ADAPTER_SLOTS": "3", "LORAPLANE_TENANT_RESIDENT_SHARE": "0.25"}
+        "LORAPLANE_ADAPTER_SLOTS": "3", "LORAPLANE_TENANT_RESIDENT_SHARE": "0.25",
+        "LORAPLANE_WARMUP_ADAPTERS": "0"}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -140,10 +141,10 @@ def test_one_requester_cannot_fill_the_load_queue() -> None:
     for t in waiting:
         t.start()
     try:
-        for _ in range(200):  # both loads queued
-            if cache._pending == 2:
-                break
-            threading.Event().wait(0.01)
+        deadline = time.monotonic() + 30
+        while cache._pending < 2 and time.monotonic() < deadline:  # both loads queued
+            time.sleep(0.01)
+        assert cache._pending == 2
         with pytest.raises(CacheRefused) as refused:
             cache.acquire(_digest("mallory", 2), "mallory")
         assert refused.value.reason == "load_queue_full"

@@ -21,6 +21,7 @@ from tests.integration.conftest import Stack
 
 ADMIN = "test-operator-token-6"
 ALLOWED_LABELS = {"outcome", "reason", "kind", "event", "route", "code",
+                  "tier",  # the adapter cache's tiers: device, host, store
                   # Triton's own series
                   "model", "version", "gpu_uuid"}
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$")
@@ -150,6 +151,7 @@ def test_labels_are_bounded_and_name_no_one(stack: Stack, burst: dict[str, int])
                 continue
             labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))
             assert set(labels) <= ALLOWED_LABELS | {"le"}, line
+            assert labels.get("tier", "device") in ("device", "host", "store"), line
             for secret in secrets:
                 assert secret not in line, line
 

@@ -32,11 +32,9 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +47,7 @@ from control.contracts.ledger import Outcome, request_ledger
 from control.ops.clients import TritonRefused, free_port, infer_with, request_ticket
 from control.ops.serve import Deployment, Ports
 from control.tools.kit import KitManifest, build_kit
+from control.tools.kit import work_dir as scratch_dir
 from projections.follower import open_registry
 
 RUNS = 5
@@ -230,16 +229,6 @@ def _median_report(runs: dict[str, list[float]]) -> dict[str, Any]:
     }
 
 
-@contextmanager
-def _work_dir(work_dir: Path | None) -> Iterator[Path]:
-    if work_dir is not None:
-        work_dir.mkdir(parents=True, exist_ok=True)
-        yield work_dir
-        return
-    with tempfile.TemporaryDirectory(prefix="lp-bench-cli-") as tmp:
-        yield Path(tmp)
-
-
 def run_bench(kit_dir: Path | None = None, *, runs: int = RUNS,
               progress: Callable[[str], None] = lambda _m: None,
               work_dir: Path | None = None) -> dict[str, Any]:
@@ -248,7 +237,7 @@ def run_bench(kit_dir: Path | None = None, *, runs: int = RUNS,
     one in the work folder, about a minute on two cores)."""
     if runs < 1:
         raise ValueError("runs must be at least 1")
-    with _work_dir(work_dir) as root:
+    with scratch_dir(work_dir, "lp-bench-cli-") as root:
         if kit_dir is None:
             progress("building the reference kit (about a minute)")
             kit_dir = root / "kit"

@@ -27,11 +27,9 @@ plane's work, on another machine in production; here it would take the GIL from 
 from __future__ import annotations
 
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +48,7 @@ from control.contracts.tickets import TicketSigner
 from control.contracts.wire import TICKET_PARAM
 from control.gateway.ticket_office import TicketOffice
 from control.tools.bench_cli import fresh_adapter
-from control.tools.kit import KitManifest, build_kit
+from control.tools.kit import KitManifest, build_kit, work_dir
 from projections.follower import open_registry
 from projections.routing import RoutingView
 
@@ -186,22 +184,12 @@ def _run(svc: LoraService, home: BenchHome, mode: str, requests: int,
             "attacker": attacker}
 
 
-@contextmanager
-def work_dir(given: Path | None) -> Iterator[Path]:
-    """``given``, else a temporary folder removed afterwards."""
-    if given is not None:
-        yield given
-        return
-    with tempfile.TemporaryDirectory(prefix="loraplane-fairness-") as d:
-        yield Path(d)
-
-
 def run_bench(kit_dir: Path | None = None, *, quick: bool = False,
               scratch: Path | None = None,
               progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """Alternate ``none``, ``steady`` and ``churn`` runs; medians of each and the ratios."""
     shape = QUICK if quick else FULL
-    with work_dir(scratch) as root:
+    with work_dir(scratch, "loraplane-fairness-") as root:
         if kit_dir is None:
             progress("building the reference kit")
             kit_dir = root / "kit"

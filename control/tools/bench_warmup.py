@@ -26,8 +26,8 @@ from backend.serving.scheduler import SchedulerLimits
 from backend.serving.service import LoraService
 from control.app.serving_steps import RegistrySteps
 from control.contracts.wire import TICKET_PARAM
-from control.tools.bench_fairness import VICTIMS, BenchHome, provision, work_dir
-from control.tools.kit import build_kit
+from control.tools.bench_fairness import VICTIMS, BenchHome, provision
+from control.tools.kit import build_kit, work_dir
 
 HOST = "bench-warmup"
 WARMUP = 16
@@ -82,7 +82,7 @@ def run_bench(kit_dir: Path | None = None, *, quick: bool = False,
     shape = QUICK if quick else FULL
     sides: dict[str, list[float]] = {"with": [], "without": []}
     warmups: list[float] = []
-    with work_dir(None) as root:
+    with work_dir(None, "loraplane-warmup-") as root:
         if kit_dir is None:
             progress("building the reference kit")
             kit_dir = root / "kit"

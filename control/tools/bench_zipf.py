@@ -63,14 +63,12 @@ from __future__ import annotations
 import random
 import shutil
 import statistics
-import tempfile
 import threading
 import time
 from bisect import bisect_right
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +85,7 @@ from control.gateway.ticket_office import TicketOffice
 from control.ops.clients import TritonRefused, free_port, infer_with
 from control.ops.serve import Deployment, Ports, open_signer
 from control.tools.kit import KitManifest, build_kit
+from control.tools.kit import work_dir as scratch_dir
 from projections.follower import open_registry
 from projections.route_cache import CachedRoutingView
 from projections.routing import RoutingView
@@ -393,16 +392,6 @@ def check_samples(store: ArtifactStore, base: str, tokenizer: str, planted: list
 
 # -- the run ------------------------------------------------------------------------------------
 
-@contextmanager
-def _work_dir(work_dir: Path | None) -> Iterator[Path]:
-    if work_dir is not None:
-        work_dir.mkdir(parents=True, exist_ok=True)
-        yield work_dir
-        return
-    with tempfile.TemporaryDirectory(prefix="lp-bench-zipf-") as tmp:
-        yield Path(tmp)
-
-
 def run_bench(kit_dir: Path | None = None, *, quick: bool = False,
               progress: Callable[[str], None] = lambda _m: None,
               adapters: int | None = None, requests: int | None = None,
@@ -418,7 +407,7 @@ def run_bench(kit_dir: Path | None = None, *, quick: bool = False,
                 size.samples if samples is None else samples)
     if not 0 < small < size.adapters or size.rounds < 1 or min(slots, clients) < 1:
         raise ValueError("need 0 < small < adapters, rounds >= 1, slots and clients >= 1")
-    with _work_dir(work_dir) as root:
+    with scratch_dir(work_dir, "lp-bench-zipf-") as root:
         if kit_dir is None:
             progress("building the reference kit (about a minute)")
             kit_dir = root / "kit"

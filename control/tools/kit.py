@@ -60,6 +60,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -551,3 +552,15 @@ def _train_adapter(
                 shutil.rmtree(extra)
             else:
                 extra.unlink()
+
+
+@contextmanager
+def work_dir(given: Path | None, prefix: str = "lp-bench-") -> Iterator[Path]:
+    """``given`` (created if missing, kept), else a temporary folder removed afterwards: where a
+    bench builds its kit, home and adapters."""
+    if given is not None:
+        given.mkdir(parents=True, exist_ok=True)
+        yield given
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield Path(tmp)

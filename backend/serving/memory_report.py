@@ -47,10 +47,28 @@ def resident_memory(engine: Engine, scheduler: Scheduler | None = None,
                                  for t in pair])
         counter.add("kv_cache", [*running.keys, *running.values])
         counter.add("workspace", _bookkeeping(running))
-    if prefix_cache is not None:
+    if prefix_cache is not None and prefix_cache.tracks_storages:
+        # kept by the cache as entries come and go: O(what was counted above), not O(entries)
+        counter.totals["prefix_cache"] += prefix_cache.held_bytes(excluding=counter.seen)
+    elif prefix_cache is not None:
         for entry in prefix_cache.values():
-            counter.add("prefix_cache", [*entry.keys, *entry.values, *_bookkeeping(entry)])
+            counter.add("prefix_cache", entry_tensors(entry))
     return counter.totals
+
+
+def entry_tensors(entry: DecodeBatch) -> list[torch.Tensor]:
+    """Every tensor a prefix-cache entry holds."""
+    return [*entry.keys, *entry.values, *_bookkeeping(entry)]
+
+
+def entry_footprint(entry: DecodeBatch) -> list[tuple[tuple[str, int], int]]:
+    """(storage identity, bytes) of each tensor a prefix-cache entry holds, the identity as
+    :class:`_StorageCounter` keys it (``PrefixCache``'s ``footprint``)."""
+    return [(_key(t), t.untyped_storage().nbytes()) for t in entry_tensors(entry)]
+
+
+def _key(t: torch.Tensor) -> tuple[str, int]:
+    return str(t.device), t.untyped_storage().data_ptr()
 
 
 def _bookkeeping(batch: DecodeBatch) -> list[torch.Tensor]:
@@ -64,13 +82,12 @@ class _StorageCounter:
 
     def __init__(self) -> None:
         self.totals = dict.fromkeys(MEMORY_CATEGORIES, 0)
-        self._seen: set[tuple[str, int]] = set()
+        self.seen: set[tuple[str, int]] = set()
 
     def add(self, category: str, tensors: Iterable[torch.Tensor]) -> None:
         for t in tensors:
-            storage = t.untyped_storage()
-            key = (str(t.device), storage.data_ptr())
-            if key in self._seen:
+            key = _key(t)
+            if key in self.seen:
                 continue
-            self._seen.add(key)
-            self.totals[category] += storage.nbytes()
+            self.seen.add(key)
+            self.totals[category] += t.untyped_storage().nbytes()

@@ -27,6 +27,7 @@ import logging
 import secrets
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -93,14 +94,63 @@ class PrefixStats:
     bytes: int = 0
 
 
-class PrefixCache(Generic[V]):
-    """LRU over a byte budget; thread-safe."""
+# What an entry occupies: (storage identity, bytes) per storage it holds (see ``footprint``).
+Footprint = Callable[[Any], Iterable[tuple[Hashable, int]]]
 
-    def __init__(self, max_bytes: int) -> None:
+
+class PrefixCache(Generic[V]):
+    """LRU over a byte budget; thread-safe.
+
+    ``footprint`` (optional) names the storages an entry holds; the cache then keeps, entry by
+    entry as they come and go, the bytes of every storage its entries hold, each counted once
+    (:meth:`held_bytes`). The memory report reads that instead of walking every entry's tensors:
+    a walk over a full cache, thousands of entries, ran after every finished batch and took a
+    third of a busy host's engine process (issue 24's Zipf bench, where every prompt is new).
+    """
+
+    def __init__(self, max_bytes: int, footprint: Footprint | None = None) -> None:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._items: OrderedDict[PrefixKey, tuple[V, int]] = OrderedDict()
+        # key -> (entry, its bytes, its footprint when it came)
+        self._items: OrderedDict[PrefixKey, tuple[V, int, tuple[tuple[Hashable, int], ...]]] = \
+            OrderedDict()
         self.stats = PrefixStats()
+        self._footprint = footprint
+        self._storages: dict[Hashable, list[int]] = {}  # storage -> [entries holding it, bytes]
+        self._held = 0  # bytes of every storage in _storages
+
+    @property
+    def tracks_storages(self) -> bool:
+        return self._footprint is not None
+
+    def held_bytes(self, excluding: Iterable[Hashable] = ()) -> int:
+        """Bytes of the storages the entries hold, each once, less those in ``excluding``
+        (storages another category has counted already). Needs ``footprint``."""
+        if self._footprint is None:
+            raise RuntimeError("this prefix cache was made without a footprint")
+        with self._lock:
+            counted = sum(self._storages[k][1] for k in set(excluding) if k in self._storages)
+            return self._held - counted
+
+    def _hold(self, footprint: tuple[tuple[Hashable, int], ...], sign: int) -> None:
+        for key, nbytes in footprint:
+            held = self._storages.get(key)
+            if sign > 0:
+                if held is None:
+                    self._storages[key] = [1, nbytes]
+                    self._held += nbytes
+                else:
+                    held[0] += 1
+            elif held is not None:
+                held[0] -= 1
+                if held[0] == 0:
+                    del self._storages[key]
+                    self._held -= held[1]
+
+    def _drop(self, item: tuple[V, int, tuple[tuple[Hashable, int], ...]]) -> None:
+        # the footprint taken when the entry came: what it held then is what it gives back
+        self.stats.bytes -= item[1]
+        self._hold(item[2], -1)
 
     def get(self, key: PrefixKey) -> V | None:
         with self._lock:
@@ -116,15 +166,18 @@ class PrefixCache(Generic[V]):
         """Insert (or replace) an entry; evict least recently used ones to fit the budget."""
         if nbytes > self.max_bytes:
             return
+        # a storage once per entry, however many of its tensors view it
+        footprint = (tuple(dict(self._footprint(value)).items())
+                     if self._footprint is not None else ())
         with self._lock:
             old = self._items.pop(key, None)
             if old is not None:
-                self.stats.bytes -= old[1]
+                self._drop(old)
             while self._items and self.stats.bytes + nbytes > self.max_bytes:
-                _, (_, n) = self._items.popitem(last=False)
-                self.stats.bytes -= n
-            self._items[key] = (value, nbytes)
+                self._drop(self._items.popitem(last=False)[1])
+            self._items[key] = (value, nbytes, footprint)
             self.stats.bytes += nbytes
+            self._hold(footprint, +1)
             self.stats.entries = len(self._items)
 
     def purge_adapter(self, adapter: str) -> int:
@@ -132,14 +185,14 @@ class PrefixCache(Generic[V]):
         with self._lock:
             doomed = [k for k in self._items if k.adapter == adapter]
             for k in doomed:
-                self.stats.bytes -= self._items.pop(k)[1]
+                self._drop(self._items.pop(k))
             self.stats.entries = len(self._items)
             return len(doomed)
 
     def values(self) -> list[V]:
         """Every cached value, least recently used first (memory accounting)."""
         with self._lock:
-            return [v for v, _n in self._items.values()]
+            return [item[0] for item in self._items.values()]
 
     def __len__(self) -> int:
         with self._lock:

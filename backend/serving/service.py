@@ -47,7 +47,7 @@ from backend.serving.cache import AdapterCache, CacheBudgets, CacheClaim, CacheQ
 from backend.serving.engine import DecodeBatch, Engine, GenerationRequest, GenerationResult
 from backend.serving.intake import Intake
 from backend.serving.memory import AdapterBudget
-from backend.serving.memory_report import resident_memory
+from backend.serving.memory_report import entry_footprint, resident_memory
 from backend.serving.messages import BUSY_MESSAGE, FAILURE_MESSAGE, LIMITS_MESSAGE, InvalidInput
 from backend.serving.outcomes import Admitted, Collector, Outcomes
 from backend.serving.prefix_cache import PrefixCache, TenantSalts
@@ -130,7 +130,9 @@ class LoraService:
             )
         self.engine = engine
         self.limits = limits or SchedulerLimits.from_env(kv_tokens=engine.plan.kv_tokens)
-        self.prefix_cache: PrefixCache[DecodeBatch] = PrefixCache(prefix_cache_bytes)
+        # the footprint: its bytes by storage for the memory report, kept as entries come and go
+        self.prefix_cache: PrefixCache[DecodeBatch] = PrefixCache(prefix_cache_bytes,
+                                                                  footprint=entry_footprint)
         self.salts = TenantSalts()  # prefix-cache keys are per tenant, from verified tickets
         quota = quota or CacheQuota(resident_share=settings.resident_share)
         self.cache = AdapterCache(engine, self.store.read_verified, budgets=budgets, quota=quota,

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from backend.serving.engine import DecodeBatch, Engine, GenerationRequest, GenerationResult
-from backend.serving.memory_report import MEMORY_CATEGORIES, resident_memory
+from backend.serving.memory_report import MEMORY_CATEGORIES, entry_footprint, resident_memory
 from backend.serving.prefix_cache import PrefixCache, PrefixKey
 from backend.serving.scheduler import Scheduler, SchedulerLimits
 from backend.triton.metrics import BackendMetrics
@@ -72,7 +72,9 @@ def test_memory_categories_add_up_to_every_live_tensor(kit_dir: Path,
                     max_adapters=12)
     for digest, path in adapters.items():
         engine.load_adapter(digest, path)
-    prefix: PrefixCache[DecodeBatch] = PrefixCache(64 * MiB)
+    # As the service makes it: the entries' storages kept as they come and go (the report reads
+    # those), checked below against a walk over every entry's tensors.
+    prefix: PrefixCache[DecodeBatch] = PrefixCache(64 * MiB, footprint=entry_footprint)
     scheduler = Scheduler(engine, SchedulerLimits(max_running=24, max_queued=24),
                           prefix, start=False)
     sinks = []
@@ -92,6 +94,10 @@ def test_memory_categories_add_up_to_every_live_tensor(kit_dir: Path,
     assert len(prefix) == 24
 
     report = resident_memory(engine, scheduler, prefix)
+    walked = PrefixCache[DecodeBatch](64 * MiB)  # no footprint: the report walks its entries
+    for i, entry in enumerate(prefix.values()):
+        walked.put(PrefixKey("base", None, "tok", (i,), salt=b"w"), entry, 1)
+    assert resident_memory(engine, scheduler, walked) == report
     now = _live_storages()
     counted = sum(s.nbytes() for key, s in now.items() if key not in before)
     total = sum(report.values())

@@ -52,6 +52,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -182,6 +183,13 @@ class AdapterCache:
         self.on_purge = on_purge if on_purge is not None else (lambda _d: None)
         self.clock = clock
         self._lock = threading.Condition()
+        # Load records made under the lock wait here and are handed to ``on_event`` after it,
+        # in the order they were made, by one thread at a time (``_emit``): the handler may
+        # write a database, and a commit under the lock stalled every request's acquire and
+        # the scheduler's lease releases.
+        self._records: list[tuple[str, str, float, float, int | None, str | None]] = []
+        self._emit_lock = threading.Lock()
+        self._room_changes = 0  # counts the moments room may have come (a load waiting looks)
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU order: oldest first
         self._pending = 0
         self._fair = FairShare(self.quota, clock)  # per-tenant shares, rates, queue parts
@@ -256,10 +264,15 @@ class AdapterCache:
                 self.violations.raise_("negative_ref", f"reference on {digest}")
             assert e is not None
             e.refs -= 1
-            if e.refs == 0 and e.revoked and e.on_device:
-                self._unload(e, "revoked")
+            unload = e.refs == 0 and e.revoked and e.on_device
             if e.refs == 0:
+                self._room_changes += 1
                 self._lock.notify_all()  # a load may be waiting for room
+        if unload:  # the engine's lock first (see _place); a revoked entry takes no new refs
+            with self._engine_lock(), self._lock:
+                if e.refs == 0 and e.on_device:
+                    self._unload(e, "revoked")
+        self._emit()
 
     # -- loading ----------------------------------------------------------------------------
 
@@ -282,22 +295,16 @@ class AdapterCache:
                 with self._lock:
                     self._make_room("host", host.nbytes, e)
                     e.host, e.host_bytes = host, host.nbytes
-            with self._lock:
-                if e.revoked:
-                    raise CacheRefused("revoked", "adapter revoked")
-                need = self.engine.slot_bytes_for(host)
-                self._make_device_room(e, need)
-                nbytes = self.engine.place(e.digest, host)
-                e.on_device, e.device_bytes = True, nbytes
-                e.loads += 1
-                e.last_load_seconds = time.perf_counter() - t0
-            self._record(e.digest, "loaded", started, e.last_load_seconds or 0.0, nbytes, None)
+            self._place(e, host, started, t0)
+            self._emit()
             future.set_result(None)
         except BaseException as exc:
+            reason = exc.reason if isinstance(exc, CacheRefused) else type(exc).__name__[:64]
             with self._lock:
                 e.load_failures += 1
-            reason = exc.reason if isinstance(exc, CacheRefused) else type(exc).__name__[:64]
-            self._record(e.digest, "failed", started, time.perf_counter() - t0, None, reason)
+                self._records.append((e.digest, "failed", started, time.perf_counter() - t0,
+                                      None, reason))
+            self._emit()
             future.set_exception(exc)
         finally:
             with self._lock:
@@ -305,34 +312,57 @@ class AdapterCache:
                 self._pending -= 1
                 self._fair.finished(requester)
                 _forget_cold(self._entries)
+                self._room_changes += 1
                 self._lock.notify_all()
+            self._emit()  # what an eviction on the way recorded
 
-    def _make_device_room(self, e: _Entry, need: int) -> None:
-        """Evict unreferenced adapters until ``need`` fits the owner's share, budget and slots.
+    def _place(self, e: _Entry, host: PreparedAdapter, started: float, t0: float) -> None:
+        """Evict unreferenced adapters until ``e`` fits its owner's share, the budget and the
+        slots, then place it in a slot.
 
-        When every candidate is referenced by queued or running requests, wait (the lock is
-        released meanwhile) up to ``room_wait_s`` for one to be released: those requests finish
-        on their own, so room comes; a refusal only after the wait. Caller holds the lock.
-        """
+        The engine's lock is taken before the cache's: it is held through each batch step, and
+        a load waiting for a step to end while holding the cache's lock stalled every request's
+        ``acquire`` and the scheduler's lease releases behind it. When every candidate is
+        referenced by queued or running requests, wait (neither lock held) up to
+        ``room_wait_s`` for one to be released: those requests finish on their own, so room
+        comes; a refusal only after the wait."""
         budget = self._device_budget
+        need = self.engine.slot_bytes_for(host)
         if need > budget:
             raise CacheRefused("device_budget",
                                f"one adapter needs {need} bytes of device memory, the adapter "
                                f"budget ({ADAPTER_BYTES_ENV}) gives {budget}")
-        # At least one slot: a share smaller than an adapter would refuse its tenant everything.
-        share = max(int(self._fair.share_of(e.tenant) * budget), need)
         deadline = time.monotonic() + self.quota.room_wait_s
         while True:
-            try:
-                self._evict_for(e, need, share)
-                return
-            except CacheRefused as refused:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise
-                self._lock.wait(timeout=min(left, 0.5))  # woken when a reference drops
+            with self._engine_lock(), self._lock:
+                seen = self._room_changes
                 if e.revoked:
-                    raise CacheRefused("revoked", "adapter revoked") from refused
+                    raise CacheRefused("revoked", "adapter revoked")
+                # At least one slot: a share smaller than an adapter would refuse its tenant
+                # everything.
+                share = max(int(self._fair.share_of(e.tenant) * budget), need)
+                try:
+                    self._evict_for(e, need, share)
+                except CacheRefused:
+                    if deadline - time.monotonic() <= 0:
+                        raise
+                else:
+                    nbytes = self.engine.place(e.digest, host)
+                    e.on_device, e.device_bytes = True, nbytes
+                    e.loads += 1
+                    e.last_load_seconds = seconds = time.perf_counter() - t0
+                    self._records.append((e.digest, "loaded", started, seconds, nbytes, None))
+                    return
+            self._emit()  # what the attempt evicted before it found the rest referenced
+            with self._lock:  # woken when a reference drops, unless one dropped meanwhile
+                if self._room_changes == seen:
+                    self._lock.wait(timeout=max(0.0, min(deadline - time.monotonic(), 0.5)))
+
+    def _engine_lock(self) -> AbstractContextManager[object]:
+        """The engine's own lock, when it has one (``placement_lock``): taken before the
+        cache's wherever a slot is filled or emptied."""
+        lock = getattr(self.engine, "placement_lock", None)
+        return lock if lock is not None else nullcontext()
 
     def _evict_for(self, e: _Entry, need: int, share: int) -> None:
         """One attempt at making room; CacheRefused when what blocks it is referenced."""
@@ -376,16 +406,31 @@ class AdapterCache:
         self.engine.unload_adapter(x.digest)
         x.on_device, x.device_bytes = False, 0
         x.evictions[reason] = x.evictions.get(reason, 0) + 1
-        self._record(x.digest, "unloaded", time.time(), 0.0, None, reason)
+        self._records.append((x.digest, "unloaded", time.time(), 0.0, None, reason))
 
-    def _record(self, digest: str, outcome: str, started: float, seconds: float,
-                nbytes: int | None, reason: str | None) -> None:
-        # The load record is evidence, but a database outage must not wedge the cache: a
-        # waiter would otherwise never learn how the load ended.
-        try:
-            self.on_event(digest, outcome, started, seconds, nbytes, reason)
-        except Exception:
-            log.exception("could not record adapter %s (%s)", outcome, reason)
+    def _emit(self) -> None:
+        """Hand the records made under the lock to ``on_event``, outside it, in order. Caller
+        does not hold the lock. Never waits for another thread's ``on_event``: while one thread
+        emits, another's records are left to it (it looks again after it lets go)."""
+        while self._emit_lock.acquire(blocking=False):
+            try:
+                while True:
+                    with self._lock:
+                        records, self._records = self._records, []
+                    if not records:
+                        break
+                    for digest, outcome, started, seconds, nbytes, reason in records:
+                        # The load record is evidence, but a database outage must not wedge the
+                        # cache: a waiter would otherwise never learn how the load ended.
+                        try:
+                            self.on_event(digest, outcome, started, seconds, nbytes, reason)
+                        except Exception:
+                            log.exception("could not record adapter %s (%s)", outcome, reason)
+            finally:
+                self._emit_lock.release()
+            with self._lock:  # records made after the last look, by a thread that left them
+                if not self._records:
+                    return
 
     def _make_room(self, tier: str, need: int, keep: _Entry) -> None:
         budget = self.budgets.host_bytes if tier == "host" else self.budgets.store_bytes
@@ -410,7 +455,7 @@ class AdapterCache:
 
     def revoke(self, digest: str) -> None:
         """Purge ``digest`` from every tier; unload it now or when its last request ends."""
-        with self._lock:
+        with self._engine_lock(), self._lock:  # the engine's lock first (see _place)
             e = self._entries.get(digest)
             if e is None:
                 e = self._entries[digest] = _Entry(digest)
@@ -421,6 +466,7 @@ class AdapterCache:
                     e.evictions["revoked"] = e.evictions.get("revoked", 0) + 1
             if e.on_device and e.refs == 0:
                 self._unload(e, "revoked")
+        self._emit()
         self.on_purge(digest)
 
     def is_revoked(self, digest: str) -> bool:

@@ -174,6 +174,13 @@ class Engine:
         lock, so a cold load's conversion never holds up a decode step."""
         return self.residency.prepare(adapter)
 
+    @property
+    def placement_lock(self) -> threading.RLock:
+        """The lock each batch step holds: the adapter cache takes it before its own wherever
+        it fills or empties a slot (``AdapterCache._place``), so that no other request waits
+        on the cache while a load waits for a step to end."""
+        return self._lock
+
     def place(self, digest: str, adapter: HostAdapter | PreparedAdapter) -> int:
         """Put a validated adapter in a free slot; return its resident device bytes.
 

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from backend.serving.cache import AdapterCache
+from backend.serving.load_records import LoadRecords
 from backend.serving.requests import RevocationSteps
 from backend.serving.scheduler import Scheduler
 from control.contracts.config import Settings
@@ -72,6 +73,9 @@ class RevocationWatch:
         self._open_step_log = steps
         self._step_log: RevocationSteps | None = None
         self._steps = ThreadPoolExecutor(max_workers=1, thread_name_prefix="revocation-steps")
+        # the cache's load records, written off its threads; a revocation's unload is reported
+        # once its record is written
+        self._loads = LoadRecords(service.ledger, self._written)
         self.closing = threading.Event()
         self.listener = listener
         self.interval_s = interval_s
@@ -110,13 +114,14 @@ class RevocationWatch:
 
     def record_load(self, digest: str, outcome: str, started: float, seconds: float,
                     nbytes: int | None, reason: str | None) -> None:
-        """The cache's load event, on the ledger; an unload for revocation completes the
-        digest's steps on this host."""
-        svc = self.service
-        svc.ledger.record_load(AdapterLoad(svc.host, digest, started, seconds, outcome,
-                                           nbytes, reason=reason))
-        if outcome == "unloaded" and reason == "revoked":
-            self.report(digest)
+        """The cache's load event, on the ledger (``backend.serving.load_records``); an
+        unload for revocation completes the digest's steps on this host."""
+        self._loads.put(AdapterLoad(self.service.host, digest, started, seconds, outcome,
+                                    nbytes, reason=reason))
+
+    def _written(self, load: AdapterLoad) -> None:
+        if load.outcome == "unloaded" and load.reason == "revoked":
+            self.report(load.adapter_digest)
 
     def report(self, digest: str) -> None:
         """Record drained, purged, unloaded for ``digest`` on this host, once, off the hot path."""
@@ -138,5 +143,6 @@ class RevocationWatch:
             log.exception("could not record the revocation steps of this host")
 
     def close_steps(self) -> None:
-        """Wait for the steps already handed over to be recorded."""
+        """Wait for the load records and the steps already handed over to be recorded."""
+        self._loads.close()
         self._steps.shutdown(wait=True)

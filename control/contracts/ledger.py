@@ -228,9 +228,16 @@ class Ledger:
             return [LedgerEntry(**dict(r._mapping)) for r in conn.execute(q)]
 
     def record_load(self, load: AdapterLoad) -> None:
+        self.record_loads([load])
+
+    def record_loads(self, loads: Sequence[AdapterLoad]) -> None:
+        """Insert load records, in their order, in one transaction."""
+        if not loads:
+            return
         with self.engine.begin() as conn:
             conn.execute(adapter_loads.insert(), [{f: getattr(load, f)
-                                                   for f in AdapterLoad.__dataclass_fields__}])
+                                                   for f in AdapterLoad.__dataclass_fields__}
+                                                  for load in loads])
 
     def last_resident(self, host: str, limit: int, scan: int = 10_000) -> list[str]:
         """The adapters ``host``'s device slots held when it last wrote a load record for

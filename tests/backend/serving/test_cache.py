@@ -193,3 +193,51 @@ def test_a_wait_for_room_ends_in_a_refusal_when_nothing_is_released(
         cache.acquire(b, "acme")
     assert e.value.reason == "no_room" and cache.references() == 1
     cache.release(held)
+
+
+def test_a_slow_load_record_stalls_no_other_request(engine: Engine,
+                                                    adapters: dict[str, Path]) -> None:
+    """The record of an eviction is handed to ``on_event`` (a database write on a host) after
+    the cache's lock is released: while one is slow, a request for a resident adapter is
+    served and a lease is released. Before, the eviction's record was written under the lock,
+    and both waited for the write (issue 24: the scheduler stalled on the cache's lock)."""
+    import threading
+
+    gate, entered = threading.Event(), threading.Event()
+    events = Events()
+
+    def slow(digest: str, outcome: str, started: float, s: float, nbytes: int | None,
+             reason: str | None) -> None:
+        if outcome == "unloaded":
+            entered.set()
+            assert gate.wait(30)
+        events(digest, outcome, started, s, nbytes, reason)
+
+    cache = _cache(engine, adapters, device_slots=2)
+    cache.on_event = slow
+    a, b, c = list(adapters)[:3]
+    held = cache.acquire(a, "acme")
+    cache.release(cache.acquire(b, "acme"))
+    loader = threading.Thread(target=lambda: cache.release(cache.acquire(c, "acme")))
+    loader.start()  # evicts b; its record waits on the gate
+    try:
+        assert entered.wait(30)
+        served: list[bool] = []
+
+        def request() -> None:
+            cache.acquire(a, "acme").release()
+            served.append(True)
+
+        hit = threading.Thread(target=request)
+        hit.start()
+        hit.join(5)
+        assert served == [True], "a hit waited for another adapter's eviction record"
+        released = threading.Thread(target=held.release)
+        released.start()
+        released.join(5)
+        assert not released.is_alive(), "a lease release waited for an eviction record"
+    finally:
+        gate.set()
+        loader.join(30)
+    assert [e[:2] for e in events] == [(a, "loaded"), (b, "loaded"), (b, "unloaded"),
+                                       (c, "loaded")]  # in the order they happened

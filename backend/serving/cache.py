@@ -52,6 +52,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -207,40 +208,68 @@ class AdapterCache:
         ``claim`` says who owns the adapter and who asks (None: ``tenant`` is both). The
         reference is taken before any load starts, so the adapter cannot be evicted between
         being placed and being used; the returned lease gives it back, once. Raises
-        ``CacheRefused`` (and holds nothing) on failure.
+        ``CacheRefused`` (and holds nothing) on failure, or when the load takes longer than
+        ``timeout_s`` (the reference goes when it ends).
         """
-        claim = claim or CacheClaim(tenant, tenant)
-        with self._lock:
-            e = self._entries.get(digest)
-            if e is not None and e.revoked:
-                raise CacheRefused("revoked", "adapter revoked")
-            if e is None:
-                e = self._entries[digest] = _Entry(digest, claim.owner)
-            elif claim.owner is not None:
-                e.tenant = claim.owner  # the verified owner, whoever loaded it before
-            self._fair.note_share(claim.owner, claim.owner_share)
-            self._entries.move_to_end(digest)
-            if e.on_device:
-                e.hits += 1
-                e.refs += 1
-                return self._lease(digest)
-            e.misses += 1
-            future = e.loading
-            if future is None:
-                self._fair.admit(claim, self._pending)
-                future = e.loading = Future()
-                self._pending += 1
-                self._fair.started(claim.requester)
-                self._workers.submit(partial(self._load, e, claim.requester, future))
-            e.refs += 1
+        pending = self.acquire_async(digest, tenant, claim=claim)
         try:
-            future.result(timeout=timeout_s)
-        except BaseException as exc:
+            return pending.result(timeout=timeout_s)
+        except FutureTimeout:
+            if pending.cancel():  # the load's end gives the reference back (_settle)
+                raise CacheRefused("load_failed", "adapter load timed out") from None
+            return pending.result()  # it ended meanwhile
+
+    def acquire_async(self, digest: str, tenant: str | None, *,
+                      claim: CacheClaim | None = None) -> Future[Lease]:
+        """As :meth:`acquire`, without waiting: a future of the lease, done at once when the
+        adapter is resident (or refused), else when its load ends (on the loading thread; a
+        caller with more to do moves it elsewhere). A future cancelled before then holds
+        nothing once the load ends. A refusal is the future's ``CacheRefused``."""
+        claim = claim or CacheClaim(tenant, tenant)
+        out: Future[Lease] = Future()
+        try:
+            with self._lock:
+                e = self._entries.get(digest)
+                if e is not None and e.revoked:
+                    raise CacheRefused("revoked", "adapter revoked")
+                if e is None:
+                    e = self._entries[digest] = _Entry(digest, claim.owner)
+                elif claim.owner is not None:
+                    e.tenant = claim.owner  # the verified owner, whoever loaded it before
+                self._fair.note_share(claim.owner, claim.owner_share)
+                self._entries.move_to_end(digest)
+                if e.on_device:
+                    e.hits += 1
+                    e.refs += 1
+                    out.set_result(self._lease(digest))
+                    return out
+                e.misses += 1
+                future = e.loading
+                if future is None:
+                    self._fair.admit(claim, self._pending)
+                    future = e.loading = Future()
+                    self._pending += 1
+                    self._fair.started(claim.requester)
+                    self._workers.submit(partial(self._load, e, claim.requester, future))
+                e.refs += 1
+        except CacheRefused as refused:
+            out.set_exception(refused)
+            return out
+        future.add_done_callback(partial(self._settle, digest, out))
+        return out
+
+    def _settle(self, digest: str, out: Future[Lease], load: Future[None]) -> None:
+        """The load ``out`` waited on ended: its lease, or its reference back and the refusal."""
+        if not out.set_running_or_notify_cancel():  # its caller gave up: nothing is held
             self._drop_ref(digest)
-            if isinstance(exc, CacheRefused):
-                raise
-            raise CacheRefused("load_failed", "adapter could not be loaded") from exc
-        return self._lease(digest)
+            return
+        exc = load.exception()
+        if exc is None:
+            out.set_result(self._lease(digest))
+            return
+        self._drop_ref(digest)
+        out.set_exception(exc if isinstance(exc, CacheRefused)
+                          else CacheRefused("load_failed", "adapter could not be loaded"))
 
     def _lease(self, digest: str) -> Lease:
         lease = Lease(digest, self.violations)

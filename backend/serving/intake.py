@@ -6,6 +6,11 @@ be read: 4. the adapter is leased from the governed cache, 5. the engine opens t
 slot pinned), 6. the running row is written, durably, 7. the sequence joins the scheduler. Every
 way out of a step records a refusal (``backend.serving.outcomes``) and gives back what it holds.
 
+No admission thread waits for an adapter to load: a request whose adapter is not resident leaves
+its thread at step 4 and comes back to these threads, for steps 5-7, when the load ends
+(``AdapterCache.acquire_async``). Before, the eight threads blocked on loads, and with Zipf
+traffic over 1,000 adapters requests whose adapters were resident queued behind them.
+
 The steps the service lets a subclass or a test replace (``_authorize``,
 ``_generation_request``, ``_write_running``, ``_finish``) are called on the service itself. The
 service is typed by :class:`IntakeService`, what this desk uses of it, not by importing
@@ -19,9 +24,11 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Protocol
 
 from backend.serving.admission import RequestRefused
@@ -105,6 +112,18 @@ class IntakeService(Protocol):
                 reason: str | None) -> None: ...
 
 
+@dataclass(frozen=True)
+class _Leased:
+    """A request that passed steps 1-3, waiting for its lease."""
+
+    rid: str
+    now: float
+    req: IncomingRequest
+    sink: AnswerSink
+    claims: TicketClaims
+    gen: GenerationRequest
+
+
 class Intake:
     """Admits one service's requests on its admission threads (see the module notes)."""
 
@@ -143,8 +162,14 @@ class Intake:
 
     def admit(self, req: IncomingRequest, sink: AnswerSink) -> None:
         rid, now = str(uuid.uuid4()), time.time()
-        try:
+        with self._failing(rid, now, sink):
             self._admit_checked(rid, now, req, sink)
+
+    @contextmanager
+    def _failing(self, rid: str, now: float, sink: AnswerSink) -> Iterator[None]:
+        """Around each admission step: an unexpected error is the request's failure."""
+        try:
+            yield
         except Exception:
             # Nothing was answered or handed to the scheduler, and nothing stays leased (see
             # _admit_checked): the row records the failure before the answer leaves.
@@ -181,20 +206,51 @@ class Intake:
             refuse(sink, rid, claims, now, e.reason, str(e), "invalid_arg")
             return
 
+        step = _Leased(rid, now, req, sink, claims, gen)
         if claims.adapter is None:
-            lease = Lease(None, svc.engine.violations)
+            self._open(step, Lease(None, svc.engine.violations))
+            return
+        # 4. the lease. A resident adapter's is ready now; otherwise this thread does not wait
+        # for the load (a request whose adapter is resident would queue behind it): the load's
+        # end brings the request back onto these threads.
+        pending = svc.cache.acquire_async(claims.adapter, claims.tenant, claim=owner)
+        if pending.done():
+            self._leased(step, pending)
         else:
-            try:
-                lease = svc.cache.acquire(claims.adapter, claims.tenant, claim=owner)
-            except CacheRefused as e:
-                # Not served, so "rejected": the incident view lists only what a digest served.
-                svc.stats.load_failures += 1
-                revoked = e.reason == "revoked"
-                refuse(sink, rid, claims, now,
-                       "revoked" if revoked else f"adapter_{e.reason}"[:64],
-                       GENERIC_REFUSAL if revoked else FAILURE_MESSAGE,
-                       "invalid_arg" if revoked else "unavailable")
-                return
+            pending.add_done_callback(partial(self._resume, step))
+
+    def _resume(self, step: _Leased, pending: Future[Lease]) -> None:
+        """On the thread that ended the load: the rest of the admission, on these threads."""
+        try:
+            self._pool.submit(self._resumed, step, pending)
+        except RuntimeError:  # shut down (the service is closing): here, then
+            self._resumed(step, pending)
+
+    def _resumed(self, step: _Leased, pending: Future[Lease]) -> None:
+        with self._failing(step.rid, step.now, step.sink):
+            self._leased(step, pending)
+
+    def _leased(self, step: _Leased, pending: Future[Lease]) -> None:
+        svc = self.service
+        try:
+            lease = pending.result()
+        except CacheRefused as e:
+            # Not served, so "rejected": the incident view lists only what a digest served.
+            svc.stats.load_failures += 1
+            revoked = e.reason == "revoked"
+            svc.outcomes.refuse(step.sink, step.rid, step.claims, step.now,
+                                "revoked" if revoked else f"adapter_{e.reason}"[:64],
+                                GENERIC_REFUSAL if revoked else FAILURE_MESSAGE,
+                                "invalid_arg" if revoked else "unavailable")
+            return
+        self._open(step, lease)
+
+    def _open(self, step: _Leased, lease: Lease) -> None:
+        """5. open the sequence, 6. write the running row, 7. hand it to the scheduler."""
+        svc = self.service
+        refuse = svc.outcomes.refuse
+        rid, now, req, sink, claims, gen = (step.rid, step.now, step.req, step.sink,
+                                            step.claims, step.gen)
         # From here the lease is this function's until the scheduler takes it: every way out
         # below releases it or hands it over, exactly once.
         try:

@@ -50,38 +50,43 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
-from pathlib import Path
 from typing import Protocol
 
 from backend.serving import load_workers
+from backend.serving.cache_entries import (
+    CacheEntry,
+    LoadEvent,
+    RecordOutbox,
+    bytes_in,
+    dir_bytes,
+    drop_tier,
+    evict_for_device,
+    forget_cold,
+    holds,
+    make_tier_room,
+)
 from backend.serving.engine import AdapterSource, HostAdapter, PreparedAdapter
 from backend.serving.fair_share import (
     CacheClaim,
     CacheQuota,
     CacheRefused,
     FairShare,
-    fair_victim,
 )
 from backend.serving.lease import Lease, Violations
 from backend.serving.load_workers import LoadWorkers
 from backend.serving.memory import MemoryPlan
-from control.contracts.config import ADAPTER_BYTES_ENV, ADAPTER_SLOTS_ENV
+from control.contracts.config import ADAPTER_BYTES_ENV
 
 log = logging.getLogger("loraplane.cache")
 
 __all__ = ["AdapterCache", "CacheBudgets", "CacheClaim", "CacheQuota", "CacheRefused",
            "DigestReport"]
-
-# Digests the cache keeps statistics for after they left every tier: beyond this many, the least
-# recently used of those go (a tenant churning versions would otherwise grow the map forever, and
-# every eviction reads it). Revoked tombstones and anything held, loading or resident stay.
-REMEMBERED = 4096
 
 
 class AdapterPlacement(Protocol):
@@ -127,31 +132,6 @@ class DigestReport:
     revoked: bool
 
 
-@dataclass
-class _Entry:
-    digest: str
-    tenant: str | None = None
-    path: AdapterSource | None = None  # store tier: verified files
-    store_bytes: int = 0
-    host: PreparedAdapter | None = None  # host tier: prepared for the slots, outside any lock
-    host_bytes: int = 0
-    device_bytes: int = 0
-    on_device: bool = False
-    refs: int = 0
-    hits: int = 0
-    misses: int = 0
-    loads: int = 0
-    load_failures: int = 0
-    last_load_seconds: float | None = None
-    evictions: dict[str, int] = field(default_factory=dict)
-    revoked: bool = False
-    loading: Future[None] | None = None
-
-
-# (digest, outcome loaded|failed|unloaded, started_at, seconds, resident bytes, reason)
-LoadEvent = Callable[[str, str, float, float, int | None, str | None], None]
-
-
 class AdapterCache:
     """Budgets, LRU, references and tenant limits over the engine's adapter slots."""
 
@@ -184,14 +164,10 @@ class AdapterCache:
         self.on_purge = on_purge if on_purge is not None else (lambda _d: None)
         self.clock = clock
         self._lock = threading.Condition()
-        # Load records made under the lock wait here and are handed to ``on_event`` after it,
-        # in the order they were made, by one thread at a time (``_emit``): the handler may
-        # write a database, and a commit under the lock stalled every request's acquire and
-        # the scheduler's lease releases.
-        self._records: list[tuple[str, str, float, float, int | None, str | None]] = []
-        self._emit_lock = threading.Lock()
+        # load records made under the lock, handed to on_event after it, in order
+        self._outbox = RecordOutbox(self._lock, lambda: self.on_event)
         self._room_changes = 0  # counts the moments room may have come (a load waiting looks)
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU order: oldest first
+        self._entries: OrderedDict[str, CacheEntry] = OrderedDict()  # LRU order: oldest first
         self._pending = 0
         self._fair = FairShare(self.quota, clock)  # per-tenant shares, rates, queue parts
         # Loads run on kept, confined threads, shared by the process's caches: one intra-op
@@ -233,7 +209,7 @@ class AdapterCache:
                 if e is not None and e.revoked:
                     raise CacheRefused("revoked", "adapter revoked")
                 if e is None:
-                    e = self._entries[digest] = _Entry(digest, claim.owner)
+                    e = self._entries[digest] = CacheEntry(digest, claim.owner)
                 elif claim.owner is not None:
                     e.tenant = claim.owner  # the verified owner, whoever loaded it before
                 self._fair.note_share(claim.owner, claim.owner_share)
@@ -301,11 +277,11 @@ class AdapterCache:
             with self._engine_lock(), self._lock:
                 if e.refs == 0 and e.on_device:
                     self._unload(e, "revoked")
-        self._emit()
+        self._outbox.emit()
 
     # -- loading ----------------------------------------------------------------------------
 
-    def _load(self, e: _Entry, requester: str | None, future: Future[None]) -> None:
+    def _load(self, e: CacheEntry, requester: str | None, future: Future[None]) -> None:
         started = time.time()
         t0 = time.perf_counter()
         try:
@@ -314,38 +290,40 @@ class AdapterCache:
             if host is None:
                 if path is None:
                     path = self.fetch(e.digest)  # store read + digest check
-                    nbytes = _dir_bytes(path)
+                    nbytes = dir_bytes(path)
                     with self._lock:
-                        self._make_room("store", nbytes, e)
+                        make_tier_room(self._entries, "store", nbytes, self.budgets.store_bytes, e,
+                                       self._fair.share_of)
                         e.path, e.store_bytes = path, nbytes
                 # parse, validate and convert to the slots' layout here, with no lock held:
                 # placing then only copies, so a cold load does not stall decoding
                 host = self.engine.prepare(self.engine.read_adapter(path))
                 with self._lock:
-                    self._make_room("host", host.nbytes, e)
+                    make_tier_room(self._entries, "host", host.nbytes, self.budgets.host_bytes, e,
+                                   self._fair.share_of)
                     e.host, e.host_bytes = host, host.nbytes
             self._place(e, host, started, t0)
-            self._emit()
+            self._outbox.emit()
             future.set_result(None)
         except BaseException as exc:
             reason = exc.reason if isinstance(exc, CacheRefused) else type(exc).__name__[:64]
             with self._lock:
                 e.load_failures += 1
-                self._records.append((e.digest, "failed", started, time.perf_counter() - t0,
+                self._outbox.add((e.digest, "failed", started, time.perf_counter() - t0,
                                       None, reason))
-            self._emit()
+            self._outbox.emit()
             future.set_exception(exc)
         finally:
             with self._lock:
                 e.loading = None
                 self._pending -= 1
                 self._fair.finished(requester)
-                _forget_cold(self._entries)
+                forget_cold(self._entries)
                 self._room_changes += 1
                 self._lock.notify_all()
-            self._emit()  # what an eviction on the way recorded
+            self._outbox.emit()  # what an eviction on the way recorded
 
-    def _place(self, e: _Entry, host: PreparedAdapter, started: float, t0: float) -> None:
+    def _place(self, e: CacheEntry, host: PreparedAdapter, started: float, t0: float) -> None:
         """Evict unreferenced adapters until ``e`` fits its owner's share, the budget and the
         slots, then place it in a slot.
 
@@ -371,7 +349,8 @@ class AdapterCache:
                 # everything.
                 share = max(int(self._fair.share_of(e.tenant) * budget), need)
                 try:
-                    self._evict_for(e, need, share)
+                    evict_for_device(self._entries, e, need, share, budget,
+                                     self.engine.max_adapters, self._fair.share_of, self._unload)
                 except CacheRefused:
                     if deadline - time.monotonic() <= 0:
                         raise
@@ -380,9 +359,9 @@ class AdapterCache:
                     e.on_device, e.device_bytes = True, nbytes
                     e.loads += 1
                     e.last_load_seconds = seconds = time.perf_counter() - t0
-                    self._records.append((e.digest, "loaded", started, seconds, nbytes, None))
+                    self._outbox.add((e.digest, "loaded", started, seconds, nbytes, None))
                     return
-            self._emit()  # what the attempt evicted before it found the rest referenced
+            self._outbox.emit()  # what the attempt evicted before it found the rest referenced
             with self._lock:  # woken when a reference drops, unless one dropped meanwhile
                 if self._room_changes == seen:
                     self._lock.wait(timeout=max(0.0, min(deadline - time.monotonic(), 0.5)))
@@ -393,92 +372,14 @@ class AdapterCache:
         lock = getattr(self.engine, "placement_lock", None)
         return lock if lock is not None else nullcontext()
 
-    def _evict_for(self, e: _Entry, need: int, share: int) -> None:
-        """One attempt at making room; CacheRefused when what blocks it is referenced."""
-        owner = e.tenant
-
-        def owner_bytes() -> int:
-            return sum(x.device_bytes for x in self._entries.values()
-                       if x.on_device and x.tenant == owner)
-
-        if owner is not None and share < self._device_budget:
-            while owner_bytes() + need > share:
-                if not self._evict_one("tenant_share", e, owner=owner):
-                    raise CacheRefused("tenant_share", "tenant's resident share is in use")
-        while self._used("device") + need > self._device_budget:
-            if not self._evict_one("device_budget", e, need=need):
-                raise CacheRefused("no_room", f"the device budget ({ADAPTER_BYTES_ENV}) is held "
-                                              "by running requests")
-        while sum(1 for x in self._entries.values() if x.on_device) >= self.engine.max_adapters:
-            if not self._evict_one("slots_full", e, need=need):
-                raise CacheRefused("no_room", f"every adapter slot ({ADAPTER_SLOTS_ENV}) is held "
-                                              "by running requests")
-
-    def _evict_one(self, reason: str, keep: _Entry, *, owner: str | None = None,
-                   need: int = 0) -> bool:
-        """Unload one unreferenced adapter: ``owner``'s least recently used when given, else
-        the fair victim. False when there is none."""
-        if owner is not None:
-            victim = next((x for x in self._entries.values()  # oldest first
-                           if x is not keep and x.on_device and x.refs == 0
-                           and x.tenant == owner), None)
-        else:  # the fair victim (backend.serving.fair_share.fair_victim)
-            victim = fair_victim(
-                self._entries.values(), keep, need, self._device_budget, self._fair.share_of,
-                held=lambda x: x.device_bytes, evictable=lambda x: x.on_device and x.refs == 0)
-        if victim is None:
-            return False
-        self._unload(victim, reason)
-        return True
-
-    def _unload(self, x: _Entry, reason: str) -> None:
+    def _unload(self, x: CacheEntry, reason: str) -> None:
         self.engine.unload_adapter(x.digest)
         x.on_device, x.device_bytes = False, 0
         x.evictions[reason] = x.evictions.get(reason, 0) + 1
-        self._records.append((x.digest, "unloaded", time.time(), 0.0, None, reason))
-
-    def _emit(self) -> None:
-        """Hand the records made under the lock to ``on_event``, outside it, in order. Caller
-        does not hold the lock. Never waits for another thread's ``on_event``: while one thread
-        emits, another's records are left to it (it looks again after it lets go)."""
-        while self._emit_lock.acquire(blocking=False):
-            try:
-                while True:
-                    with self._lock:
-                        records, self._records = self._records, []
-                    if not records:
-                        break
-                    for digest, outcome, started, seconds, nbytes, reason in records:
-                        # The load record is evidence, but a database outage must not wedge the
-                        # cache: a waiter would otherwise never learn how the load ended.
-                        try:
-                            self.on_event(digest, outcome, started, seconds, nbytes, reason)
-                        except Exception:
-                            log.exception("could not record adapter %s (%s)", outcome, reason)
-            finally:
-                self._emit_lock.release()
-            with self._lock:  # records made after the last look, by a thread that left them
-                if not self._records:
-                    return
-
-    def _make_room(self, tier: str, need: int, keep: _Entry) -> None:
-        budget = self.budgets.host_bytes if tier == "host" else self.budgets.store_bytes
-        if need > budget:
-            raise CacheRefused("no_room", f"adapter larger than the {tier} budget")
-        while self._used(tier) + need > budget:
-            victim = (fair_victim(self._entries.values(), keep, need, budget,
-                                  self._fair.share_of, held=lambda x: x.host_bytes,
-                                  evictable=lambda x: x.loading is None and _holds(x, "host"))
-                      if tier == "host" else
-                      next((x for x in self._entries.values() if x is not keep
-                            and x.loading is None and _holds(x, tier)), None))
-            if victim is None:
-                raise CacheRefused("no_room", f"{tier} budget in use")
-            _drop_tier(victim, tier)
-            victim.evictions[f"{tier}_budget"] = victim.evictions.get(f"{tier}_budget", 0) + 1
+        self._outbox.add((x.digest, "unloaded", time.time(), 0.0, None, reason))
 
     def _used(self, tier: str) -> int:
-        return _bytes_in(self._entries.values(), tier)
+        return bytes_in(self._entries.values(), tier)
 
     # -- governance -------------------------------------------------------------------------
 
@@ -487,15 +388,15 @@ class AdapterCache:
         with self._engine_lock(), self._lock:  # the engine's lock first (see _place)
             e = self._entries.get(digest)
             if e is None:
-                e = self._entries[digest] = _Entry(digest)
+                e = self._entries[digest] = CacheEntry(digest)
             e.revoked = True
             for tier in ("host", "store"):
-                if _holds(e, tier):
-                    _drop_tier(e, tier)
+                if holds(e, tier):
+                    drop_tier(e, tier)
                     e.evictions["revoked"] = e.evictions.get("revoked", 0) + 1
             if e.on_device and e.refs == 0:
                 self._unload(e, "revoked")
-        self._emit()
+        self._outbox.emit()
         self.on_purge(digest)
 
     def is_revoked(self, digest: str) -> bool:
@@ -521,29 +422,12 @@ class AdapterCache:
             return {d: _report(e) for d, e in self._entries.items()}
 
 
-def _forget_cold(entries: OrderedDict[str, _Entry]) -> None:
-    """Drop the oldest entries that hold nothing beyond :data:`REMEMBERED`; caller holds the
-    cache's lock."""
-    excess = len(entries) - REMEMBERED
-    if excess > 0:
-        cold = [d for d, x in entries.items()
-                if not (x.on_device or x.refs or x.loading or x.revoked or x.host or x.path)]
-        for d in cold[:excess]:
-            del entries[d]
-
-
-def _bytes_in(entries: Iterable[_Entry], tier: str) -> int:
-    if tier == "device":
-        return sum(x.device_bytes for x in entries if x.on_device)
-    return sum(x.host_bytes if tier == "host" else x.store_bytes for x in entries)
-
-
-def _tiers(entries: Iterable[_Entry], budgets: CacheBudgets, pending: int,
+def _tiers(entries: Iterable[CacheEntry], budgets: CacheBudgets, pending: int,
            max_pending: int) -> dict[str, dict[str, int]]:
     held = list(entries)
     out = {t: {"adapters": sum(1 for x in held if (x.on_device if t == "device"
-                                                    else _holds(x, t))),
-               "bytes": _bytes_in(held, t),
+                                                    else holds(x, t))),
+               "bytes": bytes_in(held, t),
                "budget": int({"device": budgets.device_bytes, "host": budgets.host_bytes,
                               "store": budgets.store_bytes}[t] or 0)}
            for t in ("device", "host", "store")}
@@ -551,7 +435,7 @@ def _tiers(entries: Iterable[_Entry], budgets: CacheBudgets, pending: int,
     return out
 
 
-def _report(e: _Entry) -> DigestReport:
+def _report(e: CacheEntry) -> DigestReport:
     return DigestReport(
         digest=e.digest,
         tier="device" if e.on_device else "host" if e.host else "store" if e.path else "none",
@@ -560,20 +444,4 @@ def _report(e: _Entry) -> DigestReport:
         loads=e.loads, load_failures=e.load_failures, last_load_seconds=e.last_load_seconds,
         evictions=dict(e.evictions), revoked=e.revoked)
 
-
-def _holds(x: _Entry, tier: str) -> bool:
-    return x.host is not None if tier == "host" else x.path is not None
-
-
-def _drop_tier(x: _Entry, tier: str) -> None:
-    if tier == "host":
-        x.host, x.host_bytes = None, 0
-    else:
-        x.path, x.store_bytes = None, 0
-
-
-def _dir_bytes(source: AdapterSource) -> int:
-    if isinstance(source, Mapping):
-        return sum(len(b) for b in source.values())
-    return sum(p.stat().st_size for p in Path(source).rglob("*") if p.is_file())
 

@@ -176,9 +176,7 @@ class Engine:
 
     @property
     def placement_lock(self) -> threading.RLock:
-        """The lock each batch step holds: the adapter cache takes it before its own wherever
-        it fills or empties a slot (``AdapterCache._place``), so that no other request waits
-        on the cache while a load waits for a step to end."""
+        """The lock each step holds; the cache's is taken after it (``AdapterCache._place``)."""
         return self._lock
 
     def place(self, digest: str, adapter: HostAdapter | PreparedAdapter) -> int:
@@ -202,11 +200,9 @@ class Engine:
             return self.place(digest, self.read_adapter(adapter_dir))
 
     def unload_adapter(self, digest: str) -> None:
-        """Drop a resident adapter and zero its slot.
-
-        Raises ``UnknownAdapterError`` if it is not resident and ``AdapterBusyError`` while a
-        running sequence still uses it: its slot must not be handed to another adapter mid-way.
-        """
+        """Drop a resident adapter and zero its slot. ``UnknownAdapterError`` if it is not
+        resident; ``AdapterBusyError`` while a running sequence uses it (its slot must not be
+        handed to another adapter mid-way)."""
         self.residency.unload(digest)
 
     def resident_adapters(self) -> dict[str, int]:
@@ -222,8 +218,7 @@ class Engine:
         return self.residency.identity_of(digest)
 
     def slot_tensors(self, digest: str) -> list[torch.Tensor]:
-        """The tensor views an adapter occupies on the device (for byte accounting checks): its
-        whole slot, in every target module, whichever modules it changes."""
+        """The views of an adapter's whole slot, in every target module (byte accounting)."""
         return self.residency.slot_tensors(digest)
 
     def base_tensors(self) -> list[torch.Tensor]:

@@ -308,7 +308,8 @@ def test_the_refusal_reasons_a_window_counts_are_the_ones_serving_writes() -> No
     the service's busy refusals and ``adapter_`` + the cache's out-of-room reasons."""
     # wherever in the serving package the service writes its refusals
     service = "\n".join(f.read_text() for f in sorted((REPO / "backend" / "serving").glob("*.py")))
-    cache = (REPO / "backend" / "serving" / "cache.py").read_text()
+    cache = "\n".join((REPO / "backend" / "serving" / name).read_text()
+                      for name in ("cache.py", "cache_entries.py"))  # where it refuses
     assert f'reason="{BUSY_REASON}"' in service and '"adapter_{e.reason}"' in service
     cache_reasons = set(re.findall(r'CacheRefused\("([a-z_]+)"', cache))
     assert {r.removeprefix("adapter_") for r in MEMORY_REFUSALS} <= cache_reasons

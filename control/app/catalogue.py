@@ -170,8 +170,9 @@ class CatalogueDesk:
                     staged, lookup_base=self.base_info, base=base,
                     max_rank=limits.rank_limit(policy, reg.settings.max_rank))
                 limits.check_targets(policy, facts.base_digest, facts.target_modules)
-                limits.check_adapter_count(
-                    policy, reg.follower.routing().live_adapter_count(tenant))
+                limits.check_adapter_count(  # with any of a batch's, not yet projected
+                    policy, reg.follower.routing().live_adapter_count(tenant)
+                    + reg.unsaved_adapters(tenant))
                 verified = None
                 if signature is not None:
                     # x509 and model_signing: only registrations that carry a signature load them

@@ -43,7 +43,10 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 from uuid import UUID
 
@@ -120,6 +123,56 @@ class Delegate(Generic[P, R]):
         return command
 
 
+@dataclass
+class _Batch:
+    """Commands recorded by :meth:`Registry.batched` and not yet saved: their events in order,
+    the aggregates as they now stand (by id), and the adapters each tenant registered."""
+
+    flush_events: int
+    events: list[Any] = field(default_factory=list)
+    by_id: dict[UUID, list[Any]] = field(default_factory=dict)
+    aggregates: dict[UUID, Aggregate] = field(default_factory=dict)
+    adapters: Counter[str] = field(default_factory=Counter)
+    creating: bool = False
+
+    def defer(self, events: list[Any], aggregates: list[Aggregate], creating: bool) -> bool:
+        """Take one command's events; True when enough are pending to save."""
+        self.events.extend(events)
+        for e in events:
+            self.by_id.setdefault(e.originator_id, []).append(e)
+        self.creating = self.creating or creating
+        for agg in aggregates:
+            self.aggregates[agg.id] = agg
+        self.adapters.update(e.tenant for e in events if isinstance(e, Adapter.AdapterRegistered))
+        return len(self.events) >= self.flush_events
+
+    def load(self, aggregate_id: UUID, repository: Any) -> Aggregate:
+        """An aggregate as the batch leaves it: its unsaved events applied; read once per flush
+        (a command that failed after changing it, leaving events pending, is undone by
+        rebuilding it from the store and the batch's events, as a reload would)."""
+        agg = self.aggregates.get(aggregate_id)
+        if agg is not None and not agg.pending_events:
+            return agg
+        mine = self.by_id.get(aggregate_id, [])
+        rebuilt: Aggregate | None = (repository.get(aggregate_id)
+                                     if not mine or mine[0].originator_version > 1 else None)
+        for event in mine:
+            rebuilt = event.mutate(rebuilt)
+        if rebuilt is None:
+            raise AggregateNotFoundError(aggregate_id)
+        self.aggregates[aggregate_id] = rebuilt
+        return rebuilt
+
+    def take(self) -> tuple[list[Any], bool]:
+        """The pending events (and whether they create an aggregate); nothing stays pending."""
+        events, creating = self.events, self.creating
+        self.events, self.creating = [], False
+        self.aggregates.clear()
+        self.by_id.clear()
+        self.adapters.clear()
+        return events, creating
+
+
 class Registry(Application[UUID]):
     """The unit of work: loads aggregates, saves what a desk's command changed, and keeps the
     projections caught up. The commands are the desks' (see the module notes)."""
@@ -144,6 +197,7 @@ class Registry(Application[UUID]):
         self._open_read_model = read_model
         self._follower: ReadModel | None = None
         self._seal: AuditSeal | None = None
+        self._batch: _Batch | None = None
         self.tenants = TenantDesk(self)
         self.signing_keys = SigningKeyDesk(self)
         self.catalogue = CatalogueDesk(self)
@@ -207,6 +261,10 @@ class Registry(Application[UUID]):
         # and shows their times, which must then never go backwards within one command.
         events = list(heapq.merge(*(a.collect_events() for a in aggregates if a is not None),
                                   key=lambda e: e.timestamp))
+        if self._batch is not None:
+            if self._batch.defer(events, [a for a in aggregates if a is not None], creating):
+                self._flush()
+            return 0
         try:
             recordings = self.save(*events)
         except (EventStoreIntegrityError, sa.exc.IntegrityError):
@@ -218,6 +276,51 @@ class Registry(Application[UUID]):
         self._after_command(recordings)
         return max((r.notification.id for r in recordings), default=0)
 
+    # -- batches: many commands, one save ----------------------------------------------------
+
+    @contextmanager
+    def batched(self, flush_events: int = 5000) -> Iterator[None]:
+        """Run many commands and save their events together: one ``save()`` (one transaction)
+        each time ``flush_events`` events are pending, and once more at the end. Each command
+        runs exactly as alone (the same desk code, checks and events, in the same order); its
+        aggregates are read from the batch while their events are unsaved, and a tenant's
+        unsaved registrations count against its adapter limit. What differs is only when the
+        events are saved: a lost race (a duplicate, a concurrent change) refuses the whole
+        pending part of the batch, as one command's would be, and nothing of it is recorded.
+        Commands that wait for the projections (:meth:`confirm_visible`) are refused inside.
+        Aggregates a command only reads (a tenant's policy) are read once per flush, so a change
+        another process records meanwhile is seen at the next flush, not at the next command.
+        For bulk registrations (``control.tools.bench_registry``)."""
+        if self._batch is not None:
+            raise RuntimeError("batches do not nest")
+        self._batch = _Batch(flush_events)
+        try:
+            yield
+        finally:
+            try:  # what the commands before a failed one recorded is saved, as one by one
+                self._flush()
+            finally:
+                self._batch = None
+
+    def unsaved_adapters(self, tenant: str) -> int:
+        """Adapters ``tenant`` registered in the running batch whose events are not saved yet
+        (0 outside a batch): the projections cannot count them."""
+        return 0 if self._batch is None else self._batch.adapters[tenant]
+
+    def _flush(self) -> None:
+        if self._batch is None or not self._batch.events:
+            return
+        events, creating = self._batch.take()  # a failed save leaves nothing pending
+        try:
+            recordings = self.save(*events)
+        except (EventStoreIntegrityError, sa.exc.IntegrityError):
+            if creating:
+                raise AlreadyExists("something this batch creates already exists (or was "
+                                    "created concurrently); nothing of it was recorded") from None
+            raise Conflict("something this batch changes was changed concurrently by another "
+                           "command; nothing of it was recorded, retry") from None
+        self._after_command(recordings)
+
     def confirm_visible(self, position: int, visible: Callable[[RoutingReads], bool],
                         what: str, wait_s: float = VISIBLE_WITHIN_S) -> None:
         """Return once the projection tables have applied the log up to ``position`` (the
@@ -227,6 +330,8 @@ class Registry(Application[UUID]):
 
         The position matters for changes that remove rows: a projection that has not yet
         applied the grant would also "show" its removal, and then apply the grant alone."""
+        if self._batch is not None:
+            raise RuntimeError("a command that waits for the projections cannot run in a batch")
         view = self.follower.routing()
         deadline = time.monotonic() + wait_s
         while True:
@@ -252,7 +357,8 @@ class Registry(Application[UUID]):
         """The aggregate ``aggregate_id``, which must be a ``cls``; NotFound ("``what`` not
         found") otherwise."""
         try:
-            agg: Aggregate = self.repository.get(aggregate_id)
+            agg: Aggregate = (self.repository.get(aggregate_id) if self._batch is None
+                              else self._batch.load(aggregate_id, self.repository))
         except AggregateNotFoundError:
             raise NotFound(f"{what} not found") from None
         if not isinstance(agg, cls):
@@ -261,6 +367,8 @@ class Registry(Application[UUID]):
 
     def exists(self, aggregate_id: UUID) -> bool:
         """Whether any aggregate has the id ``aggregate_id``."""
+        if self._batch is not None and aggregate_id in self._batch.aggregates:
+            return True
         return aggregate_id in self.repository
 
     # -- typed readers ----------------------------------------------------------------------

@@ -8,8 +8,9 @@
                              ``control.tools.bench_incidents``), cold loads of 7B-shaped
                              adapters (``control.tools.bench_coldload``), Zipf traffic over
                              1,000 adapters (``control.tools.bench_zipf``), the churn attack
-                             (``control.tools.bench_fairness``) and the warm-up list
-                             (``control.tools.bench_warmup``).
+                             (``control.tools.bench_fairness``), the warm-up list
+                             (``control.tools.bench_warmup``) and 100,000 adapters in the
+                             registry (``control.tools.bench_registry``).
 """
 
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
@@ -266,12 +267,15 @@ def bench_scale(
     zipf_1000_vs_32, tokens/s through a real Triton with Zipf traffic over 1,000 adapters (200
     with --quick) on 32 device slots over the same traffic on 32 adapters; the churn attack on
     the adapter cache (bench_fairness) and the first request after a restart with and without
-    the warm-up list (bench_warmup)."""
+    the warm-up list (bench_warmup); and 100,000 adapters in the registry (1,000 with --quick):
+    registration and projection rebuild rates, ticket_p99_100k_vs_100 through the gateway, and
+    the gateway's and the host view's resident memory (bench_registry)."""
     import tempfile
 
     from control.tools import (
         bench_coldload,  # torch and transformers load for this bench only
         bench_fairness,  # the serving path in-process: likewise
+        bench_registry,  # scratch registries and gateway processes: likewise
         bench_warmup,  # likewise
         bench_zipf,  # a deployment with a real tritonserver: likewise
     )
@@ -289,7 +293,8 @@ def bench_scale(
             "cold_loads": bench_coldload.run_bench(quick=quick, progress=_progress),
             "zipf": bench_zipf.run_bench(kit, quick=quick, progress=_progress),
             "fairness": bench_fairness.run_bench(kit, quick=quick, progress=_progress),
-            "warmup": bench_warmup.run_bench(kit, quick=quick, progress=_progress)}
+            "warmup": bench_warmup.run_bench(kit, quick=quick, progress=_progress),
+            "registry": bench_registry.run_bench(quick=quick, progress=_progress)}
 
     def human() -> None:
         from rich.table import Table
@@ -368,6 +373,28 @@ def bench_scale(
         t.add_row("first-request TTFT after a restart, with / without the list",
                   f"{w['with_vs_without']:.3f} ({w['ttft_first_with_s'] * 1e3:.1f} / "
                   f"{w['ttft_first_without_s'] * 1e3:.1f} ms)")
+        console.print(t)
+        g = result["registry"]
+        t = Table(title=f"{g['adapters']:,} adapters in the registry vs {g['small_adapters']} "
+                        f"({g['goal']}: {'met' if g['met'] else 'NOT met'})")
+        for col in ("figure", "measured"):
+            t.add_column(col)
+        for mode in ("steady", "churn"):
+            k = g["tickets"][mode]
+            p99 = k["ticket_p99_ms"]
+            t.add_row(f"ticket p99 ms, {mode}: large / small (ratio)",
+                      f"{p99['large']['median']:.2f} / {p99['small']['median']:.2f} "
+                      f"({k['ratio']:.3f})")
+        t.add_row("registration, adapters/s (events/s)",
+                  f"{g['registration_adapters_per_s']:.0f} ({g['registration_events_per_s']:.0f})")
+        t.add_row("projection rebuild, events/s",
+                  f"{g['projection_events_per_s']:.0f} ({g['projection_events']:,} events)")
+        t.add_row("gateway RSS MiB, large / small",
+                  f"{g['gateway_rss_mib']['large']} / {g['gateway_rss_mib']['small']}")
+        hv = g["host_view"]
+        t.add_row("host governance view MiB (process RSS), large / small",
+                  f"{hv['large']['view_mib']} ({hv['large']['rss_mib']}) / "
+                  f"{hv['small']['view_mib']} ({hv['small']['rss_mib']})")
         console.print(t)
 
     emit(result, human)

@@ -13,7 +13,14 @@ from typer.testing import CliRunner
 from control.cli.main import app
 from control.contracts.db import make_engine
 from control.contracts.ledger import request_ledger
-from control.tools import bench_coldload, bench_fairness, bench_incidents, bench_warmup, bench_zipf
+from control.tools import (
+    bench_coldload,
+    bench_fairness,
+    bench_incidents,
+    bench_registry,
+    bench_warmup,
+    bench_zipf,
+)
 from control.tools.bench_incidents import measure
 
 ZIPF = {"zipf_1000_vs_32": 1.0}  # stands in for the Zipf bench's figures (not read here)
@@ -41,6 +48,9 @@ def test_the_cli_prints_the_figures(monkeypatch: pytest.MonkeyPatch, kit_dir: Pa
     # the Zipf bench through tritonserver is test_bench_zipf's; the churn attack and the
     # warm-up run here at their smallest
     monkeypatch.setattr(bench_zipf, "run_bench", lambda *_a, **_k: ZIPF)
+    # the registry bench at a tiny size: its figures are test_bench_registry's
+    monkeypatch.setattr(bench_registry, "QUICK", bench_registry.Size(
+        adapters=12, small=4, tenants=2, rounds=1, requests=100))
     monkeypatch.setattr(bench_fairness, "QUICK", {"runs": 1, "requests": 12, "versions": 6})
     monkeypatch.setattr(bench_warmup, "QUICK", {"restarts": 1})
     # the cold loads at a small width: the 7B shape is bench_coldload's own tests'
@@ -62,6 +72,9 @@ def test_the_cli_prints_the_figures(monkeypatch: pytest.MonkeyPatch, kit_dir: Pa
     assert cold["loads"] == 4 and cold["shape"]["hidden"] == 256
     for key in ("cold_load_vs_read_7b", "cold_load_p95_s", "read_hash_p95_s"):
         assert cold[key] > 0, key
+    reg = json.loads(out.stdout)["registry"]
+    assert reg["adapters"] == 12 and reg["events_per_adapter"] > 9
+    assert reg["ticket_p99_100k_vs_100"] > 0 and reg["projection_events_per_s"] > 0
     inc = json.loads(out.stdout)["incidents"]
     assert inc["sqlite"]["rows"] == 5000 and "postgresql" not in inc
     assert inc["sqlite"]["base_hour"]["indexes"] == ["ix_ledger_base_time"]

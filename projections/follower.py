@@ -37,10 +37,12 @@ from projections import writers
 from projections.routing import RoutingView
 from projections.tables import (
     CHANGE_CHANNEL,
+    CHANGES_PRUNED,
     TRACKING_NAME,
     VIEW_TABLES,
     create_tables,
     projection_tracking,
+    routing_changes,
 )
 from projections.writers.sessions import prune_pins
 
@@ -55,6 +57,9 @@ DEFAULT_NAME = TRACKING_NAME
 # most 7 days, from its last use): the events stay, the table stays the size of live traffic.
 PIN_KEEP_S = 86400
 PIN_PRUNE_EVERY_S = 60.0
+# ``routing_changes`` keeps the rows of the last CHANGES_KEEP positions (pruned with the pins): a
+# route cache further behind than that reloads everything instead.
+CHANGES_KEEP = 100_000
 _RETRIES = 8
 
 
@@ -165,6 +170,8 @@ class ProjectionFollower:
                     conn.rollback()
                     return 0
                 writers.apply_all(conn, events)
+                if self.name == TRACKING_NAME:  # what the route caches read (their position)
+                    writers.record_changes(conn, events, last)
                 self._write_position(conn, old, last)
                 if not sqlite:
                     # Delivered at commit to every listening Triton host (projections.host_view):
@@ -223,6 +230,7 @@ class ProjectionFollower:
                 if time.monotonic() - pruned_at >= PIN_PRUNE_EVERY_S:
                     pruned_at = time.monotonic()
                     self.prune_pins()
+                    self.prune_changes()
             except Exception:
                 log.exception("projection catch-up failed; retrying")
                 stop.wait(min(5.0, interval * 20))
@@ -238,6 +246,35 @@ class ProjectionFollower:
             log.info("pruned %d session pins expired over %d s ago", n, PIN_KEEP_S)
         return n
 
+    def prune_changes(self, engine: Engine | None = None, keep: int = CHANGES_KEEP) -> int:
+        """Delete the ``routing_changes`` rows more than ``keep`` positions old, and record
+        in the same transaction that the log is complete only above that position (a route
+        cache at or below it reloads everything). Returns how many rows went."""
+        if self.name != TRACKING_NAME:
+            return 0
+        with self._lock, (engine or self.engine).begin() as conn:
+            # The write first (SQLite: the write lock before any read, as _apply_batch takes it)
+            tracked = (sa.select(projection_tracking.c.position)
+                       .where(projection_tracking.c.name == self.name).scalar_subquery())
+            n = int(conn.execute(routing_changes.delete().where(
+                routing_changes.c.position <= tracked - keep)).rowcount or 0)
+            position = self._read_position(conn)
+            if position is None or position - keep <= 0:
+                return n
+            # Read after the delete, the position can only be higher than the one it used: the
+            # horizon recorded is never below what went.
+            horizon = position - keep
+            moved = conn.execute(projection_tracking.update()
+                                 .where(projection_tracking.c.name == CHANGES_PRUNED,
+                                        projection_tracking.c.position < horizon)
+                                 .values(position=horizon)).rowcount
+            if not moved and conn.execute(
+                    sa.select(projection_tracking.c.position)
+                    .where(projection_tracking.c.name == CHANGES_PRUNED)).first() is None:
+                conn.execute(projection_tracking.insert().values(name=CHANGES_PRUNED,
+                                                                 position=horizon))
+        return n
+
     def rebuild_into(self, engine: Engine) -> int:
         """Replay the whole event history into the projection tables on ``engine``.
 
@@ -247,6 +284,10 @@ class ProjectionFollower:
         with engine.begin() as conn:
             for table in VIEW_TABLES:
                 conn.execute(table.delete())
+            if self.name == TRACKING_NAME:  # the change log starts again with the positions
+                conn.execute(routing_changes.delete())
+                conn.execute(projection_tracking.delete()
+                             .where(projection_tracking.c.name == CHANGES_PRUNED))
             conn.execute(projection_tracking.delete()
                          .where(projection_tracking.c.name == self.name))
         with self._lock:

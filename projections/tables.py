@@ -20,8 +20,9 @@ metadata = sa.MetaData()
 # 2: ``signing_keys.retired_at``. 3: ``tenants.tickets_not_before``. 4: ``session_pins`` and
 # ``routes.fallback``. 5: ``revocations.immediate``. 6: ``signing_keys.root_signature``. 7:
 # ``tenants.pool`` and ``tenants.regions``. 8: ``tenants.resident_share`` and
-# ``tenants.loads_per_minute``. A new version also teaches ``detect_version`` its columns.
-SCHEMA_VERSION = 8
+# ``tenants.loads_per_minute``. 9: ``routing_changes``. A new version also teaches
+# ``detect_version`` its columns.
+SCHEMA_VERSION = 9
 
 _digest = sa.String(71)  # "sha256:" + 64 hex
 _name = sa.String(64)
@@ -174,6 +175,22 @@ projection_tracking = sa.Table(
     sa.Column("position", sa.BigInteger, nullable=False),
 )
 
+# What each projection batch changed of the tables the gateway's route cache holds
+# (``projections.route_cache``): one row per (kind, key) a batch touched, at the batch's last
+# position, written in the batch's transaction (``projections.writers.changes``). A reader at
+# position P reloads only the keys of rows above P. Kinds: ``tenant`` (its API keys and
+# placement), ``alias`` (its route and grants), ``release``, ``adapter`` (the releases of it),
+# ``key`` (a signing key), and ``all`` (an event no kind describes: reload everything). The
+# follower prunes old rows and records below which position the log is no longer complete
+# (tracking row CHANGES_PRUNED); a reader older than that reloads everything.
+routing_changes = sa.Table(
+    "routing_changes", metadata,
+    sa.Column("position", sa.BigInteger, primary_key=True),
+    sa.Column("kind", sa.String(8), primary_key=True),
+    sa.Column("key", sa.String(200), primary_key=True),
+)
+CHANGES_PRUNED = "routing_changes_pruned"
+
 VIEW_TABLES: tuple[sa.Table, ...] = (
     routes, releases, grants, api_keys, tenants, adapters, bases, revocations, signing_keys,
     serving_steps, session_pins,
@@ -203,7 +220,9 @@ def detect_version(insp: sa.Inspector) -> int:
         return 5
     if not has(tenants, "pool"):
         return 6
-    return 8 if has(tenants, "resident_share") else 7
+    if not has(tenants, "resident_share"):
+        return 7
+    return 9 if insp.has_table(routing_changes.name) else 8
 
 
 def create_tables(engine: Engine) -> None:

@@ -125,6 +125,7 @@ GRANTS: dict[str, dict[str, Grant]] = {
                                                    "resident_share", "loads_per_minute",
                                                    "pool", "regions"))},
     "projection_tracking": {GATEWAY: READ, HOST: READ},
+    "routing_changes": {GATEWAY: READ},  # what each batch changed: the route cache's refresh
     # the request ledger and what hangs off it
     "request_ledger": {
         GATEWAY: Grant(select=GATEWAY_LEDGER_COLUMNS),

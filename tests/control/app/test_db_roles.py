@@ -137,7 +137,7 @@ def _entry(rid: str, host: str) -> LedgerEntry:
 EVENTS_AND_SEALS = ("registry_events", "audit_checkpoints")
 PROJECTIONS = ("routes", "releases", "grants", "api_keys", "tenants", "adapters", "bases",
                "revocations", "signing_keys", "serving_steps", "session_pins",
-               "projection_tracking")
+               "projection_tracking", "routing_changes")
 
 
 @pytest.mark.postgres

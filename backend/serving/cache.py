@@ -166,8 +166,12 @@ class AdapterCache:
         self._lock = threading.Condition()
         # load records made under the lock, handed to on_event after it, in order
         self._outbox = RecordOutbox(self._lock, lambda: self.on_event)
+        self._refs = 0  # every entry's refs together
         self._room_changes = 0  # counts the moments room may have come (a load waiting looks)
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()  # LRU order: oldest first
+        # The device-resident ones, in the same order: what an eviction looks through holding
+        # the engine's lock (the slots, not every digest the cache remembers)
+        self._device: OrderedDict[str, CacheEntry] = OrderedDict()
         self._pending = 0
         self._fair = FairShare(self.quota, clock)  # per-tenant shares, rates, queue parts
         # Loads run on kept, confined threads, shared by the process's caches: one intra-op
@@ -215,8 +219,10 @@ class AdapterCache:
                 self._fair.note_share(claim.owner, claim.owner_share)
                 self._entries.move_to_end(digest)
                 if e.on_device:
+                    self._device.move_to_end(digest)
                     e.hits += 1
                     e.refs += 1
+                    self._refs += 1
                     out.set_result(self._lease(digest))
                     return out
                 e.misses += 1
@@ -228,6 +234,7 @@ class AdapterCache:
                     self._fair.started(claim.requester)
                     self._workers.submit(partial(self._load, e, claim.requester, future))
                 e.refs += 1
+                self._refs += 1
         except CacheRefused as refused:
             out.set_exception(refused)
             return out
@@ -258,9 +265,10 @@ class AdapterCache:
         lease.release()
 
     def references(self) -> int:
-        """References held by live leases, all adapters together (0 when idle)."""
+        """References held by live leases, all adapters together (0 when idle); counted as
+        they come and go (the metrics read it after every batch)."""
         with self._lock:
-            return sum(e.refs for e in self._entries.values())
+            return self._refs
 
     def _drop_ref(self, digest: str) -> None:
         with self._lock:
@@ -269,6 +277,7 @@ class AdapterCache:
                 self.violations.raise_("negative_ref", f"reference on {digest}")
             assert e is not None
             e.refs -= 1
+            self._refs -= 1
             unload = e.refs == 0 and e.revoked and e.on_device
             if e.refs == 0:
                 self._room_changes += 1
@@ -349,7 +358,7 @@ class AdapterCache:
                 # everything.
                 share = max(int(self._fair.share_of(e.tenant) * budget), need)
                 try:
-                    evict_for_device(self._entries, e, need, share, budget,
+                    evict_for_device(self._device, e, need, share, budget,
                                      self.engine.max_adapters, self._fair.share_of, self._unload)
                 except CacheRefused:
                     if deadline - time.monotonic() <= 0:
@@ -357,6 +366,7 @@ class AdapterCache:
                 else:
                     nbytes = self.engine.place(e.digest, host)
                     e.on_device, e.device_bytes = True, nbytes
+                    self._device[e.digest] = e
                     e.loads += 1
                     e.last_load_seconds = seconds = time.perf_counter() - t0
                     self._outbox.add((e.digest, "loaded", started, seconds, nbytes, None))
@@ -375,6 +385,7 @@ class AdapterCache:
     def _unload(self, x: CacheEntry, reason: str) -> None:
         self.engine.unload_adapter(x.digest)
         x.on_device, x.device_bytes = False, 0
+        self._device.pop(x.digest, None)
         x.evictions[reason] = x.evictions.get(reason, 0) + 1
         self._outbox.add((x.digest, "unloaded", time.time(), 0.0, None, reason))
 

@@ -63,7 +63,9 @@ def evict_for_device(entries: OrderedDict[str, CacheEntry], e: CacheEntry, need:
                      share_of: Callable[[str | None], float],
                      unload: Callable[[CacheEntry, str], None]) -> None:
     """One attempt at room for ``e`` (``need`` bytes) within its owner's ``share``, the device
-    ``budget`` and ``max_adapters`` slots; CacheRefused when what blocks it is referenced."""
+    ``budget`` and ``max_adapters`` slots; CacheRefused when what blocks it is referenced.
+    ``entries``: the device-resident ones, least recently used first (``unload`` takes them
+    out); the caller holds the engine's lock, so this looks through slots, not every digest."""
     owner = e.tenant
 
     def evict_one(reason: str, *, of_owner: bool = False) -> bool:

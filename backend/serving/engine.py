@@ -57,6 +57,7 @@ from backend.serving.memory import (
     plan_memory,
     serving_dtype,
 )
+from backend.serving.placement_gate import PlacementGate
 from backend.serving.prefix_cache import uncached_tokenizer
 from backend.serving.residency import SlotResidency
 from backend.serving.sampling import InvalidParameter, check_sampling
@@ -103,6 +104,7 @@ class Engine:
             budget=budget or AdapterBudget(), device_bytes=device_memory(str(self._device)),
             slots=max_adapters)
         self._lock = threading.RLock()
+        self.placement_lock = PlacementGate(self._lock)  # for slot changes (AdapterCache._place)
         # Without the tokenizer's word cache: shared by all tenants, it cannot be salted.
         self._tokenizer: PreTrainedTokenizerBase = uncached_tokenizer(
             AutoTokenizer.from_pretrained(Path(tokenizer_dir), local_files_only=True))
@@ -173,11 +175,6 @@ class Engine:
         """The adapter in the slots' dtype and layout (see :class:`PreparedAdapter`); takes no
         lock, so a cold load's conversion never holds up a decode step."""
         return self.residency.prepare(adapter)
-
-    @property
-    def placement_lock(self) -> threading.RLock:
-        """The lock each step holds; the cache's is taken after it (``AdapterCache._place``)."""
-        return self._lock
 
     def place(self, digest: str, adapter: HostAdapter | PreparedAdapter) -> int:
         """Put a validated adapter in a free slot; return its resident device bytes.

@@ -37,6 +37,7 @@ import torch
 
 from backend.serving.engine import DecodeBatch, Engine, GenerationResult, Sequence
 from backend.serving.kv_admission import admit, over_budget, reserved
+from backend.serving.placement_gate import let_placements_in
 from backend.serving.prefix_cache import PrefixCache, PrefixKey
 from control.contracts.ledger import Outcome
 
@@ -115,8 +116,7 @@ class Scheduler:
         # digest -> kill switch: adapters revoked while this scheduler runs (see ``revoke``)
         self._revoked: dict[str, bool] = {}
         self._batch: DecodeBatch | None = None
-        self._stop = False
-        self.steps = 0
+        self._stop, self.steps = False, 0
         self.ended = 0  # jobs ended (each exactly once)
         self.kv_waits = 0  # turns whose queue head waited for KV room
         self._thread: threading.Thread | None = None
@@ -220,6 +220,7 @@ class Scheduler:
                 if self._stop:
                     break
                 new = self._admit_from_queue()
+            let_placements_in(self.engine)  # loads waiting for a slot go first
             self._turn(new)
         self._end_leftover()
 

@@ -58,6 +58,8 @@ INTERVAL_ENV = "LORAPLANE_PLACEMENT_METRICS_INTERVAL_S"
 # The picker polls every 50 ms by default; a quarter second keeps the view fresh for a cost
 # of three short lock holds (scheduler, cache) per tick.
 DEFAULT_INTERVAL_S = 0.25
+# Host-memory adapters published per device slot, most recently used first (see _residency).
+HOST_SERIES_PER_SLOT = 4
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -94,8 +96,17 @@ def state_of(service: Any) -> PlacementState:
         # bounded by the slot count: only resident adapters run, and the waiting list is cut
         running_adapters=tuple(running_d[:max_lora]),
         waiting_adapters=tuple(d for d in waiting_d if d not in running_d)[:max_lora],
-        residency={d: r.tier for d, r in report.items() if r.tier in LEVELS and not r.revoked},
+        residency=_residency(report, max_lora),
     )
+
+
+def _residency(report: Mapping[str, Any], max_lora: int) -> dict[str, str]:
+    """Every adapter in a device slot, and the most recently used of those in host memory, at
+    most ``HOST_SERIES_PER_SLOT`` per slot: a host tier of a thousand adapters published as a
+    thousand series, rebuilt whenever one moved, took a quarter of a busy engine process."""
+    live = [(d, r.tier) for d, r in report.items() if r.tier in LEVELS and not r.revoked]
+    host = [d for d, tier in live if tier == "host"][-HOST_SERIES_PER_SLOT * max_lora:]
+    return {d: tier for d, tier in live if tier == "device"} | dict.fromkeys(host, "host")
 
 
 class _Family:
@@ -201,10 +212,13 @@ class PlacementMetrics:
             self.kv.set({}, float(s.kv_usage))
             self._publish_info(s)
             keep: set[Labels] = set()
+            held = self.loaded.held()
             for digest, level in s.residency.items():
                 labels = {"adapter_name": digest, "level": level}
-                self.loaded.set(labels, 1.0)
-                keep.add(tuple(sorted(labels.items())))
+                key = tuple(sorted(labels.items()))
+                if key not in held:  # always 1: a series already there is left as it is
+                    self.loaded.set(labels, 1.0)
+                keep.add(key)
             self.loaded.keep_only(keep)
 
     def _publish_info(self, s: PlacementState) -> None:

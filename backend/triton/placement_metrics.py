@@ -16,7 +16,8 @@ by what each model server publishes in vLLM's names. Its LoRA-affinity scorer re
                                                 digests, each list at most ``max_lora`` long)
 ``vllm:lora_adapter_loaded``                    1 per resident adapter; labels ``adapter_name``
                                                 (digest) and ``level`` (``device``: in a slot;
-                                                ``host``: prepared in host memory)
+                                                ``host``: prepared in host memory, the most
+                                                recently used, at most 4 per slot)
 =============================================  ===================================================
 
 The picker keeps, of ``vllm:lora_requests_info``, the series with the largest value among those

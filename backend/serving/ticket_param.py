@@ -11,7 +11,11 @@ Both call :func:`ticket_from_parameters` on it, so a request means the same on `
   copy a parser keeps;
 - the parameter and the header with different values are refused (``ambiguous``): a client must
   not smuggle a second ticket past a proxy that inspected the first;
-- a ticket that is not a string is refused (``encoding``); none at all is ``missing``.
+- a ticket that is not a string is refused (``encoding``); none at all is ``missing``;
+- JSON nested deeper than :data:`MAX_DEPTH` containers is refused (``parameters``) before it is
+  parsed. The limit is a number, not the interpreter's stack: ``json`` alone fails at a depth that
+  depends on how deep the caller's own stack is, so the same request could parse in one model and
+  be refused in the other.
 
 BLS takes parameters as a dictionary, so the raw string cannot cross from the front to the engine
 as it arrived. The front therefore forwards what the parser found: the one ticket
@@ -25,6 +29,7 @@ Light on purpose (json only): the front model's stub imports no torch and no dat
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from control.contracts.tickets import TicketClaims
@@ -36,6 +41,12 @@ FRONT_REFUSAL = "lora_front_refusal"
 REASONS = frozenset({"missing", "parameters", "encoding", "ambiguous"})
 # Parameters the front forwards beside the ticket (W3C trace context for the engine's spans).
 PASSED_ON = ("traceparent", "tracestate")
+# Containers (objects and arrays) nested deeper than this are refused; the top-level object is 1.
+# Tickets and trace context need 1; 32 leaves room for any client's extra parameters.
+MAX_DEPTH = 32
+# A JSON string literal, escapes included: brackets inside one do not nest anything.
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKETS = re.compile(r"[\[\]{}]")
 
 
 class RequestRefused(Exception):
@@ -57,6 +68,8 @@ def parameters_of(raw: str | dict[str, object] | None) -> dict[str, object]:
     if raw is None or raw == "":
         return {}
     if isinstance(raw, str):
+        if _nesting(raw) > MAX_DEPTH:
+            raise RequestRefused("parameters")
         try:
             params = json.loads(raw, object_pairs_hook=_unique_keys)
         except (ValueError, RecursionError):
@@ -113,6 +126,21 @@ def forwarded_parameters(raw: str | dict[str, object] | None) -> dict[str, Any]:
         if isinstance(value, str):
             out[name] = value
     return out
+
+
+def _nesting(text: str) -> int:
+    """The deepest container nesting in ``text``, outside string literals (linear, no recursion).
+
+    On malformed JSON the count may be anything; such text is refused by the parser anyway.
+    """
+    depth = deepest = 0
+    for bracket in _BRACKETS.findall(_STRING.sub("", text)):
+        if bracket in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import tempfile
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
 from backend.serving.service import RequestRefused, ticket_from_parameters
+from backend.serving.ticket_param import MAX_DEPTH
 from control.app.validation import CONFIG_FILE, WEIGHTS_FILE, BaseInfo, validate_adapter
 from control.domain import ValidationFailed
 from control.tools.hostile.artifacts import synth_adapter
@@ -49,8 +51,8 @@ def _raw_parameters(draw: st.DrawFn) -> str | dict[object, object] | None:
         return {k: v for k, v in pairs}
     if kind == 2:  # built by hand, so keys can repeat
         return "{" + ",".join(f"{json.dumps(k)}:{json.dumps(v)}" for k, v in pairs) + "}"
-    if kind == 3:
-        depth = draw(st.integers(1, 100_000))
+    if kind == 3:  # around the documented limit, and far past it
+        depth = draw(st.integers(MAX_DEPTH - 3, MAX_DEPTH + 3) | st.integers(1, 100_000))
         return '{"lora_ticket":"T1","x":' + "[" * depth + "]" * depth + "}"
     if kind == 4:  # a dict with keys that are not strings (a caller handing in objects)
         return {draw(st.integers() | st.none() | st.sampled_from(NAMES)): draw(VALUES)}
@@ -61,6 +63,22 @@ def _pairs_checked(pairs: list[tuple[str, object]]) -> dict[str, object]:
     if len({k for k, _ in pairs}) != len(pairs):
         raise ValueError("dup")
     return dict(pairs)
+
+
+def _depth(value: object) -> int:
+    """Containers nested in a parsed value, the outermost counting 1 (walked with a stack)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, dict):
+            children: list[object] = list(item.values())
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, level)
+        todo.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _expected(raw: str | dict[object, object] | None) -> str | None:
@@ -74,7 +92,7 @@ def _expected(raw: str | dict[object, object] | None) -> str | None:
             return None
     else:
         params = raw
-    if not isinstance(params, dict):
+    if not isinstance(params, dict) or _depth(params) > MAX_DEPTH:
         return None
     values = [v for k, v in params.items()
               if isinstance(k, str) and k.lower() in ("lora_ticket", "x-lora-ticket")]
@@ -108,6 +126,40 @@ def test_parameter_parser_regressions() -> None:
                 '{"lora_ticket":"A","x":' + "[" * 50_000 + "]" * 50_000 + "}"):
         with pytest.raises(RequestRefused):
             ticket_from_parameters(raw)
+
+
+def _nested(depth: int) -> str:
+    """Parameters whose containers nest ``depth`` deep: the object, then ``depth - 1`` arrays."""
+    return '{"lora_ticket":"T1","x":' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+
+
+def test_nesting_limit_is_a_number_not_the_stack() -> None:
+    """The same parameters get the same answer however deep the caller's stack already is.
+
+    ``json`` alone runs out of stack at a depth that depends on its caller, so the front and the
+    engine models could disagree on one request (a CI run found it: the fuzzer's oracle, called a
+    few frames higher, parsed what the parser refused).
+    """
+    assert ticket_from_parameters(_nested(MAX_DEPTH)) == "T1"
+    # Brackets inside a string nest nothing.
+    assert ticket_from_parameters('{"lora_ticket":"T1","x":"' + "[{" * 500 + '"}') == "T1"
+    for depth in (MAX_DEPTH + 1, 200, 600, 5_000):
+        with pytest.raises(RequestRefused):
+            ticket_from_parameters(_nested(depth))
+
+    def deep_call(frames: int, raw: str) -> str:
+        if frames > 0:
+            return deep_call(frames - 1, raw)
+        try:
+            return ticket_from_parameters(raw)
+        except RequestRefused as e:
+            return "refused:" + e.reason
+
+    room = sys.getrecursionlimit() - 150
+    for depth in (MAX_DEPTH, MAX_DEPTH + 1, 400):
+        raw = _nested(depth)
+        shallow = deep_call(0, raw)
+        assert deep_call(room - 60, raw) == shallow, depth
 
 
 # -- adapter validator -------------------------------------------------------------------------

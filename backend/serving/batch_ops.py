@@ -2,7 +2,9 @@
 
 A ``DecodeBatch`` holds its rows' keys and values left-padded to one width. Merging two batches
 pads the narrower; keeping some rows drops the left columns that became padding for every row
-left. ``backend.serving.engine`` calls these under its lock.
+left. Both write the rows once into buffers with room for the tokens the rows may still produce
+(``backend.serving.kv_arena``), so the decode steps that follow write only their new column.
+``backend.serving.engine`` calls these under its lock.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from backend.serving.engine_types import DecodeBatch
+from backend.serving.kv_arena import picked, room_for, stacked
 from backend.serving.lora_ops import SlotBatch
 
 
@@ -22,22 +25,20 @@ def merged(a: DecodeBatch, b: DecodeBatch, device: torch.device) -> DecodeBatch:
     wa, wb = a.mask.shape[1], b.mask.shape[1]
     width = max(wa, wb)
 
-    def pad_kv(t: torch.Tensor, w: int) -> torch.Tensor:
-        return t if w == width else F.pad(t, (0, 0, width - w, 0))
-
     def pad_mask(m: torch.Tensor, w: int) -> torch.Tensor:
         return m if w == width else F.pad(m, (width - w, 0))
 
     seqs = a.seqs + b.seqs
+    room = room_for(seqs, width)
     return DecodeBatch(
         seqs,
-        [torch.cat([pad_kv(x, wa), pad_kv(y, wb)]) for x, y in zip(a.keys, b.keys, strict=True)],
-        [torch.cat([pad_kv(x, wa), pad_kv(y, wb)]) for x, y in zip(a.values, b.values,
-                                                                 strict=True)],
+        [stacked([x, y], width, room) for x, y in zip(a.keys, b.keys, strict=True)],
+        [stacked([x, y], width, room) for x, y in zip(a.values, b.values, strict=True)],
         torch.cat([pad_mask(a.mask, wa), pad_mask(b.mask, wb)]),
         torch.cat([a.last_pos, b.last_pos]),
         torch.cat([a.logits, b.logits]),
         SlotBatch.from_slots([s.slot for s in seqs], device),
+        kv_capacity=width + room,
     )
 
 
@@ -51,14 +52,16 @@ def selected(batch: DecodeBatch, keep: list[int], device: torch.device) -> Decod
     used = mask.any(dim=0).nonzero()
     first = int(used[0]) if used.numel() else 0
     seqs = [batch.seqs[i] for i in keep]
+    room = room_for(seqs, mask.shape[1] - first)
     return DecodeBatch(
         seqs,
-        [k.index_select(0, idx)[:, :, first:] for k in batch.keys],
-        [v.index_select(0, idx)[:, :, first:] for v in batch.values],
+        [picked(k, idx, first, room) for k in batch.keys],
+        [picked(v, idx, first, room) for v in batch.values],
         mask[:, first:],
         batch.last_pos.index_select(0, idx),
         batch.logits.index_select(0, idx),
         SlotBatch.from_slots([s.slot for s in seqs], device),
+        kv_capacity=mask.shape[1] - first + room,
     )
 
 

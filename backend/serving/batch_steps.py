@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache, LlamaForCausalLM, PreTrainedConfig
@@ -23,6 +23,7 @@ from backend.serving.engine_types import (
     GenerationResult,
     Sequence,
 )
+from backend.serving.kv_arena import ArenaLayer, room_for
 from backend.serving.lora_ops import SlotBatch
 from backend.serving.sampling import sample
 from backend.serving.slots import SlotContext, SlotIdentity
@@ -77,10 +78,15 @@ class BatchSteps:
         ids, mask = ids.to(self.device), mask.to(self.device)  # [batch, width]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [batch, width]
         slots = SlotBatch.from_slots([s.slot for s in seqs], self.device)
+        # The prompts' keys and values go straight into buffers with room for the rows' tokens.
+        arena = [ArenaLayer.empty(room_for(seqs, width))
+                 for _ in range(self.model.config.num_hidden_layers)]
         cache = DynamicCache(config=self.model.config)
+        cache.layers = list(arena)
         logits = self.forward(seqs, slots, ids, mask, positions, cache)
         keys, values = cache_tensors(cache)
-        return DecodeBatch(list(seqs), keys, values, mask, positions[:, -1:], logits, slots)
+        return DecodeBatch(list(seqs), keys, values, mask, positions[:, -1:], logits, slots,
+                           kv_capacity=arena[0].capacity)
 
     def run_model(self, slots: SlotBatch, ids: torch.Tensor, mask: torch.Tensor,
                   positions: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
@@ -142,14 +148,17 @@ class BatchSteps:
                                device=self.device)  # [batch, 1]
             batch.mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
             batch.last_pos = batch.last_pos + 1
+            # Each layer writes the new token's keys and values into its buffer's room
+            # (backend.serving.kv_arena), instead of concatenating the whole KV anew.
+            room = room_for(batch.seqs, batch.keys[0].shape[2])
+            arena = [ArenaLayer(k, v, batch.kv_capacity, room)
+                     for k, v in zip(batch.keys, batch.values, strict=True)]
             cache = DynamicCache(config=self.model.config)
-            layers: list[Any] = list(cache.layers)
-            for layer, k, v in zip(layers, batch.keys, batch.values, strict=True):
-                layer.lazy_initialization(k, v)
-                layer.keys, layer.values = k, v
+            cache.layers = list(arena)
             batch.logits = self.forward(batch.seqs, batch.slots, ids, batch.mask,
                                         batch.last_pos, cache)
             batch.keys, batch.values = cache_tensors(cache)
+            batch.kv_capacity = arena[0].capacity
 
 
 def row_generator(request: GenerationRequest, device: torch.device) -> torch.Generator | None:

@@ -129,6 +129,9 @@ class DecodeBatch:
     # Only on a one-row prefix-cache entry: the digests its row's slot held when the entry was
     # computed, carried to every row that restores it (the entry skips the forward pass).
     observed: frozenset[str | None] = frozenset()
+    # Positions the buffers under ``keys`` and ``values`` hold when they are views with room for
+    # decode steps to write into (``backend.serving.kv_arena``); 0: compact, never written into.
+    kv_capacity: int = 0
 
     def __len__(self) -> int:
         return len(self.seqs)

@@ -165,7 +165,9 @@ class MemoryPlan:
     budget_source: str  # how the budget was set, for messages and logs
     # KV positions the running batch may hold at its peak (the scheduler admits by them): the
     # device memory left after the weights, the banks and KV_HEADROOM_FRACTION of the device,
-    # over twice one position's bytes, since a decode step holds the old and the new KV at once.
+    # over twice one position's bytes: decode steps write into room reserved in place
+    # (backend.serving.kv_arena), but a join, a leave, or a step that runs out of room still holds
+    # the old and the new buffers at once, and the room is at most the longest row's need.
     kv_tokens: int = 0
 
     @property
@@ -196,7 +198,8 @@ class MemoryPlan:
                 f"{_human(self.budget_bytes)} ({self.budget_source}); the gather path copies up "
                 f"to {_human(self.slot_bytes)} per row of a batch; KV budget: "
                 f"{self.kv_tokens:,} positions of {_human(self.kv_token_bytes)} "
-                f"({_human(self.kv_tokens * self.kv_token_bytes)}, twice that during a step)")
+                f"({_human(self.kv_tokens * self.kv_token_bytes)}, twice that while rows join "
+                f"or leave)")
 
 
 def slot_bytes(shapes: BaseShapes, max_rank: int, element_size: int) -> int:
@@ -271,7 +274,7 @@ def plan_memory(shapes: BaseShapes, *, max_rank: int, element_size: int, budget:
             f"slot banks, but the {_human(device_bytes)} device has {_human(left)} left after "
             f"{_human(base)} of base weights. Lower {ADAPTER_BYTES_ENV} or {ADAPTER_SLOTS_ENV}")
     kv_left = left - plan.bank_bytes - int(KV_HEADROOM_FRACTION * device_bytes)
-    per_position = 2 * shapes.kv_bytes_per_token(element_size)  # old and new KV in a step
+    per_position = 2 * shapes.kv_bytes_per_token(element_size)  # old and new buffers as rows join
     return replace(plan, kv_tokens=max(0, kv_left // per_position))
 
 

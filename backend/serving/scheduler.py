@@ -392,8 +392,8 @@ class Scheduler:
             assert one is not None
             if not bool(torch.isfinite(one.logits).all()):
                 continue  # a row that will fail alone is no prompt to remember
-            keys = [k.clone() for k in one.keys]
-            values = [v.clone() for v in one.values]
+            keys = [k.clone(memory_format=torch.contiguous_format) for k in one.keys]
+            values = [v.clone(memory_format=torch.contiguous_format) for v in one.values]
             entry = DecodeBatch([], keys, values, one.mask.clone(), one.last_pos.clone(),
                                 one.logits.clone(), one.slots,
                                 observed=frozenset(job.seq.observed))

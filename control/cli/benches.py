@@ -11,6 +11,8 @@
                              (``control.tools.bench_fairness``), the warm-up list
                              (``control.tools.bench_warmup``) and 100,000 adapters in the
                              registry (``control.tools.bench_registry``).
+``loraplane bench kv``       a decode step's KV write in place against the whole KV concatenated
+                             anew (see ``control.tools.bench_kv``).
 """
 
 # No `from __future__ import annotations`: typer reads every verb's annotations at each start
@@ -243,6 +245,42 @@ def bench_ledger(
                               f"{r['spread'][0]:.3f}-{r['spread'][1]:.3f}", str(r["runs"]),
                               str(r["rows_per_run"]), f"{r['plain_rows_s']:.0f}",
                               f"{r['logged_rows_s']:.0f}", "yes" if r["met"] else "NO")
+        console.print(t)
+
+    emit(result, human)
+
+
+# --- kv -------------------------------------------------------------------------------------
+
+@bench_app.command("kv")
+def bench_kv(
+    quick: Annotated[bool, typer.Option(
+        "--quick", help="Two widths, fewer steps and rounds (seconds, for CI).")] = False,
+) -> None:
+    """concat_vs_arena: a decode step's KV cache work, concatenated anew (before) over written in
+    place (now), per context width, alternating rounds in one run."""
+    from control.tools.bench_kv import run_bench  # torch and transformers: only this verb
+
+    with errors():
+        result = run_bench(quick=quick, progress=_progress)
+
+    def human() -> None:
+        from rich.table import Table
+
+        s = result["setup"]
+        t = Table(title=f"loraplane bench kv: one decode step's cache work, {s['layers']} layers x "
+                        f"{s['rows']} rows x {s['kv_heads']} kv heads x {s['head_dim']} "
+                        f"({s['dtype']}, {s['device']}, {s['rounds']} rounds)")
+        for col in ("width", "concat / arena", "round ratios", "concat ms", "arena ms",
+                    "MiB allocated per step (concat / arena)", "same values"):
+            t.add_column(col)
+        for w in result["widths"]:
+            r, alloc = w["round_ratios"], w["bytes_allocated_per_step"]
+            t.add_row(str(w["width"]), f"{w['concat_vs_arena']:.1f}", f"{r[0]:.1f}-{r[-1]:.1f}",
+                      f"{w['concat_step_s']['median'] * 1e3:.2f}",
+                      f"{w['arena_step_s']['median'] * 1e3:.3f}",
+                      f"{alloc['concat'] / 2**20:.1f} / {alloc['arena'] / 2**20:.1f}",
+                      "yes" if w["same_values"] else "NO")
         console.print(t)
 
     emit(result, human)

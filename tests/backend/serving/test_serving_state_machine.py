@@ -247,8 +247,12 @@ class ServingMachine(RuleBasedStateMachine):
         assert self.sched.kv_reserved() <= self.kv_budget
         batch = self.sched.running_batch()
         if batch is not None and batch.keys:  # the engine's own tensors, not the accounting
-            rows, _heads, width, _dim = batch.keys[0].shape
+            keys = batch.keys[0]
+            rows, heads, width, dim = keys.shape
             assert rows * width <= self.kv_budget
+            # and the buffer under them, with the room reserved for the decode steps to come
+            held = keys.untyped_storage().nbytes() // (heads * dim * keys.element_size())
+            assert held <= self.kv_budget
 
     @invariant()
     def no_violation_counted(self) -> None:

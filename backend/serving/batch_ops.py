@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from backend.serving.engine_types import DecodeBatch
-from backend.serving.kv_arena import picked, room_for, stacked
+from backend.serving.kv_arena import KvTraffic, compacted, picked, room_for, stacked
 from backend.serving.lora_ops import SlotBatch
 
 
-def merged(a: DecodeBatch, b: DecodeBatch, device: torch.device) -> DecodeBatch:
+def merged(a: DecodeBatch, b: DecodeBatch, device: torch.device,
+           traffic: KvTraffic | None = None) -> DecodeBatch:
     """One batch holding the rows of both; the narrower KV is left-padded to match."""
     wa, wb = a.mask.shape[1], b.mask.shape[1]
     width = max(wa, wb)
@@ -29,11 +30,14 @@ def merged(a: DecodeBatch, b: DecodeBatch, device: torch.device) -> DecodeBatch:
         return m if w == width else F.pad(m, (width - w, 0))
 
     seqs = a.seqs + b.seqs
-    room = room_for(seqs, width)
+    room = room_for(seqs)
+    if traffic is not None:
+        traffic.joins += 1
     return DecodeBatch(
         seqs,
-        [stacked([x, y], width, room) for x, y in zip(a.keys, b.keys, strict=True)],
-        [stacked([x, y], width, room) for x, y in zip(a.values, b.values, strict=True)],
+        [stacked([x, y], width, room, traffic) for x, y in zip(a.keys, b.keys, strict=True)],
+        [stacked([x, y], width, room, traffic)
+         for x, y in zip(a.values, b.values, strict=True)],
         torch.cat([pad_mask(a.mask, wa), pad_mask(b.mask, wb)]),
         torch.cat([a.last_pos, b.last_pos]),
         torch.cat([a.logits, b.logits]),
@@ -42,8 +46,11 @@ def merged(a: DecodeBatch, b: DecodeBatch, device: torch.device) -> DecodeBatch:
     )
 
 
-def selected(batch: DecodeBatch, keep: list[int], device: torch.device) -> DecodeBatch:
-    """The batch with only rows ``keep`` (in that order)."""
+def selected(batch: DecodeBatch, keep: list[int], device: torch.device,
+             traffic: KvTraffic | None = None, *, reuse: bool = False) -> DecodeBatch:
+    """The batch with only rows ``keep`` (in that order). ``reuse``: the caller gives ``batch``
+    up, so rows kept in order stay in its buffers (``kv_arena.compacted``) instead of moving
+    to new ones."""
     if keep == list(range(len(batch))):
         return batch
     idx = torch.tensor(keep, dtype=torch.long, device=device)
@@ -52,11 +59,24 @@ def selected(batch: DecodeBatch, keep: list[int], device: torch.device) -> Decod
     used = mask.any(dim=0).nonzero()
     first = int(used[0]) if used.numel() else 0
     seqs = [batch.seqs[i] for i in keep]
-    room = room_for(seqs, mask.shape[1] - first)
+    if traffic is not None:
+        traffic.leaves += 1
+    if reuse and batch.kv_capacity and keep == sorted(keep):
+        return DecodeBatch(
+            seqs,
+            [compacted(k, keep, first, traffic) for k in batch.keys],
+            [compacted(v, keep, first, traffic) for v in batch.values],
+            mask[:, first:],
+            batch.last_pos.index_select(0, idx),
+            batch.logits.index_select(0, idx),
+            SlotBatch.from_slots([s.slot for s in seqs], device),
+            kv_capacity=batch.kv_capacity - first,
+        )
+    room = room_for(seqs)
     return DecodeBatch(
         seqs,
-        [picked(k, idx, first, room) for k in batch.keys],
-        [picked(v, idx, first, room) for v in batch.values],
+        [picked(k, idx, first, room, traffic) for k in batch.keys],
+        [picked(v, idx, first, room, traffic) for v in batch.values],
         mask[:, first:],
         batch.last_pos.index_select(0, idx),
         batch.logits.index_select(0, idx),

@@ -23,7 +23,7 @@ from backend.serving.engine_types import (
     GenerationResult,
     Sequence,
 )
-from backend.serving.kv_arena import ArenaLayer, room_for
+from backend.serving.kv_arena import ArenaLayer, KvTraffic, room_for
 from backend.serving.lora_ops import SlotBatch
 from backend.serving.sampling import sample
 from backend.serving.slots import SlotContext, SlotIdentity
@@ -40,6 +40,7 @@ class BatchSteps:
                  device: torch.device, pad_id: int, forward: Forward) -> None:
         self.model, self.context, self.lock = model, context, lock
         self.device, self.pad_id, self.forward = device, pad_id, forward
+        self.kv_traffic = KvTraffic()
 
     def prefill(self, seqs: list[Sequence],
                 cached: dict[int, DecodeBatch] | None = None) -> DecodeBatch:
@@ -79,7 +80,7 @@ class BatchSteps:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [batch, width]
         slots = SlotBatch.from_slots([s.slot for s in seqs], self.device)
         # The prompts' keys and values go straight into buffers with room for the rows' tokens.
-        arena = [ArenaLayer.empty(room_for(seqs, width))
+        arena = [ArenaLayer.empty(room_for(seqs), self.kv_traffic)
                  for _ in range(self.model.config.num_hidden_layers)]
         cache = DynamicCache(config=self.model.config)
         cache.layers = list(arena)
@@ -104,19 +105,21 @@ class BatchSteps:
     def merge(self, a: DecodeBatch, b: DecodeBatch) -> DecodeBatch:
         """One batch holding the rows of both (``backend.serving.batch_ops.merged``)."""
         with self.lock, torch.inference_mode():
-            return merged(a, b, self.device)
+            return merged(a, b, self.device, self.kv_traffic)
 
-    def retain(self, batch: DecodeBatch, keep: list[int]) -> DecodeBatch | None:
-        """The batch with only rows ``keep``; None when no row is left."""
+    def retain(self, batch: DecodeBatch, keep: list[int], *,
+               reuse: bool = False) -> DecodeBatch | None:
+        """The batch with only rows ``keep``; None when no row is left. ``reuse``: the caller
+        gives ``batch`` up, so its buffers may hold the rows kept (no new KV buffers)."""
         if not keep:
             return None
         if keep == list(range(len(batch))):
             return batch
         with self.lock, torch.inference_mode():
-            return self.select(batch, keep)
+            return selected(batch, keep, self.device, self.kv_traffic, reuse=reuse)
 
     def select(self, batch: DecodeBatch, keep: list[int]) -> DecodeBatch:
-        return selected(batch, keep, self.device)
+        return selected(batch, keep, self.device, self.kv_traffic)
 
     @staticmethod
     def choose(batch: DecodeBatch, eos_ids: frozenset[int]) -> list[int | None]:
@@ -150,8 +153,8 @@ class BatchSteps:
             batch.last_pos = batch.last_pos + 1
             # Each layer writes the new token's keys and values into its buffer's room
             # (backend.serving.kv_arena), instead of concatenating the whole KV anew.
-            room = room_for(batch.seqs, batch.keys[0].shape[2])
-            arena = [ArenaLayer(k, v, batch.kv_capacity, room)
+            room = room_for(batch.seqs)
+            arena = [ArenaLayer(k, v, batch.kv_capacity, room, self.kv_traffic)
                      for k, v in zip(batch.keys, batch.values, strict=True)]
             cache = DynamicCache(config=self.model.config)
             cache.layers = list(arena)
@@ -197,7 +200,8 @@ class WholeBatchEngine(Protocol):
 
     def choose(self, batch: DecodeBatch) -> list[int | None]: ...
 
-    def retain(self, batch: DecodeBatch, keep: list[int]) -> DecodeBatch | None: ...
+    def retain(self, batch: DecodeBatch, keep: list[int], *,
+               reuse: bool = False) -> DecodeBatch | None: ...
 
     def advance(self, batch: DecodeBatch) -> None: ...
 
@@ -227,7 +231,7 @@ def generate_all(engine: WholeBatchEngine, requests: Sequence_[GenerationRequest
             while batch is not None:
                 engine.choose(batch)
                 batch = engine.retain(batch, [i for i, s in enumerate(batch.seqs)
-                                              if not s.done])
+                                              if not s.done], reuse=True)
                 if batch is not None:
                     engine.advance(batch)
             return [s.result(engine.text(s.produced)) for s in seqs]

@@ -339,9 +339,11 @@ class Engine:
         """One batch holding the rows of both (``backend.serving.batch_ops.merged``)."""
         return self.steps.merge(a, b)
 
-    def retain(self, batch: DecodeBatch, keep: list[int]) -> DecodeBatch | None:
-        """The batch with only rows ``keep``; None when no row is left."""
-        return self.steps.retain(batch, keep)
+    def retain(self, batch: DecodeBatch, keep: list[int], *,
+               reuse: bool = False) -> DecodeBatch | None:
+        """The batch with only rows ``keep``; None when no row is left (``reuse``: the caller
+        gives ``batch`` up, so its KV buffers may hold the rows kept)."""
+        return self.steps.retain(batch, keep, reuse=reuse)
 
     def choose(self, batch: DecodeBatch) -> list[int | None]:
         """Pick each row's next token; mark rows that reached eos or their limit as done.

@@ -14,40 +14,52 @@ anywhere else (a prefix-cache entry) records 0 and is never written into: the fi
 copies the rows once into a buffer with room. Capacity is carried, never inferred
 from a tensor's strides, because a slice such as ``t[:, :, first:]`` has the strides of a buffer
 with room while its "room" is the next head's columns. Room is the most tokens any row may still
-produce, capped by the longest row's need (:func:`room_for`), so a batch whose rows stay the same
-copies its KV at most once more, and usually never.
+produce (:func:`room_for`), so a batch whose rows stay the same never moves its KV. (An earlier
+cap, the longest row's prompt plus max_tokens, was wrong for rows that joined wider ones: they
+end further right than their own length says, and ran out of room once before finishing.)
 
-Rows joining (``merged``) and leaving (``selected``) are written straight into a buffer with room
-(one copy of the KV per join or leave, as before, but none per token). Rows are still left-padded
+Rows joining (``merged``) are written straight into a buffer with room (one copy of the KV per
+join, as before, but none per token). Rows leaving the running batch stay in its buffer: the rows
+kept after a row that left move up over it (:func:`compacted`), so a leave allocates nothing, and
+when the oldest rows leave (or the newest) it moves nothing. Rows are still left-padded
 to the batch's longest; paged storage that moves no KV on joins and leaves is not built yet.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
-# Room is rounded up to a multiple of this many positions (fewer distinct buffer shapes for the
-# allocator to cache).
-BLOCK = 16
+
+@dataclass
+class KvTraffic:
+    """What the engine wrote into KV buffers (``Engine.kv_traffic``; ``bench engine`` reports
+    ``written / computed`` as ``kv_bytes_copied_per_token``): ``computed``, the bytes of keys and
+    values the model computed (prompt and decode tokens), each written once where it lands;
+    ``written``, those plus every byte a join, a leave or a step out of room moved or padded.
+    Plain counters, added to under the engine's lock."""
+
+    computed: int = 0
+    written: int = 0
+    joins: int = 0  # merges of new rows into a batch
+    leaves: int = 0  # rows leaving a batch, copied or moved up in place
+
+    def copied_per_computed(self) -> float:
+        return self.written / self.computed if self.computed else 0.0
 
 
-def room_for(seqs: Sequence[Any], width: int) -> int:
+def room_for(seqs: Sequence[Any]) -> int:
     """Positions to reserve beyond ``width`` for rows ``seqs``: the most tokens any row may still
-    produce (``max_tokens`` minus what it produced), rounded up to :data:`BLOCK`, but no more
-    than takes the width to the longest row's prompt plus max_tokens (at least 1).
+    produce (``max_tokens`` minus what it produced), at least 1.
 
-    The cap keeps the peak within what the memory plan budgets: while the buffers move (a join,
-    a leave, a step that ran out of room) the old ``width`` and the new ``width + room`` are alive
-    together, at most twice the longest row's need (``backend.serving.kv_admission.kv_need``).
-    """
-    most = max((max(s.request.max_tokens - len(s.produced), 0) for s in seqs), default=1)
-    rounded = -(-max(most, 1) // BLOCK) * BLOCK
-    longest = max((len(s.prompt_ids) + s.request.max_tokens for s in seqs), default=0)
-    return max(1, min(rounded, longest - width))
+    Every row ends at the right edge, so the row with the most tokens left decides how far the
+    batch grows: a row that joined wider rows is left-padded to their width, and its prompt's
+    length says nothing about where it ends."""
+    return max(1, max((s.request.max_tokens - len(s.produced) for s in seqs), default=1))
 
 
 def empty_room(like: torch.Tensor, rows: int, width: int, room: int) -> torch.Tensor:
@@ -58,7 +70,8 @@ def empty_room(like: torch.Tensor, rows: int, width: int, room: int) -> torch.Te
     return buffer[:, :, :width]
 
 
-def stacked(parts: Sequence[torch.Tensor], width: int, room: int) -> torch.Tensor:
+def stacked(parts: Sequence[torch.Tensor], width: int, room: int,
+            traffic: KvTraffic | None = None) -> torch.Tensor:
     """``parts`` (each [rows_i, heads, w_i, head_dim], w_i <= width) one above the other, each
     left-padded with zeros to ``width``, in a new buffer with ``room``. Padding is zeros, not
     left undefined: a masked column still meets its value in ``softmax(...) @ V``, and 0 x NaN
@@ -72,15 +85,37 @@ def stacked(parts: Sequence[torch.Tensor], width: int, room: int) -> torch.Tenso
             out[r:r + n, :, :width - w].zero_()
         out[r:r + n, :, width - w:].copy_(p)
         r += n
+    if traffic is not None:
+        traffic.written += out.nbytes
     return out
 
 
-def picked(t: torch.Tensor, idx: torch.Tensor, first: int, room: int) -> torch.Tensor:
+def picked(t: torch.Tensor, idx: torch.Tensor, first: int, room: int,
+           traffic: KvTraffic | None = None) -> torch.Tensor:
     """Rows ``idx`` of ``t`` from column ``first`` on, in a new buffer with ``room``."""
     src = t[:, :, first:]
     out = empty_room(t, idx.numel(), src.shape[2], room)
     torch.index_select(src, 0, idx, out=out)
+    if traffic is not None:
+        traffic.written += out.nbytes
     return out
+
+
+def compacted(t: torch.Tensor, keep: Sequence[int], first: int,
+              traffic: KvTraffic | None = None) -> torch.Tensor:
+    """Rows ``keep`` (ascending) of ``t`` within the same buffer, seen from column ``first`` on: a
+    leave that allocates nothing. The rows kept stay from the first of them on, and only those
+    after a row that left move up, each once: when the oldest rows leave, or the newest, nothing
+    moves. The caller gives up ``t``: its rows are overwritten."""
+    cols, base = t[:, :, first:], keep[0]  # the columns before ``first`` are dropped
+    for j, i in enumerate(keep):
+        # Ascending, so row ``base + j`` is free when row ``i`` (>= it) moves into it: either it
+        # left, or it was kept and has already moved up.
+        if i != base + j:
+            cols[base + j].copy_(cols[i])
+            if traffic is not None:
+                traffic.written += cols[i].nbytes
+    return cols[base:base + len(keep)]
 
 
 class ArenaLayer(DynamicLayer):
@@ -92,9 +127,9 @@ class ArenaLayer(DynamicLayer):
     """
 
     def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None, capacity: int,
-                 room: int) -> None:
+                 room: int, traffic: KvTraffic | None = None) -> None:
         super().__init__()
-        self.room, self.capacity = room, capacity
+        self.room, self.capacity, self.traffic = room, capacity, traffic
         if keys is not None and values is not None:
             self.keys, self.values = keys, values
             self.capacity = max(capacity, keys.shape[2])
@@ -102,10 +137,10 @@ class ArenaLayer(DynamicLayer):
             self.is_initialized = True
 
     @classmethod
-    def empty(cls, room: int) -> ArenaLayer:
+    def empty(cls, room: int, traffic: KvTraffic | None = None) -> ArenaLayer:
         """A prefill's layer: its first update writes the prompts' columns straight into a
         buffer with ``room`` more (so the decode steps after it need not move them)."""
-        return cls(None, None, 0, room)
+        return cls(None, None, 0, room, traffic)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,13 +153,17 @@ class ArenaLayer(DynamicLayer):
         if width + n > self.capacity:
             # No room: one copy into a buffer with room for the rest of the rows' tokens.
             room = max(self.room, n)
-            self.keys = stacked([self.keys], width, room)
-            self.values = stacked([self.values], width, room)
+            self.keys = stacked([self.keys], width, room, self.traffic)
+            self.values = stacked([self.values], width, room, self.traffic)
             self.capacity = width + room
         self.keys = _extended(self.keys, width + n)
         self.values = _extended(self.values, width + n)
         self.keys[:, :, width:].copy_(key_states)
         self.values[:, :, width:].copy_(value_states)
+        if self.traffic is not None:
+            new = key_states.nbytes + value_states.nbytes
+            self.traffic.computed += new
+            self.traffic.written += new
         return self.keys, self.values
 
 

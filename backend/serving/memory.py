@@ -167,7 +167,7 @@ class MemoryPlan:
     # device memory left after the weights, the banks and KV_HEADROOM_FRACTION of the device,
     # over twice one position's bytes: decode steps write into room reserved in place
     # (backend.serving.kv_arena), but a join, a leave, or a step that runs out of room still holds
-    # the old and the new buffers at once, and the room is at most the longest row's need.
+    # the old and the new buffers at once (the room is what the rows may still make).
     kv_tokens: int = 0
 
     @property

@@ -313,7 +313,7 @@ class Scheduler:
         assert self._batch is not None
         kept = set(keep)
         done = [j for i, j in enumerate(self._running) if i not in kept]
-        batch = self.engine.retain(self._batch, keep)
+        batch = self.engine.retain(self._batch, keep, reuse=True)  # the old batch is dropped
         with self._cv:
             self._running = [self._running[i] for i in keep]
             self._batch = batch

@@ -44,6 +44,7 @@ import torch
 from backend.serving.cache import AdapterCache, CacheBudgets, CacheQuota
 from backend.serving.engine import Engine, GenerationRequest
 from backend.serving.fingerprint import CHECK_EVERY as FINGERPRINT_EVERY
+from backend.serving.kv_arena import KvTraffic
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
@@ -433,8 +434,18 @@ def _run(root: Path, reps: int, triton_runs: int,
     m["fingerprint_every_pass_tokens_per_s"] = fp["every_pass"]
     m["fingerprint_off_tokens_per_s"] = fp["none"]
 
+    progress("KV bytes written per byte computed: one mixed batch")
+    engine.steps.kv_traffic = KvTraffic()
+    engine.generate(mixed)
+    m["kv_written_per_computed_one_batch"] = engine.steps.kv_traffic.copied_per_computed()
+
     progress("continuous batching: 32 streams vs 1")
+    engine.steps.kv_traffic = traffic = KvTraffic()
     streams = continuous_batching(engine, mixed, reps)
+    m["kv_bytes_computed_streams"], m["kv_bytes_written_streams"] = (traffic.computed,
+                                                                      traffic.written)
+    m["kv_joins_streams"], m["kv_leaves_streams"] = traffic.joins, traffic.leaves
+    kv_copied = traffic.copied_per_computed()  # before the storm below adds its own rows
     m["streams_32_tokens_per_s"], m["streams_1_tokens_per_s"] = streams.many, streams.one
     del peft_run
 
@@ -450,6 +461,9 @@ def _run(root: Path, reps: int, triton_runs: int,
         "mixed_vs_base": best["mixed"] / best["base"],
         "mixed_vs_peft": best["mixed"] / best["peft"],
         "continuous_32_vs_1": m["streams_32_tokens_per_s"] / m["streams_1_tokens_per_s"],
+        # KV bytes written into buffers (new tokens', and every join's, leave's and move's)
+        # over the bytes the model computed, across the continuous-batching runs
+        "kv_bytes_copied_per_token": kv_copied,
         "triton_vs_inprocess": None,
         "cold_load_vs_read": m["cold_load_p95_s"] / m["read_hash_p95_s"],
         "governed_vs_open": None,

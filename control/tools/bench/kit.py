@@ -50,6 +50,7 @@ GOALS: dict[str, tuple[str, float]] = {
     "cold_load_vs_read": ("<=", 2.0),
     "governed_vs_open": (">=", 0.95),
     "base_p95_storm_vs_quiet": ("<=", 1.2),
+    "kv_bytes_copied_per_token": ("<=", 1.1),
 }
 
 

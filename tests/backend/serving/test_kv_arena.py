@@ -19,7 +19,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from backend.serving.engine import Engine, GenerationRequest
-from backend.serving.kv_arena import BLOCK, ArenaLayer, picked, room_for, stacked
+from backend.serving.kv_arena import (
+    ArenaLayer,
+    KvTraffic,
+    compacted,
+    picked,
+    room_for,
+    stacked,
+)
 from control.tools.kit import KitManifest
 
 HEADS, DIM = 2, 3
@@ -44,16 +51,13 @@ def _rows(n: int, width: int, seed: int) -> torch.Tensor:
     return torch.randn((n, HEADS, width, DIM), generator=g)
 
 
-def test_room_is_what_the_rows_may_still_produce_capped_by_the_longest_need() -> None:
-    a = _Seq([1] * 10, _Req(40), produced=[7] * 5)  # 35 more, needs 50 in all
-    b = _Seq([1] * 3, _Req(4))  # 4 more, needs 7
-    assert room_for([a, b], 10) == 40  # 35 rounded up to a block, within 50 - 10
-    assert room_for([a, b], 20) == 30  # the cap: the longest row needs 50 positions
-    assert room_for([b], 3) == 4  # a block would be 16, but the row needs 7 in all
-    assert room_for([b], 7) == 1  # at least one position, even when nothing more is needed
+def test_room_is_what_the_rows_may_still_produce() -> None:
+    a = _Seq([1] * 10, _Req(40), produced=[7] * 5)  # 35 more
+    b = _Seq([1] * 3, _Req(4))  # 4 more
+    assert room_for([a, b]) == 35
+    assert room_for([b]) == 4
     done = _Seq([1], _Req(2), produced=[5, 6])
-    assert room_for([done], 3) == 1
-    assert BLOCK == 16
+    assert room_for([done]) == 1  # at least one position, even when nothing more is made
 
 
 def test_a_step_writes_into_the_buffer_it_has() -> None:
@@ -96,6 +100,18 @@ def test_padding_is_zeros_and_picked_rows_are_compact_copies() -> None:
     assert kept.untyped_storage().nbytes() == 2 * HEADS * (3 + 4) * DIM * 4
 
 
+def test_a_leave_in_place_moves_only_the_rows_after_a_gap_once() -> None:
+    rows = _rows(5, 4, 8)
+    whole = stacked([rows], 4, 2)
+    traffic = KvTraffic()
+    kept = compacted(whole, [1, 2, 4], 1, traffic)  # rows 0 and 3 leave, column 0 is dropped
+    assert torch.equal(kept, rows[[1, 2, 4]][:, :, 1:])
+    assert kept.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+    assert traffic.written == rows[4, :, 1:].nbytes  # row 4 moved into row 3; 1 and 2 stayed
+    oldest_left = compacted(stacked([rows], 4, 2), [2, 3, 4], 0, traffic)
+    assert torch.equal(oldest_left, rows[2:]) and traffic.written == rows[4, :, 1:].nbytes
+
+
 class ArenaAgainstConcatenation(RuleBasedStateMachine):
     """Steps, joins and leaves in any order: the arena's view equals the concatenating reference,
     a step that has room writes in place, and the reservation never exceeds the rows' need."""
@@ -119,7 +135,7 @@ class ArenaAgainstConcatenation(RuleBasedStateMachine):
         self.keys, self.capacity = self.ref, 0  # a prefill's output: compact
 
     def _room(self) -> int:
-        return room_for(self.seqs, self.keys.shape[2])
+        return room_for(self.seqs)
 
     @precondition(lambda self: any(len(s.produced) < s.request.max_tokens for s in self.seqs))
     @rule()
@@ -142,9 +158,10 @@ class ArenaAgainstConcatenation(RuleBasedStateMachine):
         seqs, rows = self._fresh(n, width)
         wide = max(width, self.keys.shape[2])
         self.seqs += seqs
-        room = room_for(self.seqs, wide)
+        room = room_for(self.seqs)
         self.keys = stacked([self.keys, rows], wide, room)
         self.capacity = wide + room
+        assert room == max(1, max(s.request.max_tokens - len(s.produced) for s in self.seqs))
         pad = torch.nn.functional.pad
         self.ref = torch.cat([pad(self.ref, (0, 0, wide - self.ref.shape[2], 0)),
                               pad(rows, (0, 0, wide - width, 0))])
@@ -156,20 +173,36 @@ class ArenaAgainstConcatenation(RuleBasedStateMachine):
                                         max_size=len(self.seqs) - 1)))
         first = data.draw(st.integers(0, self.keys.shape[2] - 1))
         self.seqs = [self.seqs[i] for i in keep]
-        room = room_for(self.seqs, self.keys.shape[2] - first)
+        room = room_for(self.seqs)
         self.keys = picked(self.keys, torch.tensor(keep), first, room)
         self.capacity = self.keys.shape[2] + room
         self.ref = self.ref[keep][:, :, first:]
 
+    @precondition(lambda self: len(self.seqs) > 1 and self.capacity > 0)
+    @rule(data=st.data())
+    def leave_in_place(self, data: st.DataObject) -> None:
+        """Rows leave the running batch: the kept ones move up within the same buffer."""
+        keep = sorted(data.draw(st.sets(st.integers(0, len(self.seqs) - 1), min_size=1,
+                                        max_size=len(self.seqs) - 1)))
+        first = data.draw(st.integers(0, self.keys.shape[2] - 1))
+        buffer = self.keys.untyped_storage().data_ptr()
+        self.seqs = [self.seqs[i] for i in keep]
+        self.keys = compacted(self.keys, keep, first)
+        assert self.keys.untyped_storage().data_ptr() == buffer
+        self.capacity -= first
+        self.ref = self.ref[keep][:, :, first:]
+
     @invariant()
-    def same_values_and_bounded_room(self) -> None:
+    def same_values_and_room_for_every_row(self) -> None:
         if not self.seqs:
             return
         assert torch.equal(self.keys, self.ref)
-        longest = max(len(s.prompt_ids) + s.request.max_tokens for s in self.seqs)
-        width = self.keys.shape[2]
-        # reserved beyond the view: never more than the longest row needs (at least one)
-        assert self.capacity - width <= max(1, longest - width)
+        if self.capacity:
+            # Every row ends at the right edge: the buffer holds the row with the most tokens
+            # left to its end, whatever its own length (a short row that joined wider ones is
+            # padded to their width), so no step before that moves the KV.
+            most = max(s.request.max_tokens - len(s.produced) for s in self.seqs)
+            assert self.capacity - self.keys.shape[2] >= most
 
 
 TestArenaAgainstConcatenation = ArenaAgainstConcatenation.TestCase
@@ -195,6 +228,7 @@ def test_engine_decode_steps_write_in_place(engine: Engine, kit_dir: Path) -> No
     requests = [GenerationRequest("Once upon a time", alpha, max_tokens=12),
                 GenerationRequest("Hi", None, max_tokens=12)]
     seqs = [engine.open_sequence(r) for r in requests]
+    engine.steps.kv_traffic = traffic = KvTraffic()
     try:
         batch = engine.prefill(seqs)
         buffers = [k.untyped_storage().data_ptr() for k in batch.keys + batch.values]
@@ -207,6 +241,50 @@ def test_engine_decode_steps_write_in_place(engine: Engine, kit_dir: Path) -> No
         # the room the prefill reserved: what the rows may make, no more than the longest needs
         longest = max(len(s.prompt_ids) + s.request.max_tokens for s in seqs)
         assert batch.keys[0].shape[2] < batch.kv_capacity <= longest
+        # the counters: every byte written was computed by the model (prompts, padding
+        # included, and ten tokens a row), one position being keys and values of every layer
+        c = engine.base_config
+        position = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+        width = max(len(s.prompt_ids) for s in seqs)
+        assert traffic.computed == len(seqs) * (width + 10) * position
+        assert traffic.written == traffic.computed
+        # a leave moves the rows kept, from their first column that is not padding, once
+        copy = engine.retain(batch, [1])
+        assert copy is not None
+        row = (len(seqs[1].prompt_ids) + 10) * position
+        assert traffic.written - traffic.computed == row
+        # the running batch's leave keeps the buffers: the row kept is the newest, so it stays
+        # where it is, moves nothing, and holds the same values as the copy
+        kept = engine.retain(batch, [1], reuse=True)
+        assert kept is not None
+        assert [k.untyped_storage().data_ptr() for k in kept.keys + kept.values] == buffers
+        assert all(torch.equal(a, b) for a, b in zip(kept.keys + kept.values,
+                                                     copy.keys + copy.values, strict=True))
+        assert traffic.written - traffic.computed == row
     finally:
         for s in seqs:
             engine.close_sequence(s)
+
+
+def test_a_short_row_joining_a_wide_one_has_room_to_its_end(engine: Engine) -> None:
+    """A row that joins wider rows is left-padded to their width, so it ends further right than
+    its own prompt plus max_tokens. The room reserved at the join must reach that end: before,
+    it was capped at the longest row's prompt plus max_tokens, and the joined row ran out of
+    room (a full copy of the KV) two steps after joining."""
+    wide = GenerationRequest("Once upon a time, in a quiet city", None, max_tokens=3)
+    short = GenerationRequest("Hi", None, max_tokens=12)
+    a, b = engine.open_sequence(wide), engine.open_sequence(short)
+    try:
+        batch = engine.prefill([a])
+        engine.choose(batch)
+        engine.advance(batch)
+        batch = engine.merge(batch, engine.prefill([b]))
+        buffers = [k.untyped_storage().data_ptr() for k in batch.keys + batch.values]
+        for step in range(8):
+            engine.choose(batch)
+            engine.advance(batch)
+            moved = [k.untyped_storage().data_ptr() for k in batch.keys + batch.values]
+            assert moved == buffers, f"step {step} after the join moved the KV"
+    finally:
+        engine.close_sequence(a)
+        engine.close_sequence(b)

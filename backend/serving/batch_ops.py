@@ -1,9 +1,11 @@
 """Rows joining and leaving a running batch: the KV-cache bookkeeping of continuous batching.
 
 A ``DecodeBatch`` holds its rows' keys and values left-padded to one width. Merging two batches
-pads the narrower; keeping some rows drops the left columns that became padding for every row
-left. Both write the rows once into buffers with room for the tokens the rows may still produce
-(``backend.serving.kv_arena``), so the decode steps that follow write only their new column.
+pads the narrower and writes every row once into new buffers with room for the tokens the rows
+may still produce (``backend.serving.kv_arena``), so the decode steps that follow write only
+their new column. Keeping some rows drops the left columns that became padding for every row
+left: the running batch's rows stay in its own buffers (those after a row that left move up, the
+scheduler's ``reuse``), any other caller's rows are copied into new ones.
 ``backend.serving.engine`` calls these under its lock.
 """
 
@@ -62,27 +64,18 @@ def selected(batch: DecodeBatch, keep: list[int], device: torch.device,
     if traffic is not None:
         traffic.leaves += 1
     if reuse and batch.kv_capacity and keep == sorted(keep):
-        return DecodeBatch(
-            seqs,
-            [compacted(k, keep, first, traffic) for k in batch.keys],
-            [compacted(v, keep, first, traffic) for v in batch.values],
-            mask[:, first:],
-            batch.last_pos.index_select(0, idx),
-            batch.logits.index_select(0, idx),
-            SlotBatch.from_slots([s.slot for s in seqs], device),
-            kv_capacity=batch.kv_capacity - first,
-        )
-    room = room_for(seqs)
-    return DecodeBatch(
-        seqs,
-        [picked(k, idx, first, room, traffic) for k in batch.keys],
-        [picked(v, idx, first, room, traffic) for v in batch.values],
-        mask[:, first:],
-        batch.last_pos.index_select(0, idx),
-        batch.logits.index_select(0, idx),
-        SlotBatch.from_slots([s.slot for s in seqs], device),
-        kv_capacity=mask.shape[1] - first + room,
-    )
+        keys = [compacted(k, keep, first, traffic) for k in batch.keys]
+        values = [compacted(v, keep, first, traffic) for v in batch.values]
+        capacity = batch.kv_capacity - first
+    else:
+        room = room_for(seqs)
+        keys = [picked(k, idx, first, room, traffic) for k in batch.keys]
+        values = [picked(v, idx, first, room, traffic) for v in batch.values]
+        capacity = mask.shape[1] - first + room
+    return DecodeBatch(seqs, keys, values, mask[:, first:], batch.last_pos.index_select(0, idx),
+                       batch.logits.index_select(0, idx),
+                       SlotBatch.from_slots([s.slot for s in seqs], device),
+                       kv_capacity=capacity)
 
 
 def cache_tensors(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -34,26 +34,22 @@ WIDTHS = (256, 1024, 2048)
 QUICK_WIDTHS = (256, 1024)
 
 
-def _concat_step(keys: list[torch.Tensor], values: list[torch.Tensor],
-                 new: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The old decode step's cache work: a fresh layer over the batch's tensors, then update."""
-    out_k, out_v = [], []
-    for k, v in zip(keys, values, strict=True):
-        layer = DynamicLayer()
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
-        nk, nv = layer.update(new, new)
-        out_k.append(nk)
-        out_v.append(nv)
-    return out_k, out_v
+def _concat_layer(k: torch.Tensor, v: torch.Tensor) -> DynamicLayer:
+    """The old decode step's layer: a fresh one over the batch's tensors, whose update
+    concatenates."""
+    layer = DynamicLayer()
+    layer.lazy_initialization(k, v)
+    layer.keys, layer.values = k, v
+    return layer
 
 
-def _arena_step(keys: list[torch.Tensor], values: list[torch.Tensor], capacity: int,
-                room: int, new: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _step(keys: list[torch.Tensor], values: list[torch.Tensor], new: torch.Tensor,
+          layer: Callable[[torch.Tensor, torch.Tensor], DynamicLayer],
+          ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One decode step's cache work: each layer, made by ``layer``, takes the new column."""
     out_k, out_v = [], []
     for k, v in zip(keys, values, strict=True):
-        layer = ArenaLayer(k, v, capacity, room)
-        nk, nv = layer.update(new, new)
+        nk, nv = layer(k, v).update(new, new)
         out_k.append(nk)
         out_v.append(nv)
     return out_k, out_v
@@ -74,13 +70,13 @@ def _run_side(side: str, start: list[torch.Tensor], news: list[torch.Tensor],
     else:  # what batch_ops.merged hands the steps: the rows in buffers with room
         keys = [stacked([t], width, steps) for t in start]
         values = [stacked([t], width, steps) for t in start]
+    layer: Callable[[torch.Tensor, torch.Tensor], DynamicLayer] = (
+        _concat_layer if side == "concat"
+        else lambda k, v: ArenaLayer(k, v, width + steps, steps))
     seconds, allocated = 0.0, 0
     for new in news:
         t = time.perf_counter()
-        if side == "concat":
-            nk, nv = _concat_step(keys, values, new)
-        else:
-            nk, nv = _arena_step(keys, values, width + steps, steps, new)
+        nk, nv = _step(keys, values, new, layer)
         seconds += time.perf_counter() - t
         allocated += _allocated(keys + values, nk + nv)
         keys, values = nk, nv

@@ -28,6 +28,7 @@ from backend.serving.kv_arena import (
     stacked,
 )
 from control.tools.kit import KitManifest
+from tests.backend.serving.sequences import opened
 
 HEADS, DIM = 2, 3
 
@@ -227,9 +228,8 @@ def test_engine_decode_steps_write_in_place(engine: Engine, kit_dir: Path) -> No
     alpha = KitManifest.load(kit_dir).adapters["alpha"].digest
     requests = [GenerationRequest("Once upon a time", alpha, max_tokens=12),
                 GenerationRequest("Hi", None, max_tokens=12)]
-    seqs = [engine.open_sequence(r) for r in requests]
-    engine.steps.kv_traffic = traffic = KvTraffic()
-    try:
+    with opened(engine, *requests) as seqs:
+        engine.steps.kv_traffic = traffic = KvTraffic()
         batch = engine.prefill(seqs)
         buffers = [k.untyped_storage().data_ptr() for k in batch.keys + batch.values]
         for step in range(10):
@@ -261,9 +261,6 @@ def test_engine_decode_steps_write_in_place(engine: Engine, kit_dir: Path) -> No
         assert all(torch.equal(a, b) for a, b in zip(kept.keys + kept.values,
                                                      copy.keys + copy.values, strict=True))
         assert traffic.written - traffic.computed == row
-    finally:
-        for s in seqs:
-            engine.close_sequence(s)
 
 
 def test_a_short_row_joining_a_wide_one_has_room_to_its_end(engine: Engine) -> None:
@@ -273,8 +270,7 @@ def test_a_short_row_joining_a_wide_one_has_room_to_its_end(engine: Engine) -> N
     room (a full copy of the KV) two steps after joining."""
     wide = GenerationRequest("Once upon a time, in a quiet city", None, max_tokens=3)
     short = GenerationRequest("Hi", None, max_tokens=12)
-    a, b = engine.open_sequence(wide), engine.open_sequence(short)
-    try:
+    with opened(engine, wide, short) as (a, b):
         batch = engine.prefill([a])
         engine.choose(batch)
         engine.advance(batch)
@@ -285,6 +281,3 @@ def test_a_short_row_joining_a_wide_one_has_room_to_its_end(engine: Engine) -> N
             engine.advance(batch)
             moved = [k.untyped_storage().data_ptr() for k in batch.keys + batch.values]
             assert moved == buffers, f"step {step} after the join moved the KV"
-    finally:
-        engine.close_sequence(a)
-        engine.close_sequence(b)

@@ -25,7 +25,7 @@ from backend.serving.engine_types import (
 )
 from backend.serving.kv_arena import ArenaLayer, KvTraffic, room_for
 from backend.serving.lora_ops import SlotBatch
-from backend.serving.sampling import sample
+from backend.serving.sampling import FAILED, RowSampling, choose_tokens
 from backend.serving.slots import SlotContext, SlotIdentity
 
 # seqs, slots, ids [batch, n], mask [batch, width], positions [batch, n], cache -> logits
@@ -124,17 +124,14 @@ class BatchSteps:
     @staticmethod
     def choose(batch: DecodeBatch, eos_ids: frozenset[int]) -> list[int | None]:
         """Pick each row's next token; mark rows that reached eos or their limit as done; a row
-        whose logits are not finite fails alone (``failure = "numerical"``)."""
+        whose logits are not finite, or whose probabilities are not a distribution, fails alone
+        (``failure = "numerical"``)."""
+        rows = [RowSampling(s.request.temperature, s.request.top_p, s.generator)
+                for s in batch.seqs]
         with torch.inference_mode():
-            logits = batch.logits.float()
-            finite = torch.isfinite(logits).all(dim=-1).tolist()  # [batch]
-            chosen: list[int | None] = [int(t) for t in logits.argmax(dim=-1).tolist()]
-            for i, s in enumerate(batch.seqs):
-                if not finite[i]:
-                    chosen[i] = None
-                elif s.generator is not None:
-                    chosen[i] = sample(logits[i], s.request.temperature, s.request.top_p,
-                                       s.generator)
+            # the step's one device-to-host read, for greedy and sampled rows together
+            ids = choose_tokens(batch.logits.float(), rows).tolist()
+        chosen: list[int | None] = [None if t == FAILED else t for t in ids]
         for s, token in zip(batch.seqs, chosen, strict=True):
             if token is None:
                 s.failure, s.done = "numerical", True

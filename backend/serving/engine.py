@@ -35,6 +35,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from backend.serving.adapter_files import AdapterSource, HostAdapter, PreparedAdapter
 from backend.serving.batch_steps import BatchSteps, first_logits, generate_all, row_generator
+from backend.serving.chunked_prefill import PartialPrefill, prefill_chunk
 from backend.serving.engine_types import (
     AdapterBusyError,
     AdapterLoadError,
@@ -328,12 +329,13 @@ class Engine:
 
     def prefill(self, seqs: list[Sequence],
                 cached: dict[int, DecodeBatch] | None = None) -> DecodeBatch:
-        """Run the prompts of new sequences (left-padded, one mixed batch) into a DecodeBatch.
-
-        ``cached`` maps an index of ``seqs`` to a one-row batch restored from a prefix cache;
-        those rows skip the forward pass.
-        """
+        """Run the prompts of new sequences (left-padded, one mixed batch) into a DecodeBatch;
+        ``cached``: index of ``seqs`` -> a one-row prefix-cache entry (no forward pass)."""
         return self.steps.prefill(seqs, cached)
+
+    def prefill_chunk(self, part: PartialPrefill, tokens: int) -> DecodeBatch | None:
+        """The next ``tokens`` of a long prompt; its batch once done (``chunked_prefill``)."""
+        return prefill_chunk(self.steps, part, tokens)
 
     def merge(self, a: DecodeBatch, b: DecodeBatch) -> DecodeBatch:
         """One batch holding the rows of both (``backend.serving.batch_ops.merged``)."""

@@ -47,6 +47,8 @@ def resident_memory(engine: Engine, scheduler: Scheduler | None = None,
                                  for t in pair])
         counter.add("kv_cache", [*running.keys, *running.values])
         counter.add("workspace", _bookkeeping(running))
+    if scheduler is not None:
+        counter.add("kv_cache", scheduler.prefill_tensors())
     if prefix_cache is not None and prefix_cache.tracks_storages:
         # kept by the cache as entries come and go: O(what was counted above), not O(entries)
         counter.totals["prefix_cache"] += prefix_cache.held_bytes(excluding=counter.seen)

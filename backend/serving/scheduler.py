@@ -1,10 +1,12 @@
 """Continuous batching: one thread admits new sequences between decode steps and streams tokens.
 
 Each step: drop cancelled rows, admit queued sequences up to ``max_running`` (their prompts run as
-one prefill, or come from the prefix cache, then join the running batch), pick every row's next
-token, hand new text to streaming sinks, finish rows at eos or ``max_tokens``, run one decode step
-for the rest. Queued requests are bounded by ``max_queued``; past it ``submit`` raises ``QueueFull``
-at once, so callers get a clear error instead of an unbounded wait.
+one prefill, or come from the prefix cache, then join the running batch; a prompt longer than
+``prefill_chunk`` is computed one chunk per step instead, ``backend.serving.chunked_prefill``, and
+joins when it is done), pick every row's next token, hand new text to streaming sinks, finish rows
+at eos or ``max_tokens``, run one decode step for the rest. Queued requests are bounded by
+``max_queued``; past it ``submit`` raises ``QueueFull`` at once, so callers get a clear error
+instead of an unbounded wait.
 
 Every job ends exactly once (:meth:`Scheduler._end`): that one call releases the sequence's lease
 (its slot pin and cache reference) and tells the sink. A second end is a no-op, counted as a
@@ -35,10 +37,12 @@ from typing import Protocol
 
 import torch
 
+from backend.serving.chunked_prefill import PartialPrefill
 from backend.serving.engine import DecodeBatch, Engine, GenerationResult, Sequence
 from backend.serving.kv_admission import admit, over_budget, reserved
 from backend.serving.placement_gate import let_placements_in
 from backend.serving.prefix_cache import PrefixCache, PrefixKey
+from backend.serving.prefix_entries import cached_entries, remember
 from control.contracts.ledger import Outcome
 
 log = logging.getLogger("loraplane.backend")
@@ -74,17 +78,24 @@ class SchedulerLimits:
     # max_tokens (rows are padded to the longest). None: no bound but max_running. The service
     # takes the memory plan's (``MemoryPlan.kv_tokens``) unless LORAPLANE_MAX_KV_TOKENS is set.
     max_kv_tokens: int | None = None
+    # Prompts longer than this many tokens are prefilled this many tokens per turn, between
+    # decode steps (``backend.serving.chunked_prefill``); 0: every prompt in one pass.
+    prefill_chunk: int = 512
 
     @classmethod
     def from_env(cls, kv_tokens: int | None = None) -> SchedulerLimits:
-        """From LORAPLANE_MAX_RUNNING / _MAX_QUEUED / _MAX_KV_TOKENS; ``kv_tokens``: the
-        memory plan's budget, used when the last is unset."""
+        """From LORAPLANE_MAX_RUNNING / _MAX_QUEUED / _MAX_KV_TOKENS / _PREFILL_CHUNK;
+        ``kv_tokens``: the memory plan's budget, used when _MAX_KV_TOKENS is unset."""
         given = os.environ.get("LORAPLANE_MAX_KV_TOKENS")
-        return cls(
+        limits = cls(
             max_running=int(os.environ.get("LORAPLANE_MAX_RUNNING", cls.max_running)),
             max_queued=int(os.environ.get("LORAPLANE_MAX_QUEUED", cls.max_queued)),
             max_kv_tokens=int(given) if given else kv_tokens,
+            prefill_chunk=int(os.environ.get("LORAPLANE_PREFILL_CHUNK", cls.prefill_chunk)),
         )
+        if limits.prefill_chunk < 0:
+            raise ValueError("LORAPLANE_PREFILL_CHUNK must be >= 0 (0: no chunking)")
+        return limits
 
 
 @dataclass(eq=False)  # jobs are compared by identity: one job, one end
@@ -113,6 +124,9 @@ class Scheduler:
         self._cv = threading.Condition()
         self._queue: deque[_Job] = deque()
         self._running: list[_Job] = []
+        # admitted jobs whose long prompts are prefilled a chunk per turn, oldest first; they
+        # count as running (admission, load, KV) but are not rows of the batch yet
+        self._prefilling: list[tuple[_Job, PartialPrefill]] = []
         # digest -> kill switch: adapters revoked while this scheduler runs (see ``revoke``)
         self._revoked: dict[str, bool] = {}
         self._batch: DecodeBatch | None = None
@@ -161,13 +175,13 @@ class Scheduler:
     def load(self) -> tuple[int, int]:
         """(running, queued) right now."""
         with self._cv:
-            return len(self._running), len(self._queue)
+            return len(self._running) + len(self._prefilling), len(self._queue)
 
     def adapters_in_flight(self) -> tuple[list[str], list[str]]:
         """The adapter digests of the running and of the queued sequences right now (the
         placement metrics, ``backend.triton.placement_metrics``); the base model has none."""
         with self._cv:
-            running = {d for j in self._running for d in _digests(j.seq)}
+            running = {d for j in self._live() for d in _digests(j.seq)}
             queued = {d for j in self._queue for d in _digests(j.seq)}
         return sorted(running), sorted(queued - running)
 
@@ -175,6 +189,12 @@ class Scheduler:
         """The batch being decoded now, or None (memory accounting reads its KV and copies)."""
         with self._cv:
             return self._batch
+
+    def prefill_tensors(self) -> list[torch.Tensor]:
+        """The keys and values of long prompts still being prefilled, per layer (memory
+        accounting: they are KV held beside the running batch's)."""
+        with self._cv:
+            return [t for _job, part in self._prefilling for t in (*part.keys, *part.values)]
 
     def stop(self) -> None:
         """Stop the loop; unfinished sequences end as failed."""
@@ -192,7 +212,7 @@ class Scheduler:
         if self._thread is not None:
             raise RuntimeError("this scheduler runs its own thread")
         with self._cv:
-            if self._stop or (not self._queue and not self._running):
+            if self._stop or not (self._queue or self._running or self._prefilling):
                 return False
             new = self._admit_from_queue()
         self._turn(new)
@@ -200,7 +220,7 @@ class Scheduler:
 
     def _admit_from_queue(self) -> list[_Job]:
         """Queued jobs that fit now (``backend.serving.admission``), oldest first."""
-        admitted, waited = admit(self._queue, self._running, self.limits.max_running,
+        admitted, waited = admit(self._queue, self._live(), self.limits.max_running,
                                  self.limits.max_kv_tokens)
         self.kv_waits += waited
         return admitted
@@ -208,14 +228,18 @@ class Scheduler:
     def kv_reserved(self) -> int:
         """KV positions the running batch may reach at its peak (what admission counts)."""
         with self._cv:
-            return reserved(self._running)
+            return reserved(self._live())
+
+    def _live(self) -> list[_Job]:
+        """Jobs admitted and not ended: the batch's rows, then those still prefilling."""
+        return self._running + [job for job, _part in self._prefilling]
 
     # -- the loop ---------------------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._queue and not self._running:
+                while not (self._stop or self._queue or self._running or self._prefilling):
                     self._cv.wait()
                 if self._stop:
                     break
@@ -231,18 +255,18 @@ class Scheduler:
             # Not tied to one row: every job still live fails, each exactly once. Jobs this
             # step already ended (cancelled before start, finished on their first token) are
             # skipped, never ended again.
-            live = [j for j in dict.fromkeys(self._running + new) if not j.finished]
+            live = [j for j in dict.fromkeys(self._live() + new) if not j.finished]
             log.exception("decode step failed; failing %d live sequences", len(live))
             with self._cv:
-                self._running, self._batch = [], None
+                self._running, self._batch, self._prefilling = [], None, []
             for job in live:
                 self._end(job, Outcome.FAILED, "engine")
 
     def _end_leftover(self) -> None:
         with self._cv:
-            leftover = list(self._queue) + self._running
+            leftover = list(self._queue) + self._live()
             self._queue.clear()
-            self._running, self._batch = [], None
+            self._running, self._batch, self._prefilling = [], None, []
         for job in leftover:
             if not job.finished:
                 self._end(job, Outcome.FAILED, "shutdown")
@@ -253,12 +277,11 @@ class Scheduler:
             revoked = dict(self._revoked)
         starting: list[_Job] = []
         for job in new:
-            if self._gone(job):
-                self._end(job, Outcome.CANCELLED, job.reason or "before_start")
-            elif _digests(job.seq) & revoked.keys():  # revoked between queue and start
-                self._end(job, Outcome.REJECTED, "revoked")
-            else:
+            why = _unstartable(self.engine, job, revoked)
+            if why is None:
                 starting.append(job)
+            else:
+                self._end(job, *why)
         killed = [i for i, j in enumerate(self._running)
                   if any(revoked.get(d) for d in _digests(j.seq))]
         if killed:
@@ -268,14 +291,19 @@ class Scheduler:
                 job.seq.done = True
                 job.outcome, job.reason = Outcome.REVOKED, "immediate"
             self._retain([i for i in range(len(self._running)) if i not in set(killed)])
-        starting = self._without_stale(starting)
-        if starting:
-            joined = eng.prefill([j.seq for j in starting], self._cached(starting))
-            self._remember(starting, joined)
-            batch = joined if self._batch is None else eng.merge(self._batch, joined)
+        cached = self._cached(starting)
+        long = [j for i, j in enumerate(starting) if i not in cached and self._chunked(j)]
+        if long:
             with self._cv:
-                self._batch = batch
-                self._running += starting
+                self._prefilling += [(j, PartialPrefill(j.seq)) for j in long]
+            short = [(j, cached.get(i)) for i, j in enumerate(starting) if j not in long]
+            starting = [j for j, _hit in short]
+            cached = {i: hit for i, (_j, hit) in enumerate(short) if hit is not None}
+        if starting:
+            joined = eng.prefill([j.seq for j in starting], cached)
+            self._remember(starting, joined)
+            self._join(starting, joined)
+        self._prefill_turn(revoked)
         if self._batch is None:
             return
         eng.choose(self._batch)
@@ -289,10 +317,10 @@ class Scheduler:
                 job.outcome, job.reason = Outcome.IDENTITY_MISMATCH, "slot_digest"
             elif job.seq.failure is not None:  # failed alone (numerical): done, no token
                 job.outcome, job.reason = Outcome.FAILED, job.seq.failure
-            elif self._gone(job):
+            elif _gone(job):
                 job.seq.done, job.outcome = True, Outcome.CANCELLED
             elif job.stream:
-                self._stream(job)
+                _stream(self.engine, job)
         self._retain([i for i, j in enumerate(self._running) if not j.seq.done])
         if self._batch is None:
             return
@@ -308,6 +336,39 @@ class Scheduler:
         if self._batch is not None:
             eng.advance(self._batch)
 
+    def _join(self, jobs: list[_Job], joined: DecodeBatch) -> None:
+        """``jobs``, prefilled as ``joined``, become rows of the running batch."""
+        batch = joined if self._batch is None else self.engine.merge(self._batch, joined)
+        with self._cv:
+            self._batch = batch
+            self._running += jobs
+
+    def _chunked(self, job: _Job) -> bool:
+        chunk = self.limits.prefill_chunk
+        return chunk > 0 and len(job.seq.prompt_ids) > chunk
+
+    def _prefill_turn(self, revoked: dict[str, bool]) -> None:
+        """One chunk of the oldest long prompt (``backend.serving.chunked_prefill``); it joins
+        the batch when its prompt is done. A job gone, revoked or whose slot was reloaded
+        meanwhile ends here, as a queued one would: it has sent nothing yet."""
+        while self._prefilling:
+            job, part = self._prefilling[0]
+            why = _unstartable(self.engine, job, revoked)
+            if why is None:
+                break
+            with self._cv:
+                self._prefilling.pop(0)
+            self._end(job, *why)
+        else:
+            return
+        done = self.engine.prefill_chunk(part, self.limits.prefill_chunk)
+        if done is None:
+            return
+        with self._cv:
+            self._prefilling.pop(0)
+        self._remember([job], done)
+        self._join([job], done)
+
     def _retain(self, keep: list[int]) -> None:
         """End the rows not in ``keep`` (done), keep the others in the batch."""
         assert self._batch is not None
@@ -319,36 +380,6 @@ class Scheduler:
             self._batch = batch
         for job in done:
             self._end(job, job.outcome or Outcome.OK, job.reason)
-
-    def _without_stale(self, jobs: list[_Job]) -> list[_Job]:
-        stale = set(self.engine.stale_rows([j.seq for j in jobs]))
-        for i in sorted(stale):
-            jobs[i].seq.failure = "stale_slot"
-            self._end(jobs[i], Outcome.IDENTITY_MISMATCH, "stale_slot")
-        return [j for i, j in enumerate(jobs) if i not in stale]
-
-    def _gone(self, job: _Job) -> bool:
-        """The client cancelled, or its sink broke (then it is gone too)."""
-        try:
-            return bool(job.sink.cancelled())
-        except Exception:
-            log.warning("a sink failed to answer cancelled(); ending its request", exc_info=True)
-            job.reason = "client_gone"
-            return True
-
-    def _stream(self, job: _Job) -> None:
-        text = self.engine.text(job.seq.produced)
-        # a multi-byte character split across tokens decodes to U+FFFD until it is complete
-        if text.endswith("\ufffd") and not job.seq.done:
-            return
-        if len(text) > len(job.emitted):
-            piece, job.emitted = text[len(job.emitted):], text
-            try:
-                job.sink.token(piece)
-            except Exception:  # the client is gone: this request ends, no other
-                log.info("a streamed piece could not be sent; ending that request")
-                job.seq.done = True
-                job.outcome, job.reason = Outcome.CANCELLED, "client_gone"
 
     def _end(self, job: _Job, outcome: Outcome, reason: str | None = None) -> None:
         """End ``job``: release its lease and tell its sink. Exactly once per job."""
@@ -369,42 +400,57 @@ class Scheduler:
         except Exception:
             log.exception("a sink failed to finish")
 
-    # -- prefix cache -----------------------------------------------------------------------
+    # -- prefix cache (backend.serving.prefix_entries) ----------------------------------------
 
     def _cached(self, new: list[_Job]) -> dict[int, DecodeBatch]:
-        if self.prefix_cache is None:
-            return {}
-        hits: dict[int, DecodeBatch] = {}
-        for i, job in enumerate(new):
-            if job.key is not None:
-                found = self.prefix_cache.get(job.key)
-                if found is not None:
-                    hits[i] = found
-        return hits
+        return cached_entries(self.prefix_cache, [j.key for j in new])
 
     def _remember(self, new: list[_Job], batch: DecodeBatch) -> None:
-        if self.prefix_cache is None:
-            return
-        for i, job in enumerate(new):
-            if job.key is None or job.seq.mismatched or not job.seq.observed:
-                continue  # only a prompt computed with the key's own adapter is remembered
-            one = self.engine.retain(batch, [i])
-            assert one is not None
-            if not bool(torch.isfinite(one.logits).all()):
-                continue  # a row that will fail alone is no prompt to remember
-            keys = [k.clone(memory_format=torch.contiguous_format) for k in one.keys]
-            values = [v.clone(memory_format=torch.contiguous_format) for v in one.values]
-            entry = DecodeBatch([], keys, values, one.mask.clone(), one.last_pos.clone(),
-                                one.logits.clone(), one.slots,
-                                observed=frozenset(job.seq.observed))
-            nbytes = sum(_nbytes(t) for t in keys + values)
-            self.prefix_cache.put(job.key, entry, nbytes)
+        remember(self.prefix_cache, self.engine, [(j.seq, j.key) for j in new], batch)
+
+
+def _unstartable(engine: Engine, job: _Job,
+                 revoked: dict[str, bool]) -> tuple[Outcome, str] | None:
+    """Why a job that has sent nothing yet (new, or its long prompt still prefilling) must
+    end now: its client is gone, its adapter was revoked, or its slot no longer holds the
+    load it was admitted on. None: it goes on."""
+    if _gone(job):
+        return Outcome.CANCELLED, job.reason or "before_start"
+    if _digests(job.seq) & revoked.keys():
+        return Outcome.REJECTED, "revoked"
+    if engine.stale_rows([job.seq]):
+        job.seq.failure = "stale_slot"
+        return Outcome.IDENTITY_MISMATCH, "stale_slot"
+    return None
+
+
+def _gone(job: _Job) -> bool:
+    """The client cancelled, or its sink broke (then it is gone too)."""
+    try:
+        return bool(job.sink.cancelled())
+    except Exception:
+        log.warning("a sink failed to answer cancelled(); ending its request", exc_info=True)
+        job.reason = "client_gone"
+        return True
+
+
+def _stream(engine: Engine, job: _Job) -> None:
+    """Send ``job``'s sink the text its new tokens complete."""
+    text = engine.text(job.seq.produced)
+    # a multi-byte character split across tokens decodes to U+FFFD until it is complete
+    if text.endswith("\ufffd") and not job.seq.done:
+        return
+    if len(text) > len(job.emitted):
+        piece, job.emitted = text[len(job.emitted):], text
+        try:
+            job.sink.token(piece)
+        except Exception:  # the client is gone: this request ends, no other
+            log.info("a streamed piece could not be sent; ending that request")
+            job.seq.done = True
+            job.outcome, job.reason = Outcome.CANCELLED, "client_gone"
 
 
 def _digests(seq: Sequence) -> set[str]:
     """The adapter digests a sequence runs on: its request's, and any its slot was seen to hold."""
     return {d for d in (seq.request.adapter, *seq.observed) if d is not None}
 
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

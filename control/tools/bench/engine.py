@@ -70,6 +70,7 @@ from control.tools.bench.kit import (
     read_and_hash,
 )
 from control.tools.bench.open_peer import open_repository
+from control.tools.bench.prefill_stall import decode_stall
 from projections.follower import open_registry
 
 if TYPE_CHECKING:
@@ -449,6 +450,10 @@ def _run(root: Path, reps: int, triton_runs: int,
     m["streams_32_tokens_per_s"], m["streams_1_tokens_per_s"] = streams.many, streams.one
     del peft_run
 
+    progress("decode stalls while a 2,048-token prompt arrives: chunked, one pass, none")
+    stall = decode_stall(engine, prompts, reps)
+    m.update({k: float(v) for k, v in stall.items() if k != "decode_stall_during_prefill"})
+
     progress("base-row p95 latency during a storm of cold loads vs quiet")
     for d in list(engine.resident_adapters()):  # the storm starts from an empty device
         engine.unload_adapter(d)
@@ -464,6 +469,9 @@ def _run(root: Path, reps: int, triton_runs: int,
         # KV bytes written into buffers (new tokens', and every join's, leave's and move's)
         # over the bytes the model computed, across the continuous-batching runs
         "kv_bytes_copied_per_token": kv_copied,
+        # p95 gap between the running streams' tokens while a long prompt is prefilled in
+        # chunks, over the gap with no arrival (``decode_stall_unchunked``: in one pass)
+        "decode_stall_during_prefill": stall["decode_stall_during_prefill"],
         "triton_vs_inprocess": None,
         "cold_load_vs_read": m["cold_load_p95_s"] / m["read_hash_p95_s"],
         "governed_vs_open": None,

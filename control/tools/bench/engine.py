@@ -69,6 +69,7 @@ from control.tools.bench.kit import (
     meets,
     read_and_hash,
 )
+from control.tools.bench.kv_shapes import padding_costs
 from control.tools.bench.open_peer import open_repository
 from control.tools.bench.prefill_stall import decode_stall
 from projections.follower import open_registry
@@ -454,6 +455,11 @@ def _run(root: Path, reps: int, triton_runs: int,
     stall = decode_stall(engine, prompts, reps)
     m.update({k: float(v) for k, v in stall.items() if k != "decode_stall_during_prefill"})
 
+    progress("padding to the longest row: 31 short rows and a 2,048-token one vs 32 short")
+    padding = padding_costs(engine, prompts, NEW_TOKENS, reps)
+    m.update({k: v for k, v in padding.items() if k not in ("mixed_lengths_vs_uniform",
+                                                            "peak_kv_vs_live_kv")})
+
     progress("base-row p95 latency during a storm of cold loads vs quiet")
     for d in list(engine.resident_adapters()):  # the storm starts from an empty device
         engine.unload_adapter(d)
@@ -472,6 +478,10 @@ def _run(root: Path, reps: int, triton_runs: int,
         # p95 gap between the running streams' tokens while a long prompt is prefilled in
         # chunks, over the gap with no arrival (``decode_stall_unchunked``: in one pass)
         "decode_stall_during_prefill": stall["decode_stall_during_prefill"],
+        # decode tokens/s with one 2,048-token row among 31 short ones, over 32 short rows; and
+        # the KV bytes held at the peak over those the rows' tokens need (rows are padded)
+        "mixed_lengths_vs_uniform": padding["mixed_lengths_vs_uniform"],
+        "peak_kv_vs_live_kv": padding["peak_kv_vs_live_kv"],
         "triton_vs_inprocess": None,
         "cold_load_vs_read": m["cold_load_p95_s"] / m["read_hash_p95_s"],
         "governed_vs_open": None,

@@ -52,6 +52,8 @@ GOALS: dict[str, tuple[str, float]] = {
     "base_p95_storm_vs_quiet": ("<=", 1.2),
     "kv_bytes_copied_per_token": ("<=", 1.1),
     "decode_stall_during_prefill": ("<=", 1.5),
+    "mixed_lengths_vs_uniform": (">=", 0.8),
+    "peak_kv_vs_live_kv": ("<=", 1.1),
 }
 
 

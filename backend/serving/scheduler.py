@@ -39,7 +39,7 @@ import torch
 
 from backend.serving.chunked_prefill import PartialPrefill
 from backend.serving.engine import DecodeBatch, Engine, GenerationResult, Sequence
-from backend.serving.kv_admission import admit, over_budget, reserved
+from backend.serving.kv_admission import KvHeld, admit, over_budget, reserved
 from backend.serving.placement_gate import let_placements_in
 from backend.serving.prefix_cache import PrefixCache, PrefixKey
 from backend.serving.prefix_entries import cached_entries, remember
@@ -74,8 +74,8 @@ class SchedulerLimits:
 
     max_running: int = 32
     max_queued: int = 256
-    # KV positions the running batch may hold at its peak: rows x the longest row's prompt plus
-    # max_tokens (rows are padded to the longest). None: no bound but max_running. The service
+    # KV positions the engine's buffers may hold (padding, room and chunked prompts included,
+    # ``backend.serving.kv_admission``). None: no bound but max_running. The service
     # takes the memory plan's (``MemoryPlan.kv_tokens``) unless LORAPLANE_MAX_KV_TOKENS is set.
     max_kv_tokens: int | None = None
     # Prompts longer than this many tokens are prefilled this many tokens per turn, between
@@ -140,11 +140,9 @@ class Scheduler:
 
     def submit(self, seq: Sequence, sink: SequenceSink, *, stream: bool = False,
                key: PrefixKey | None = None) -> None:
-        """Queue an opened sequence; raises ``QueueFull`` past the bound.
-
-        From here on the scheduler owns the sequence's lease and releases it when the job
-        ends; on ``QueueFull`` the caller still owns it.
-        """
+        """Queue an opened sequence; raises ``QueueFull`` past the bound. From here on the
+        scheduler owns the sequence's lease (released when the job ends); on ``QueueFull`` the
+        caller still owns it."""
         with self._cv:
             if self._stop:
                 raise QueueFull("scheduler stopped")
@@ -220,19 +218,24 @@ class Scheduler:
 
     def _admit_from_queue(self) -> list[_Job]:
         """Queued jobs that fit now (``backend.serving.admission``), oldest first."""
-        admitted, waited = admit(self._queue, self._live(), self.limits.max_running,
-                                 self.limits.max_kv_tokens)
+        admitted, waited = admit(self._queue, self._running, self.limits.max_running,
+                                 self.limits.max_kv_tokens, chunked=self._chunked_jobs(),
+                                 held=KvHeld.of(self._batch), will_chunk=self._will_chunk)
         self.kv_waits += waited
         return admitted
 
     def kv_reserved(self) -> int:
-        """KV positions the running batch may reach at its peak (what admission counts)."""
+        """The most KV positions the buffers hold until the live rows end (what admission
+        counts, ``backend.serving.kv_admission``)."""
         with self._cv:
-            return reserved(self._live())
+            return reserved(self._running, self._chunked_jobs(), KvHeld.of(self._batch))
+
+    def _chunked_jobs(self) -> list[_Job]:
+        return [job for job, _part in self._prefilling]
 
     def _live(self) -> list[_Job]:
         """Jobs admitted and not ended: the batch's rows, then those still prefilling."""
-        return self._running + [job for job, _part in self._prefilling]
+        return self._running + self._chunked_jobs()
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -292,7 +295,7 @@ class Scheduler:
                 job.outcome, job.reason = Outcome.REVOKED, "immediate"
             self._retain([i for i in range(len(self._running)) if i not in set(killed)])
         cached = self._cached(starting)
-        long = [j for i, j in enumerate(starting) if i not in cached and self._chunked(j)]
+        long = [j for i, j in enumerate(starting) if i not in cached and self._will_chunk(j.seq)]
         if long:
             with self._cv:
                 self._prefilling += [(j, PartialPrefill(j.seq)) for j in long]
@@ -343,9 +346,9 @@ class Scheduler:
             self._batch = batch
             self._running += jobs
 
-    def _chunked(self, job: _Job) -> bool:
+    def _will_chunk(self, seq: Sequence) -> bool:
         chunk = self.limits.prefill_chunk
-        return chunk > 0 and len(job.seq.prompt_ids) > chunk
+        return chunk > 0 and len(seq.prompt_ids) > chunk
 
     def _prefill_turn(self, revoked: dict[str, bool]) -> None:
         """One chunk of the oldest long prompt (``backend.serving.chunked_prefill``); it joins

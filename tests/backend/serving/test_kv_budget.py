@@ -83,3 +83,39 @@ def test_the_memory_plan_reserves_kv_after_weights_banks_and_headroom(engine: En
     assert p.kv_token_bytes == 2 * plan.shapes.layers * plan.shapes.kv_heads \
         * plan.shapes.head_dim * plan.element_size
     assert f"{p.kv_tokens:,} positions" in p.describe()
+
+
+def _held_positions(sched: Scheduler) -> int:
+    """Positions the running batch's layer-0 key buffer holds, its room and any rows that left
+    in place included: what the engine allocated, not what the accounting says."""
+    batch = sched.running_batch()
+    if batch is None or not batch.keys:
+        return 0
+    k = batch.keys[0]
+    return k.untyped_storage().nbytes() // (k.shape[1] * k.shape[3] * k.element_size())
+
+
+def test_a_short_row_joining_a_long_one_is_counted_as_the_buffers_it_takes(
+        engine: Engine) -> None:
+    """Rows are left-padded to the longest, and the buffer reserves room for the most tokens
+    any row may still make: a short prompt with many tokens joining a long prompt with few holds
+    the long width plus the many tokens, on both rows. Admission counted rows x the longest
+    prompt + max_tokens (here exactly the budget), and the buffers took twice the budget."""
+    long = GenerationRequest("word " * 24, None, max_tokens=4)  # 121 tokens with bos
+    a = engine.open_sequence(long)
+    b = engine.open_sequence(GenerationRequest("Hi", None, max_tokens=kv_need(a) - 3))
+    assert kv_need(a) == kv_need(b)
+    budget = 2 * kv_need(a)  # both rows, were they the same shape
+    sched = Scheduler(engine, SchedulerLimits(max_running=4, max_kv_tokens=budget),
+                      start=False)
+    sinks = [Sink(), Sink()]
+    sched.submit(a, sinks[0])
+    sched.run_once()
+    sched.submit(b, sinks[1])
+    held = 0
+    while sched.run_once():
+        held = max(held, _held_positions(sched))
+        assert sched.kv_reserved() <= budget
+    assert held <= budget, f"the KV buffers held {held} positions over a budget of {budget}"
+    assert sched.kv_waits > 0  # the short row waited for the long one to finish
+    assert [s.outcome for s in sinks] == ["ok", "ok"]

@@ -2,15 +2,18 @@
 
 The slot table says which digest a slot holds, and every forward pass reads the digest its rows'
 slots hold (``Sequence.observed``). Both are bookkeeping. A fingerprint checks the weights
-themselves: when an adapter is placed, each target module's A and B of its slot are summed (in
-float64) and kept; on a sample of forward passes (every :data:`CHECK_EVERY`-th) one of the slots
-that pass uses is summed again, in turn, and a slot whose weights no longer sum the same (a write
-into the wrong slot, a stray copy, a bug in slot reuse) makes its rows fail closed as
+themselves: when an adapter is placed, its slot's region of the banks (every target module's A
+and B, one contiguous vector, ``backend.serving.slots.SlotBanks``) is summed in ``max_rank``
+consecutive parts (in float64) and kept; on a sample of forward passes (every
+:data:`CHECK_EVERY`-th) one of the slots that pass uses is summed again, in turn, and a slot whose
+weights no longer sum the same (a write into the wrong slot, a stray copy, a bug in slot reuse)
+makes its rows fail closed as
 ``identity_mismatch`` (their ``observed`` gets :data:`WEIGHTS_CHANGED`) and is counted as the
 broken invariant ``slot_weights``.
 
-Cost: a check reads one slot's weights once (two reductions per target module); taken every
-64th pass it is a small fraction of decoding (``loraplane bench engine`` reports
+Cost: a check reads one slot's weights once, in one reduction (it was two per target module:
+64 launches a slot at 4 modules over 8 layers); taken every 64th pass it is a small fraction of
+decoding (``loraplane bench engine`` reports
 ``fingerprint_every_pass_vs_off``: decode throughput with a check on every pass against none).
 The check sums exactly as placement did (the same reductions over the same slot), so the sums
 are compared exactly.
@@ -18,24 +21,23 @@ are compared exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
-from backend.serving.slots import SlottedLinear
+from backend.serving.slots import SlotBanks
 
 CHECK_EVERY = 64  # forward passes between checks; 0 turns the checks off
 WEIGHTS_CHANGED = "weights_changed"  # what a row observes when its slot's weights moved
 
 
 class BankFingerprints:
-    """Per-slot sums of every target module's A and B banks (see the module notes)."""
+    """Per-slot sums of the slot's region of the banks, in parts (see the module notes)."""
 
-    def __init__(self, modules: Sequence[SlottedLinear], num_slots: int,
-                 device: torch.device) -> None:
-        self._modules = list(modules)
-        # [slots, 2 * modules] float64: zero for an empty slot (its banks are zero)
-        self._placed = torch.zeros((num_slots, 2 * len(self._modules)), dtype=torch.float64,
+    def __init__(self, banks: SlotBanks, num_slots: int, device: torch.device) -> None:
+        self._banks = banks
+        # [slots, max_rank] float64: zero for an empty slot (its banks are zero)
+        self._placed = torch.zeros((num_slots, banks.max_rank), dtype=torch.float64,
                                    device=device)
         self._turn = 0
         self.checks = 0
@@ -60,8 +62,9 @@ class BankFingerprints:
         return [] if torch.equal(self._sums(slot), self._placed[slot]) else [slot]
 
     def _sums(self, slot: int) -> torch.Tensor:
-        """[2 * modules] float64: the sums of ``slot``'s A and B in each module (views, no
-        copy of the banks)."""
+        """[max_rank] float64: the sums of ``slot``'s region in ``max_rank`` consecutive parts
+        (a view of the banks, no copy). The region's length is max_rank x the modules' in + out,
+        so the parts are equal."""
         with torch.inference_mode():
-            return torch.stack([x[slot].sum(dtype=torch.float64)
-                                for m in self._modules for x in m.banks()])
+            return self._banks.region(slot).view(self._banks.max_rank, -1).sum(
+                dim=1, dtype=torch.float64)

@@ -17,19 +17,19 @@ import torch
 from backend.serving.engine_types import Sequence
 from backend.serving.fingerprint import CHECK_EVERY, WEIGHTS_CHANGED, BankFingerprints
 from backend.serving.lease import Violations
-from backend.serving.slots import SlottedLinear
+from backend.serving.slots import SlotBanks
 
 
 class SlotProvenance:
     """Slot -> the digest its banks hold (None: zero), the banks' fingerprints, and the passes
     that read them."""
 
-    def __init__(self, modules: Sequence_[SlottedLinear], num_slots: int,
-                 device: torch.device, violations: Violations) -> None:
+    def __init__(self, banks: SlotBanks, num_slots: int, device: torch.device,
+                 violations: Violations) -> None:
         self.violations = violations
         self.digests: list[str | None] = [None] * num_slots
         # The weights themselves, checked on a sample of passes (backend.serving.fingerprint).
-        self.fingerprints = BankFingerprints(modules, num_slots, device)
+        self.fingerprints = BankFingerprints(banks, num_slots, device)
         self.passes = 0
 
     def placed(self, slot: int, digest: str) -> None:

@@ -39,6 +39,7 @@ from backend.serving.lease import Violations
 from backend.serving.memory import MemoryPlan
 from backend.serving.provenance import SlotProvenance
 from backend.serving.slots import (
+    SlotBanks,
     SlotContext,
     SlotIdentity,
     SlotsFull,
@@ -59,13 +60,13 @@ class SlotResidency:
         self.device, self.dtype, self.max_rank = device, dtype, max_rank
         self.context = SlotContext()
         self.table = SlotTable(plan.slots)
-        self.slotted = self._wrap_targets()  # module name -> its slot banks
-        self.provenance = SlotProvenance(list(self.slotted.values()), self.table.num_slots,
-                                         device, violations)
+        # module name -> its wrapper; the banks of every module, one region a slot
+        self.slotted, self.banks = self._wrap_targets()
+        self.provenance = SlotProvenance(self.banks, self.table.num_slots, device, violations)
         self.modules: dict[str, list[str]] = {}  # digest -> modules it targets
         self.active: dict[int, int] = {}  # slot -> pins held by live sequences
 
-    def _wrap_targets(self) -> dict[str, SlottedLinear]:
+    def _wrap_targets(self) -> tuple[dict[str, SlottedLinear], SlotBanks]:
         """Wrap every target Linear in slot banks for all slots (``slots.wrap_targets``)."""
         try:
             return wrap_targets(self.model, self.plan.shapes, self.context,
@@ -122,8 +123,9 @@ class SlotResidency:
                 # when it comes from the cache; counted either way.
                 self.violations.count("pinned_unload", f"slot {slot}")
                 raise AdapterBusyError("adapter is serving running sequences")
+            self.banks.clear(slot)  # every module's part of the slot, in one operation
             for name in self.modules.pop(digest):
-                self.slotted[name].clear(slot)
+                self.slotted[name].vacate(slot)
             self.provenance.cleared(slot)
             self.table.release(digest)
 

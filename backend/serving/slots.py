@@ -37,16 +37,15 @@ class SlotContext:
 class SlottedLinear(nn.Module):
     """A base ``nn.Linear`` plus per-row deltas read from stacked slot tensors."""
 
-    def __init__(self, base: nn.Linear, context: SlotContext, num_slots: int, max_rank: int,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, base: nn.Linear, context: SlotContext, a: torch.Tensor,
+                 b: torch.Tensor) -> None:
+        """``a`` ``[slots, max_rank, in]`` and ``b`` ``[slots, out, max_rank]``: this module's
+        banks, views of the engine's :class:`SlotBanks` (PEFT's layouts, see the module notes;
+        slot 0 stays zero)."""
         super().__init__()
         self.base = base
         self.context = context
-        dev = base.weight.device
-        # PEFT's layouts, [slots, rank, in] and [slots, out, rank] (see the module notes).
-        # Slot 0 stays zero.
-        self.a = torch.zeros((num_slots, max_rank, base.in_features), dtype=dtype, device=dev)
-        self.b = torch.zeros((num_slots, base.out_features, max_rank), dtype=dtype, device=dev)
+        self.a, self.b = a, b
         self.occupied: set[int] = set()
 
     @property
@@ -79,9 +78,8 @@ class SlottedLinear(nn.Module):
         self.b[slot, :, :rank].copy_(b, non_blocking=True)
         self.occupied.add(slot)
 
-    def clear(self, slot: int) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+    def vacate(self, slot: int) -> None:
+        """``slot`` holds nothing of this module any more (``SlotBanks.clear`` zeroed it)."""
         self.occupied.discard(slot)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -163,26 +161,66 @@ class SlotTable:
         return list(self._by_digest)
 
 
+class SlotBanks:
+    """Every target module's A and B banks as views of one buffer ``[slots, per_slot]``: one
+    slot's weights, all modules, are one contiguous region.
+
+    So what is done to a whole slot is one operation: zeroing it when it is freed, and summing
+    it for the weight fingerprint (``backend.serving.fingerprint``), where each was two per
+    module (64 small operations a slot for 4 modules over 8 layers, hundreds at a 7B model's 224
+    modules, each a kernel launch on a GPU, under the engine's lock). Within the region each
+    module's A and B keep their own layouts, contiguous, so the LoRA kernels read a slot's
+    ``a[slot]`` and ``b[slot]`` as before."""
+
+    def __init__(self, dims: list[tuple[int, int]], num_slots: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        """``dims``: (in, out) of each module, in the order :meth:`views` is asked."""
+        self.max_rank = max_rank
+        per_slot = sum(max_rank * (i + o) for i, o in dims)
+        self.flat = torch.zeros((num_slots, per_slot), dtype=dtype, device=device)
+        self._dims, self._next = dims, 0
+
+    def views(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Module ``index``'s A ``[slots, max_rank, in]`` and B ``[slots, out, max_rank]``."""
+        r = self.max_rank
+        start = sum(r * (i + o) for i, o in self._dims[:index])
+        i, o = self._dims[index]
+        a = self.flat[:, start:start + r * i].unflatten(1, (r, i))
+        b = self.flat[:, start + r * i:start + r * (i + o)].unflatten(1, (o, r))
+        return a, b
+
+    def region(self, slot: int) -> torch.Tensor:
+        """``slot``'s weights, every module's, as one contiguous vector."""
+        return self.flat[slot]
+
+    def clear(self, slot: int) -> None:
+        self.flat[slot].zero_()
+
+
 def wrap_targets(model: nn.Module, shapes: BaseShapes, context: SlotContext, num_slots: int,
-                 max_rank: int, dtype: torch.dtype) -> dict[str, SlottedLinear]:
-    """Replace every target Linear of ``model`` by a ``SlottedLinear`` with banks for
-    ``num_slots``; module name -> its wrapper. ValueError when the model's target modules are
-    not the ones the memory plan's ``shapes`` counted (the plan would count memory the model
-    does not have, or miss some it has)."""
+                 max_rank: int, dtype: torch.dtype,
+                 ) -> tuple[dict[str, SlottedLinear], SlotBanks]:
+    """Replace every target Linear of ``model`` by a ``SlottedLinear`` whose banks for
+    ``num_slots`` are views of one :class:`SlotBanks`; (module name -> its wrapper, the banks).
+    ValueError when the model's target modules are not the ones the memory plan's ``shapes``
+    counted (the plan would count memory the model does not have, or miss some it has)."""
     dims = shapes.target_dims()
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in dims]
     if len(targets) != len(dims) * shapes.layers:
         raise ValueError(f"expected {len(dims)} target modules in each of {shapes.layers} "
                          f"layers, found {len(targets)}")
-    wrapped: dict[str, SlottedLinear] = {}
     for name, module in targets:
         want = dims[name.rsplit(".", 1)[-1]]
         if (module.in_features, module.out_features) != want:
             raise ValueError(f"module {name!r} is {module.in_features}->{module.out_features}, "
                              f"the config says {want[0]}->{want[1]}")
-        wrapper = SlottedLinear(module, context, num_slots, max_rank, dtype)
+    banks = SlotBanks([(m.in_features, m.out_features) for _name, m in targets], num_slots,
+                      max_rank, dtype, targets[0][1].weight.device)
+    wrapped: dict[str, SlottedLinear] = {}
+    for index, (name, module) in enumerate(targets):
+        wrapper = SlottedLinear(module, context, *banks.views(index))
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, wrapper)
         wrapped[name] = wrapper
-    return wrapped
+    return wrapped, banks

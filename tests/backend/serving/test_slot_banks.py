@@ -1,0 +1,60 @@
+"""The slot banks as one buffer (``backend.serving.slots.SlotBanks``): each module's A and B views
+cover their own part of every slot, one slot's region holds all its modules' weights and nothing
+of any other slot, clearing a slot zeroes exactly that region, and the weight fingerprint sees a
+change anywhere in it."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backend.serving.fingerprint import BankFingerprints
+from backend.serving.slots import SlotBanks
+
+dims_st = st.lists(st.tuples(st.integers(1, 9), st.integers(1, 9)), min_size=1, max_size=5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(dims=dims_st, rank=st.integers(1, 4), slots=st.integers(2, 5), data=st.data())
+def test_views_tile_each_slot_and_clear_touches_one_slot(dims: list[tuple[int, int]], rank: int,
+                                                          slots: int, data: st.DataObject) -> None:
+    banks = SlotBanks(dims, slots, rank, torch.float32, torch.device("cpu"))
+    views = [banks.views(i) for i in range(len(dims))]
+    for (i, o), (a, b) in zip(dims, views, strict=True):
+        assert a.shape == (slots, rank, i) and b.shape == (slots, o, rank)
+        assert a[0].is_contiguous() and b[0].is_contiguous()  # what the LoRA kernels read
+    # writing a distinct value through every view of every slot fills each element once
+    n = 0
+    for s in range(slots):
+        for a, b in views:
+            for t in (a[s], b[s]):
+                t.copy_(torch.arange(n, n + t.numel(), dtype=torch.float32).view_as(t))
+                n += t.numel()
+    assert n == banks.flat.numel()
+    assert torch.equal(banks.flat.flatten().sort().values, torch.arange(n, dtype=torch.float32))
+    # one slot's region is its own modules' weights, and clearing it zeroes nothing else
+    slot = data.draw(st.integers(0, slots - 1))
+    mine = torch.cat([t[slot].flatten() for a, b in views for t in (a, b)])
+    assert torch.equal(banks.region(slot), mine)
+    before = banks.flat.clone()
+    banks.clear(slot)
+    assert not banks.region(slot).any()
+    others = [s for s in range(slots) if s != slot]
+    assert torch.equal(banks.flat[others], before[others])
+
+
+@settings(max_examples=60, deadline=None)
+@given(dims=dims_st, rank=st.integers(1, 4), data=st.data())
+def test_the_fingerprint_sees_a_change_anywhere_in_the_slot(dims: list[tuple[int, int]],
+                                                            rank: int,
+                                                            data: st.DataObject) -> None:
+    banks = SlotBanks(dims, 3, rank, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    banks.flat[1] = torch.randn(banks.flat.shape[1], generator=g)
+    prints = BankFingerprints(banks, 3, torch.device("cpu"))
+    prints.record(1)
+    assert prints.changed([1]) == []
+    where = data.draw(st.integers(0, banks.flat.shape[1] - 1))
+    banks.flat[1, where] += 1.0
+    assert prints.changed([1]) == [1]

@@ -48,10 +48,6 @@ class PartialPrefill:
     values: list[torch.Tensor] = field(default_factory=list)
     capacity: int = 0
 
-    @property
-    def remaining(self) -> int:
-        return len(self.seq.prompt_ids) - self.done
-
 
 def prefill_chunk(steps: BatchSteps, part: PartialPrefill, tokens: int) -> DecodeBatch | None:
     """Compute the next ``tokens`` (at least 1) of ``part``'s prompt with the engine's

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from backend.serving.engine import Engine, GenerationRequest, Sequence
+import torch
+
+from backend.serving.engine import DecodeBatch, Engine, GenerationRequest, Sequence
 
 
 @contextmanager
@@ -17,3 +19,19 @@ def opened(engine: Engine, *requests: GenerationRequest) -> Iterator[list[Sequen
     finally:
         for s in seqs:
             engine.close_sequence(s)
+
+
+def storages(ts: list[torch.Tensor]) -> list[int]:
+    """Where each tensor's buffer is: equal lists mean nothing moved to a new buffer."""
+    return [t.untyped_storage().data_ptr() for t in ts]
+
+
+def decode_in_place(engine: Engine, batch: DecodeBatch, steps: int, what: str) -> list[int]:
+    """Run ``steps`` decode steps on ``batch``, asserting that none moves its KV to new buffers
+    (``what`` names the steps in the message); the buffers' places."""
+    buffers = storages(batch.keys + batch.values)
+    for step in range(steps):
+        engine.choose(batch)
+        engine.advance(batch)
+        assert storages(batch.keys + batch.values) == buffers, f"{what} {step} moved the KV"
+    return buffers

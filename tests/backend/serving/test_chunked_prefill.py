@@ -19,7 +19,7 @@ from backend.serving.memory_report import resident_memory
 from backend.serving.scheduler import Scheduler, SchedulerLimits
 from control.contracts.ledger import Outcome
 from control.tools.kit import KitManifest
-from tests.backend.serving.sequences import opened
+from tests.backend.serving.sequences import opened, storages
 from tests.faults import EndlessEngine
 
 LONG = "Once upon a time, in a quiet city by the sea, " * 4  # 185 tokens with bos
@@ -40,10 +40,6 @@ def alpha(kit_dir: Path) -> str:
     return KitManifest.load(kit_dir).adapters["alpha"].digest
 
 
-def _storages(ts: list[torch.Tensor]) -> list[int]:
-    return [t.untyped_storage().data_ptr() for t in ts]
-
-
 @pytest.mark.parametrize("chunk", [CHUNK, 7])
 def test_a_chunked_prompt_equals_its_one_pass_prefill(engine: Engine, alpha: str,
                                                       chunk: int) -> None:
@@ -58,8 +54,8 @@ def test_a_chunked_prompt_equals_its_one_pass_prefill(engine: Engine, alpha: str
             done = engine.prefill_chunk(part, chunk)
             passes += 1
             if buffers is None:
-                buffers = _storages(part.keys + part.values)
-            assert _storages(part.keys + part.values) == buffers, "a chunk moved the KV"
+                buffers = storages(part.keys + part.values)
+            assert storages(part.keys + part.values) == buffers, "a chunk moved the KV"
         assert passes == math.ceil(len(whole.prompt_ids) / chunk)
         # every chunk wrote its own columns into the room the first one reserved, once
         assert traffic.written == traffic.computed > 0

@@ -28,7 +28,7 @@ from backend.serving.kv_arena import (
     stacked,
 )
 from control.tools.kit import KitManifest
-from tests.backend.serving.sequences import opened
+from tests.backend.serving.sequences import decode_in_place, opened, storages
 
 HEADS, DIM = 2, 3
 
@@ -231,12 +231,7 @@ def test_engine_decode_steps_write_in_place(engine: Engine, kit_dir: Path) -> No
     with opened(engine, *requests) as seqs:
         engine.steps.kv_traffic = traffic = KvTraffic()
         batch = engine.prefill(seqs)
-        buffers = [k.untyped_storage().data_ptr() for k in batch.keys + batch.values]
-        for step in range(10):
-            engine.choose(batch)
-            engine.advance(batch)
-            moved = [k.untyped_storage().data_ptr() for k in batch.keys + batch.values]
-            assert moved == buffers, f"decode step {step} moved the KV"
+        buffers = decode_in_place(engine, batch, 10, "decode step")
         assert batch.keys[0].shape[2] == max(len(s.prompt_ids) for s in seqs) + 10
         # the room the prefill reserved: what the rows may make, no more than the longest needs
         longest = max(len(s.prompt_ids) + s.request.max_tokens for s in seqs)
@@ -257,7 +252,7 @@ def test_engine_decode_steps_write_in_place(engine: Engine, kit_dir: Path) -> No
         # where it is, moves nothing, and holds the same values as the copy
         kept = engine.retain(batch, [1], reuse=True)
         assert kept is not None
-        assert [k.untyped_storage().data_ptr() for k in kept.keys + kept.values] == buffers
+        assert storages(kept.keys + kept.values) == buffers
         assert all(torch.equal(a, b) for a, b in zip(kept.keys + kept.values,
                                                      copy.keys + copy.values, strict=True))
         assert traffic.written - traffic.computed == row
@@ -275,9 +270,4 @@ def test_a_short_row_joining_a_wide_one_has_room_to_its_end(engine: Engine) -> N
         engine.choose(batch)
         engine.advance(batch)
         batch = engine.merge(batch, engine.prefill([b]))
-        buffers = [k.untyped_storage().data_ptr() for k in batch.keys + batch.values]
-        for step in range(8):
-            engine.choose(batch)
-            engine.advance(batch)
-            moved = [k.untyped_storage().data_ptr() for k in batch.keys + batch.values]
-            assert moved == buffers, f"step {step} after the join moved the KV"
+        decode_in_place(engine, batch, 8, "step after the join")

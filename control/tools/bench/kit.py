@@ -22,7 +22,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +161,34 @@ def bench_prompts(n: int, seed: int = 11) -> list[str]:
     letters = "abcdefghijklmnopqrstuvwxyz "
     # byte tokenizer: bos + 63 bytes = 64 prompt tokens
     return ["".join(rng.choice(letters) for _ in range(PROMPT_TOKENS - 1)) for _ in range(n)]
+
+
+def long_prompt(prompts: list[str], tokens: int) -> str:
+    """A prompt of ``tokens`` tokens, bos included, made of ``prompts`` repeated (a byte
+    tokenizer's: a character a token)."""
+    text = " ".join(prompts)
+    while len(text) < tokens:
+        text += " " + text
+    return text[:tokens - 1]
+
+
+@dataclass
+class TokenClock:
+    """A stream's sink that keeps the time each piece arrives; ``stop`` cancels the stream (a
+    bench's window is over and it need not wait for the rest)."""
+
+    times: list[float] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+    stop: bool = False
+
+    def cancelled(self) -> bool:
+        return self.stop
+
+    def token(self, piece: str) -> None:
+        self.times.append(time.perf_counter())
+
+    def finish(self, result: GenerationResult, outcome: str, reason: str | None) -> None:
+        self.done.set()
 
 
 def best_rate(fn: Callable[[], int], reps: int) -> tuple[float, int]:

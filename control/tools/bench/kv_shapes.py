@@ -22,34 +22,14 @@ to 1 (not built yet).
 
 from __future__ import annotations
 
-import threading
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from backend.serving.engine import DecodeBatch, Engine, GenerationRequest, GenerationResult
+from backend.serving.engine import DecodeBatch, Engine, GenerationRequest
 from backend.serving.scheduler import Scheduler, SchedulerLimits
-from control.contracts.ledger import Outcome
+from control.tools.bench.kit import TokenClock, long_prompt
 
 LONG_PROMPT_TOKENS = 2048
 ROWS = 32
-
-
-@dataclass
-class _Times:
-    """Token times of one stream."""
-
-    times: list[float] = field(default_factory=list)
-    done: threading.Event = field(default_factory=threading.Event)
-
-    def cancelled(self) -> bool:
-        return False
-
-    def token(self, piece: str) -> None:
-        self.times.append(time.perf_counter())
-
-    def finish(self, result: GenerationResult, outcome: Outcome, reason: str | None) -> None:
-        self.done.set()
 
 
 class _KvSampler:
@@ -87,7 +67,7 @@ def _run(engine: Engine, requests: list[GenerationRequest],
             advance(batch)
         engine.advance = sampled  # type: ignore[method-assign]
     try:
-        streams = [_Times() for _ in requests]
+        streams = [TokenClock() for _ in requests]
         for r, t in zip(requests, streams, strict=True):
             sched.submit(engine.open_sequence(r), t, stream=True)
         for t in streams:
@@ -108,11 +88,8 @@ def padding_costs(engine: Engine, prompts: list[str], new_tokens: int, reps: int
     a character a token)."""
     short = [GenerationRequest(prompts[i % len(prompts)], None, max_tokens=new_tokens)
              for i in range(rows)]
-    text = " ".join(prompts)
-    while len(text) < long_tokens:
-        text += " " + text
     # the long row last, so the window starts when it joins
-    mixed = [*short[:-1], GenerationRequest(text[:long_tokens - 1], None,
+    mixed = [*short[:-1], GenerationRequest(long_prompt(prompts, long_tokens), None,
                                             max_tokens=new_tokens)]
     uniform_best, mixed_best, held, live = 0.0, 0.0, 0, 0
     for _ in range(max(1, reps)):

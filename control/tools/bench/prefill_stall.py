@@ -18,13 +18,11 @@ scheduler's default, ``LORAPLANE_PREFILL_CHUNK`` 512, is set for that).
 from __future__ import annotations
 
 import statistics
-import threading
 import time
-from dataclasses import dataclass, field
 
-from backend.serving.engine import Engine, GenerationRequest, GenerationResult
+from backend.serving.engine import Engine, GenerationRequest
 from backend.serving.scheduler import Scheduler, SchedulerLimits
-from control.contracts.ledger import Outcome
+from control.tools.bench.kit import TokenClock, long_prompt
 
 LONG_PROMPT_TOKENS = 2048
 STREAMS = 31
@@ -32,24 +30,6 @@ CHUNK = 16
 WARM_TOKENS = 4  # tokens every stream has before the long request arrives
 QUIET_TOKENS = 40  # tokens a stream gets in a quiet round's window
 GOAL = 1.5
-
-
-@dataclass
-class _Clock:
-    """Token times of one request, as its client receives them."""
-
-    times: list[float] = field(default_factory=list)
-    done: threading.Event = field(default_factory=threading.Event)
-    stop: bool = False  # the window is over: the stream ends (the round need not wait for it)
-
-    def cancelled(self) -> bool:
-        return self.stop
-
-    def token(self, piece: str) -> None:
-        self.times.append(time.perf_counter())
-
-    def finish(self, result: GenerationResult, outcome: Outcome, reason: str | None) -> None:
-        self.done.set()
 
 
 def _p95(xs: list[float]) -> float:
@@ -67,13 +47,13 @@ def _round(engine: Engine, streams: list[GenerationRequest], long: GenerationReq
     sched = Scheduler(engine, SchedulerLimits(max_running=len(streams) + 1,
                                               max_queued=2 * len(streams), prefill_chunk=chunk))
     try:
-        clocks = [_Clock() for _ in streams]
+        clocks = [TokenClock() for _ in streams]
         for r, c in zip(streams, clocks, strict=True):
             sched.submit(engine.open_sequence(r), c, stream=True)
         while min(len(c.times) for c in clocks) < WARM_TOKENS:
             time.sleep(0.001)
         arrival, ttft = time.perf_counter(), None
-        first = _Clock()
+        first = TokenClock()
         if long is not None:
             sched.submit(engine.open_sequence(long), first, stream=True)
             while not first.times and not first.done.is_set():
@@ -107,10 +87,7 @@ def decode_stall(engine: Engine, prompts: list[str], reps: int, *,
     new_tokens = max(long_tokens // chunk, QUIET_TOKENS) + 2 * WARM_TOKENS + 8
     streams = [GenerationRequest(prompts[i % len(prompts)], None, max_tokens=new_tokens)
                for i in range(n_streams)]
-    text = " ".join(prompts)
-    while len(text) < long_tokens:
-        text += " " + text
-    long = GenerationRequest(text[:long_tokens - 1], None, max_tokens=2)  # + bos
+    long = GenerationRequest(long_prompt(prompts, long_tokens), None, max_tokens=2)  # + bos
     quiet: list[float] = []
     chunked: list[float] = []
     whole: list[float] = []

@@ -5,7 +5,8 @@ One contract suite on SQLite and PostgreSQL. Each change is checked where it bit
 gateway (aiohttp test server over the cached routing view that ``serve`` runs) must answer 401,
 the generic 403 or sign with another key within 1 s of the command STARTING (the clock is taken
 before the registry method or the CLI verb is called: a command may itself wait for the
-projection, and that wait is part of what the product promises), and the CLI verbs must do the
+projection, and that wait is part of what the product promises; time the test process was frozen
+is left out, see tests/stall_clock.py), and the CLI verbs must do the
 same through ``--json``. Projection faults are real database faults: a trigger that
 refuses writes to one projection table.
 """
@@ -47,6 +48,7 @@ from tests.fixtures_control import (
     WithRegistry,
     ticket_claims,
 )
+from tests.stall_clock import StallClock
 
 EVAL = {"suite": "smoke", "accuracy": 0.9, "passed": True}
 IN_FORCE_WITHIN_S = 1.0  # what the product promises for every gateway
@@ -57,9 +59,13 @@ IN_FORCE_WITHIN_S = 1.0  # what the product promises for every gateway
 Ask = Callable[[str, str], Awaitable[tuple[int, dict[str, Any]]]]
 
 
+_CLOCK: list[StallClock] = []  # the clock of the scenario running now
+
+
 def run_gateway(office: TicketOffice, scenario: Callable[[Ask], Awaitable[None]]) -> None:
     """Serve ``office`` on a local test server and run ``scenario(ask)`` against it, where
-    ``ask(api_key, alias)`` posts one ticket request and returns (status, body)."""
+    ``ask(api_key, alias)`` posts one ticket request and returns (status, body). A StallClock
+    runs meanwhile, for ``answer_within``."""
 
     async def main() -> None:
         async with TestClient(TestServer(make_app(office))) as client:
@@ -70,20 +76,29 @@ def run_gateway(office: TicketOffice, scenario: Callable[[Ask], Awaitable[None]]
 
             await scenario(ask)
 
-    asyncio.run(main())
+    with StallClock() as clock:
+        _CLOCK.append(clock)
+        try:
+            asyncio.run(main())
+        finally:
+            _CLOCK.remove(clock)
 
 
 async def answer_within(ask: Ask, api_key: str, alias: str, status: int, since: float,
                         limit_s: float = IN_FORCE_WITHIN_S) -> dict[str, Any]:
     """Ask until the gateway answers ``status``; fail unless it does within ``limit_s`` of
-    ``since`` (``time.monotonic()`` taken before the command started)."""
+    ``since`` (``time.monotonic()`` taken before the command started), not counting time the
+    test process was frozen (the run's StallClock)."""
+    (clock,) = _CLOCK
     while True:
         got, body = await ask(api_key, alias)
-        elapsed = time.monotonic() - since
+        if time.monotonic() - since >= limit_s:  # over on the wall clock: leave freezes out
+            elapsed, frozen = clock.counted(since)
+            when = f"{elapsed:.3f} s after the command started ({frozen:.3f} s frozen left out)"
+            assert elapsed < limit_s, (f"{status} only {when}" if got == status
+                                       else f"still {got} {body} {when}")
         if got == status:
-            assert elapsed < limit_s, f"{status} only {elapsed:.3f} s after the command started"
             return body
-        assert elapsed < limit_s, f"still {got} {body} {elapsed:.3f} s after the command started"
         await asyncio.sleep(0.01)
 
 

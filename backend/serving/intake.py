@@ -137,7 +137,7 @@ class Intake:
         """See ``LoraService.submit``."""
         svc = self.service
         with self._inflight_lock:
-            busy = self._inflight >= svc.limits.max_queued + svc.limits.max_running
+            busy = self._inflight >= svc.limits.in_flight_bound()
             if not busy:
                 self._inflight += 1
         if busy:
@@ -279,14 +279,14 @@ class Intake:
                         tuple(seq.prompt_ids), salt=svc.salts.of(claims.tenant)
                         ) if gen.temperature == 0.0 else None
         try:
-            svc.scheduler.submit(seq, SequenceSink(svc, adm), stream=req.stream, key=key)
+            svc.scheduler.submit(seq, SequenceSink(svc, adm), stream=req.stream, key=key,
+                                 tenant=claims.tenant)
         except OverKVBudget:
             lease.release()
             svc.stats.refuse(KV_BUDGET_REASON)
             svc._finish(adm, seq.result(""), Outcome.REJECTED, KV_BUDGET_REASON)
         except QueueFull:
             lease.release()
-            svc.stats.refuse("busy")
             svc._finish(adm, seq.result(""), Outcome.REJECTED, "busy")
         except AdapterRevoked:  # revoked since this request passed governance
             lease.release()

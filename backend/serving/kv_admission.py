@@ -20,26 +20,32 @@ So the most the buffers can hold before the live rows end (:func:`reserved`) is 
 the batch's buffer plus every chunked prompt's, and, after the k-th chunked prompt has joined,
 the join over the batch's rows and those k plus the chunked prompts still to come. A row's now +
 left is its need, which does not change, so a later join of the same rows allocates no more than
-this counts. The scheduler admits oldest first while that stays within the budget
-(``SchedulerLimits.max_kv_tokens``, from the memory plan); a head that does not fit waits, and
-nothing overtakes it. The copies a join or a prefill holds for a moment are not counted here:
-the memory plan's KV reserve is twice the budget for them.
+this counts. The scheduler admits in the order the waiting room gives (the head of the tenant
+whose live requests reserve least, ``backend.serving.tenant_queues``) while that stays within
+the budget (``SchedulerLimits.max_kv_tokens``, from the memory plan); the job named next that
+does not fit waits, and nothing overtakes it, so a long request is never starved by short
+ones. The copies a join or a prefill holds for a moment are not counted here: the memory plan's
+KV reserve is twice the budget for them.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from backend.serving.engine_types import DecodeBatch, Sequence
+from backend.serving.tenant_queues import TenantQueues
 
 
 class HasSequence(Protocol):
     @property
     def seq(self) -> Sequence: ...
+
+    @property
+    def tenant(self) -> str: ...
 
 
 J = TypeVar("J", bound=HasSequence)
@@ -109,25 +115,30 @@ def over_budget(seq: Sequence, budget: int | None) -> str | None:
             f"host's budget of {budget}: send a shorter prompt or fewer max_tokens")
 
 
-def admit(queue: deque[J], running: Seq[J], max_running: int, budget: int | None, *,
+def admit(queue: TenantQueues[J], running: Seq[J], max_running: int, budget: int | None, *,
           chunked: Seq[J] = (), held: KvHeld = KvHeld(),
           will_chunk: Callable[[Sequence], bool] = lambda _seq: False,
           ) -> tuple[list[J], bool]:
-    """Take from the head of ``queue`` what may join now, beside the batch's rows ``running``
-    and the prompts ``chunked`` being prefilled in chunks (``will_chunk``: whether a queued
-    sequence's prompt will be); returns the admitted jobs and whether the head waited for KV
-    room."""
+    """Take from ``queue`` what may join now, beside the batch's rows ``running`` and the
+    prompts ``chunked`` being prefilled in chunks (``will_chunk``: whether a queued sequence's
+    prompt will be), in the order ``queue.next`` gives for each tenant's reserved KV; returns
+    the admitted jobs and whether the job named next waited for KV room."""
     room = max_running - len(running) - len(chunked)
     batch = [_extent(j.seq) for j in running]
     pending = [_extent(j.seq) for j in chunked]
+    use: Counter[str] = Counter()
+    for j in (*running, *chunked):
+        use[j.tenant] += kv_need(j.seq)
     admitted: list[J] = []
-    while queue and len(admitted) < room:
+    while len(admitted) < room and (job := queue.next(use)) is not None:
         if budget is not None:
-            head = queue[0].seq
+            head = job.seq
             more = ([*batch, _extent(head)], pending) if not will_chunk(head) else \
                 (batch, [*pending, _extent(head)])
             if _most_held(*more, held) > budget:
                 return admitted, True
             batch, pending = more
-        admitted.append(queue.popleft())
+        queue.take(job)
+        use[job.tenant] += kv_need(job.seq)
+        admitted.append(job)
     return admitted, False

@@ -226,6 +226,8 @@ class Outcomes:
             a = Answer(ok=False, request_id=rid, error=KV_BUDGET_MESSAGE, status="invalid_arg",
                        outcome=outcome)
         elif outcome == Outcome.REJECTED:  # busy once admitted: the scheduler queue was full
+            # (refused at submit, or displaced from it by a tenant holding less of it)
+            stats.refuse("busy")
             a = Answer(ok=False, request_id=rid, error=BUSY_MESSAGE, status="unavailable",
                        outcome=outcome)
         else:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,13 +42,10 @@ from backend.serving.kv_admission import KvHeld, admit, over_budget, reserved
 from backend.serving.placement_gate import let_placements_in
 from backend.serving.prefix_cache import PrefixCache, PrefixKey
 from backend.serving.prefix_entries import cached_entries, remember
+from backend.serving.tenant_queues import QueueFull, TenantQueues
 from control.contracts.ledger import Outcome
 
 log = logging.getLogger("loraplane.backend")
-
-
-class QueueFull(Exception):
-    """The scheduler holds ``max_queued`` waiting requests already."""
 
 
 class OverKVBudget(QueueFull):
@@ -81,10 +77,21 @@ class SchedulerLimits:
     # Prompts longer than this many tokens are prefilled this many tokens per turn, between
     # decode steps (``backend.serving.chunked_prefill``); 0: every prompt in one pass.
     prefill_chunk: int = 512
+    # Requests a host holds at once, from arrival to answer, before it verifies their tickets
+    # (``backend.serving.intake``); past it they are refused as busy without a tenant. None:
+    # four times max_queued + max_running, so that one tenant's flood, which the fair queue
+    # keeps to its part (``backend.serving.tenant_queues``), cannot fill it for the others.
+    max_in_flight: int | None = None
+
+    def in_flight_bound(self) -> int:
+        if self.max_in_flight is not None:
+            return self.max_in_flight
+        return 4 * (self.max_queued + self.max_running)
 
     @classmethod
     def from_env(cls, kv_tokens: int | None = None) -> SchedulerLimits:
-        """From LORAPLANE_MAX_RUNNING / _MAX_QUEUED / _MAX_KV_TOKENS / _PREFILL_CHUNK;
+        """From LORAPLANE_MAX_RUNNING / _MAX_QUEUED / _MAX_KV_TOKENS / _PREFILL_CHUNK /
+        _MAX_IN_FLIGHT;
         ``kv_tokens``: the memory plan's budget, used when _MAX_KV_TOKENS is unset."""
         given = os.environ.get("LORAPLANE_MAX_KV_TOKENS")
         limits = cls(
@@ -92,6 +99,8 @@ class SchedulerLimits:
             max_queued=int(os.environ.get("LORAPLANE_MAX_QUEUED", cls.max_queued)),
             max_kv_tokens=int(given) if given else kv_tokens,
             prefill_chunk=int(os.environ.get("LORAPLANE_PREFILL_CHUNK", cls.prefill_chunk)),
+            max_in_flight=int(flight) if (flight := os.environ.get("LORAPLANE_MAX_IN_FLIGHT"))
+            else None,
         )
         if limits.prefill_chunk < 0:
             raise ValueError("LORAPLANE_PREFILL_CHUNK must be >= 0 (0: no chunking)")
@@ -104,6 +113,7 @@ class _Job:
     sink: SequenceSink
     stream: bool
     key: PrefixKey | None
+    tenant: str = ""  # whose request: the waiting room is shared fairly between tenants
     emitted: str = ""
     outcome: Outcome | None = None
     reason: str | None = None
@@ -122,7 +132,8 @@ class Scheduler:
         self.limits = limits or SchedulerLimits()
         self.prefix_cache = prefix_cache
         self._cv = threading.Condition()
-        self._queue: deque[_Job] = deque()
+        # waiting jobs, one FIFO per tenant (``backend.serving.tenant_queues``)
+        self._queue: TenantQueues[_Job] = TenantQueues(self.limits.max_queued)
         self._running: list[_Job] = []
         # admitted jobs whose long prompts are prefilled a chunk per turn, oldest first; they
         # count as running (admission, load, KV) but are not rows of the batch yet
@@ -139,10 +150,11 @@ class Scheduler:
             self._thread.start()
 
     def submit(self, seq: Sequence, sink: SequenceSink, *, stream: bool = False,
-               key: PrefixKey | None = None) -> None:
-        """Queue an opened sequence; raises ``QueueFull`` past the bound. From here on the
-        scheduler owns the sequence's lease (released when the job ends); on ``QueueFull`` the
-        caller still owns it."""
+               key: PrefixKey | None = None, tenant: str = "") -> None:
+        """Queue an opened sequence of ``tenant``; raises ``QueueFull`` when the queue is full
+        and this tenant holds its part of it (a job of a tenant over its part may be refused
+        as busy in its place). From here on the scheduler owns the sequence's lease (released
+        when the job ends); on ``QueueFull`` the caller still owns it."""
         with self._cv:
             if self._stop:
                 raise QueueFull("scheduler stopped")
@@ -151,10 +163,10 @@ class Scheduler:
             too_big = over_budget(seq, self.limits.max_kv_tokens)
             if too_big is not None:
                 raise OverKVBudget(too_big)
-            if len(self._queue) >= self.limits.max_queued:
-                raise QueueFull(f"server busy: {self.limits.max_queued} requests already queued")
-            self._queue.append(_Job(seq, sink, stream, key))
+            displaced = self._queue.push(_Job(seq, sink, stream, key, tenant))
             self._cv.notify()
+        if displaced is not None:  # out of the queue under the lock: no other thread holds it
+            self._end(displaced, Outcome.REJECTED, "busy")
 
     def revoke(self, digest: str, *, immediate: bool) -> None:
         """``digest`` was revoked: refuse its queued sequences now (they never started:
@@ -163,9 +175,7 @@ class Scheduler:
         token (``revoked``); without it they run to completion (drain)."""
         with self._cv:
             self._revoked[digest] = self._revoked.get(digest, False) or immediate
-            queued = [j for j in self._queue if digest in _digests(j.seq)]
-            for job in queued:
-                self._queue.remove(job)
+            queued = self._queue.remove_if(lambda j: digest in _digests(j.seq))
             self._cv.notify()
         for job in queued:  # taken off the queue under the lock: no other thread holds them
             self._end(job, Outcome.REJECTED, "revoked")
@@ -267,8 +277,7 @@ class Scheduler:
 
     def _end_leftover(self) -> None:
         with self._cv:
-            leftover = list(self._queue) + self._live()
-            self._queue.clear()
+            leftover = self._queue.clear() + self._live()
             self._running, self._batch, self._prefilling = [], None, []
         for job in leftover:
             if not job.finished:

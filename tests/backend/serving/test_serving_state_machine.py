@@ -1,9 +1,11 @@
 """State-machine tests of the serving core: the real Engine, AdapterCache and Scheduler.
 
 Hypothesis drives random interleavings of what a host lives through: requests on many adapters
-(more than the device slots, so loads evict), cancellation before start and mid-stream, clients
-that vanish mid-stream, a row whose logits are poisoned, a decode step that fails for no row,
-revocations. After every rule the invariants that attribution rests on must hold:
+(more than the device slots, so loads evict) from three tenants sharing a queue of four (so a
+tenant's queued job is refused as busy when another's takes its place), cancellation before
+start and mid-stream, clients that vanish mid-stream, a row whose logits are poisoned, a decode
+step that fails for no row, revocations. After every rule the invariants that attribution rests
+on must hold:
 
 - pins on each slot equal the live sequences on that slot, and cache references equal the live
   adapter sequences (every lease is released exactly once: no leak, no double release);
@@ -185,9 +187,10 @@ class ServingMachine(RuleBasedStateMachine):
 
     @rule(adapter=st.sampled_from([None, *WORLD_DIGESTS]),
           prompt=st.sampled_from(PROMPTS), max_tokens=st.integers(MIN_TOKENS, MAX_TOKENS),
-          fault=st.sampled_from(FAULTS), stream=st.booleans())
+          fault=st.sampled_from(FAULTS), stream=st.booleans(),
+          tenant=st.sampled_from(("acme", "globex", "initech")))
     def submit(self, adapter: str | None, prompt: str, max_tokens: int, fault: str,
-               stream: bool) -> None:
+               stream: bool, tenant: str) -> None:
         text = prompt + {"poison": POISON_ROW, "fail_step": FAIL_STEP}.get(fault, "")
         refs_before = self.cache.references()
         if adapter is None:
@@ -206,11 +209,21 @@ class ServingMachine(RuleBasedStateMachine):
                     gone_after=1 if fault == "gone" else None)
         key = PrefixKey("base", adapter, "tok", tuple(seq.prompt_ids), salt=b"tenant")
         try:
-            self.sched.submit(seq, sink, stream=stream or fault == "gone", key=key)
+            # the tenant that sent it: the queue is shared fairly, so at the bound a job of a
+            # tenant holding more of it may be refused (busy) in this one's place
+            self.sched.submit(seq, sink, stream=stream or fault == "gone", key=key, tenant=tenant)
         except QueueFull:
             lease.release()  # the caller still owns the lease on QueueFull
             return
         self.jobs.append(Job(adapter, prompt, fault, max_tokens, seq, sink))
+
+    @rule(adapter=st.sampled_from([None, *WORLD_DIGESTS]), prompt=st.sampled_from(PROMPTS),
+          tenant=st.sampled_from(("acme", "globex", "initech")), n=st.integers(2, 5))
+    def flood(self, adapter: str | None, prompt: str, tenant: str, n: int) -> None:
+        """One tenant sends ``n`` at once: the queue fills, and another tenant's next request
+        takes the place of this tenant's newest."""
+        for _ in range(n):
+            self.submit(adapter, prompt, MAX_TOKENS, "none", False, tenant)
 
     @rule(turns=st.integers(1, 4))
     def step(self, turns: int) -> None:

@@ -25,6 +25,7 @@ from backend.serving.engine_types import (
 )
 from backend.serving.kv_arena import ArenaLayer, KvTraffic, room_for
 from backend.serving.lora_ops import SlotBatch
+from backend.serving.row_runs import RowRuns, plan
 from backend.serving.sampling import FAILED, RowSampling, choose_tokens
 from backend.serving.slots import SlotContext, SlotIdentity
 
@@ -41,6 +42,8 @@ class BatchSteps:
         self.model, self.context, self.lock = model, context, lock
         self.device, self.pad_id, self.forward = device, pad_id, forward
         self.kv_traffic = KvTraffic()
+        # the decode step's runs of rows (backend.serving.row_runs), for the pass about to run
+        self._row_runs: RowRuns | None = None
 
     def prefill(self, seqs: list[Sequence],
                 cached: dict[int, DecodeBatch] | None = None) -> DecodeBatch:
@@ -94,9 +97,10 @@ class BatchSteps:
         """One pass of the base model with ``slots`` as every slotted module's rows; the logits
         of each row's last position."""
         self.context.batch = slots
+        runs, self._row_runs = self._row_runs, None
         try:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                             cache=cache, use_cache=True, logits_to_keep=1)
+                             cache=cache, use_cache=True, logits_to_keep=1, row_runs=runs)
         finally:
             self.context.batch = None
         logits: torch.Tensor = out.logits[:, -1, :]
@@ -155,6 +159,10 @@ class BatchSteps:
                      for k, v in zip(batch.keys, batch.values, strict=True)]
             cache = DynamicCache(config=self.model.config)
             cache.layers = list(arena)
+            # Rows attend over their own columns, not the longest row's: a row's KV is the
+            # rightmost prompt + tokens-fed columns of the batch (backend.serving.row_runs).
+            self._row_runs = plan([len(s.prompt_ids) + len(s.produced) for s in batch.seqs],
+                                  batch.mask.shape[1])
             batch.logits = self.forward(batch.seqs, batch.slots, ids, batch.mask,
                                         batch.last_pos, cache)
             batch.keys, batch.values = cache_tensors(cache)

@@ -61,6 +61,7 @@ from backend.serving.memory import (
 from backend.serving.placement_gate import PlacementGate
 from backend.serving.prefix_cache import uncached_tokenizer
 from backend.serving.residency import SlotResidency
+from backend.serving.row_runs import use_row_runs
 from backend.serving.sampling import InvalidParameter, check_sampling
 from backend.serving.slots import SlotIdentity
 
@@ -112,6 +113,7 @@ class Engine:
         model = LlamaForCausalLM.from_pretrained(
             Path(base_dir), dtype=dtype, use_safetensors=True, local_files_only=True
         )
+        use_row_runs(model)  # decode attention over each row's own width
         # transformers wraps .to() with a signature mypy misreads
         self._model: LlamaForCausalLM = model.to(self._device).eval()  # type: ignore[arg-type]
         self.residency = SlotResidency(self._model, self.plan, self._lock, self.violations,

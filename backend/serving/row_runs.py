@@ -1,0 +1,121 @@
+"""Decode attention over each group of rows' own width, not the batch's longest row.
+
+The running batch keeps its rows left-padded to the longest one (``backend.serving.kv_arena``):
+a row's keys and values are the rightmost ``length`` columns of the batch's width, and the
+columns left of them are padding the mask hides. Masked columns still cost: SDPA reads and
+multiplies every one. With one 2,048-token row among 31 rows of 64 tokens, each short row
+attended over 2,080 columns, and the batch decoded at 0.28 of the rate of 32 short rows
+(``bench engine``'s ``mixed_lengths_vs_uniform``).
+
+So a decode step splits the batch into runs of consecutive rows (:func:`plan`) and runs PyTorch's
+SDPA once per run, over only the rightmost columns its longest row needs: a view of the same
+buffer (``key[r0:r1, :, -cols:]``), so nothing is copied, and the same mask, sliced alike. The
+columns a run leaves out are padding for every row in it, so each row's attention is over exactly
+the columns it had before (the serving state machine checks the tokens against PEFT's). Runs
+cost a call each, so :func:`plan` picks the split that minimises rows x columns plus a fixed cost
+per run, at most :data:`MOST_RUNS`. Prefill passes (more than one query position) take plain SDPA.
+
+This removes the compute that padding costs, not the memory: the buffers are still as wide as the
+longest row (paged storage is what would bring ``peak_kv_vs_live_kv`` down).
+
+The function is registered with transformers' attention interface under :data:`NAME` (and the
+SDPA mask under the same name, so the model builds the masks SDPA gets); a pass gives the runs as
+the ``row_runs`` keyword, which transformers hands from the model's call to each attention layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "loraplane_row_runs"
+MOST_RUNS = 4
+# What one more SDPA call costs, in row x column units of attention work (measured on the CPU
+# kit, where a call costs about as much as 64 rows x 64 columns more; a GPU's launch is cheaper
+# in time but its columns are cheaper too).
+RUN_COST = 4096
+ATOMS = 32  # rows are planned in at most this many consecutive groups (the plan is quadratic)
+
+
+@dataclass(frozen=True)
+class RowRuns:
+    """Consecutive rows ``[first, end)`` attending over their rightmost ``columns``."""
+
+    spans: tuple[tuple[int, int, int], ...]
+
+
+def plan(lengths: Sequence[int], width: int, *, run_cost: int | None = None,
+         most: int = MOST_RUNS) -> RowRuns | None:
+    """The runs for rows whose KV lengths are ``lengths`` in a batch ``width`` columns wide;
+    None when one run over the whole width is the best (plain SDPA then). ``run_cost``:
+    :data:`RUN_COST` unless given (read at each call, so a test can make runs cheap)."""
+    run_cost = RUN_COST if run_cost is None else run_cost
+    n = len(lengths)
+    if n == 0 or max(lengths) > width:
+        raise ValueError(f"row lengths {max(lengths, default=0)} over the batch width {width}")
+    if (width - min(lengths)) * n <= run_cost:
+        return None  # the most any split could leave out is worth less than one more call
+    size = max(1, -(-n // ATOMS))
+    bounds = [*range(0, n, size), n]  # atom k is rows [bounds[k], bounds[k + 1])
+    atoms = len(bounds) - 1
+    atom_max = [max(lengths[bounds[k]:bounds[k + 1]]) for k in range(atoms)]
+    inf = float("inf")
+    # best[r][k]: least cost of the first k atoms in r runs; back[r][k]: where its last run begins
+    best = [[inf] * (atoms + 1) for _ in range(most + 1)]
+    back = [[0] * (atoms + 1) for _ in range(most + 1)]
+    best[0][0] = 0.0
+    for r in range(1, most + 1):
+        for k in range(1, atoms + 1):
+            longest = 0
+            for j in range(k - 1, -1, -1):  # the last run is atoms [j, k)
+                longest = max(longest, atom_max[j])
+                if best[r - 1][j] == inf:
+                    continue
+                cost = best[r - 1][j] + (bounds[k] - bounds[j]) * longest + run_cost
+                if cost < best[r][k]:
+                    best[r][k], back[r][k] = cost, j
+    runs = min(range(1, most + 1), key=lambda r: best[r][atoms])
+    spans: list[tuple[int, int, int]] = []
+    k = atoms
+    for r in range(runs, 0, -1):
+        j = back[r][k]
+        first, end = bounds[j], bounds[k]
+        spans.append((first, end, max(lengths[first:end])))
+        k = j
+    spans.reverse()
+    if len(spans) == 1 and spans[0][2] == width:
+        return None
+    return RowRuns(tuple(spans))
+
+
+def row_run_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None,
+                      dropout: float = 0.0, scaling: float | None = None,
+                      row_runs: RowRuns | None = None,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """SDPA per run of rows over the run's columns (see the module notes); plain SDPA without
+    runs or for more than one query position."""
+    if row_runs is None or query.shape[2] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    outs = []
+    for first, end, cols in row_runs.spans:
+        mask = None if attention_mask is None else attention_mask[first:end, ..., -cols:]
+        out, _ = sdpa_attention_forward(module, query[first:end], key[first:end, :, -cols:],
+                                        value[first:end, :, -cols:], mask, dropout=dropout,
+                                        scaling=scaling, **kwargs)
+        outs.append(out)
+    return torch.cat(outs, dim=0), None
+
+
+def use_row_runs(model: PreTrainedModel) -> None:
+    """Make ``model`` attend through :func:`row_run_attention` (SDPA's masks, SDPA's kernel)."""
+    AttentionInterface.register(NAME, row_run_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    model.set_attn_implementation(NAME)

@@ -38,6 +38,7 @@ from backend.serving.memory import BaseShapes, MemoryPlan, serving_dtype
 from control.contracts.adapter_format import CONFIG_FILE, TENSOR_PREFIX, WEIGHTS_FILE
 from control.contracts.digests import directory_digest
 from control.tools.bench.kit import read_and_hash
+from control.tools.bench.stats import p95
 
 GOAL_RATIO = 1.5
 GOAL_P95_S = 8.0
@@ -106,10 +107,6 @@ def residency_7b(hidden: int = HIDDEN, layers: int = LAYERS) -> Any:
     return residency
 
 
-def _p95(xs: list[float]) -> float:
-    return statistics.quantiles(xs, n=20)[-1] if len(xs) >= 2 else xs[0]
-
-
 def measure(adapters: int, rounds: int, *, hidden: int = HIDDEN, layers: int = LAYERS,
             progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """Write ``adapters`` adapters, then ``rounds`` times each: a plain read + SHA-256, and a
@@ -172,7 +169,7 @@ def measure(adapters: int, rounds: int, *, hidden: int = HIDDEN, layers: int = L
                 reads.append(time.perf_counter() - t0)
                 loads.append(on_worker(d))
             progress(f"cold loads: round {r + 1} of {rounds}")
-    load_p95, read_p95 = _p95(loads), _p95(reads)
+    load_p95, read_p95 = p95(loads), p95(reads)
     return {
         "cold_load_vs_read_7b": load_p95 / read_p95,
         "goal_ratio": f"<= {GOAL_RATIO}",

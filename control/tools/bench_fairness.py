@@ -47,6 +47,7 @@ from control.contracts.ticket_seals import publish_seal
 from control.contracts.tickets import TicketSigner
 from control.contracts.wire import TICKET_PARAM
 from control.gateway.ticket_office import TicketOffice
+from control.tools.bench.stats import p95
 from control.tools.bench_cli import fresh_adapter
 from control.tools.kit import KitManifest, build_kit, work_dir
 from projections.follower import open_registry
@@ -124,10 +125,6 @@ def _tickets(home: BenchHome) -> dict[str, dict[str, object]]:
             for t, a in [(t, a) for t in VICTIMS for a in home.aliases[t]] + [kept]}
 
 
-def _p95(xs: list[float]) -> float:
-    return sorted(xs)[max(0, round(0.95 * len(xs)) - 1)]
-
-
 def _run(svc: LoraService, home: BenchHome, mode: str, requests: int,
          tickets: dict[str, dict[str, object]], attack: Iterator[str]) -> dict[str, Any]:
     """One run: the victims' ``requests`` (two clients per victim, their adapters in turn,
@@ -179,7 +176,7 @@ def _run(svc: LoraService, home: BenchHome, mode: str, requests: int,
     hits = sum(after[d].hits - (before[d].hits if d in before else 0) for d in victim_digests)
     misses = sum(after[d].misses - (before[d].misses if d in before else 0)
                  for d in victim_digests)
-    return {"mode": mode, "p95_s": _p95(latencies), "hit_rate": hits / max(1, hits + misses),
+    return {"mode": mode, "p95_s": p95(latencies), "hit_rate": hits / max(1, hits + misses),
             "victim_requests": len(latencies), "victim_failures": len(failures),
             "attacker": attacker}
 

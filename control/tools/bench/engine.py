@@ -72,6 +72,7 @@ from control.tools.bench.kit import (
 from control.tools.bench.kv_shapes import padding_costs
 from control.tools.bench.open_peer import open_repository
 from control.tools.bench.prefill_stall import decode_stall
+from control.tools.bench.stats import p95
 from projections.follower import open_registry
 
 if TYPE_CHECKING:
@@ -111,10 +112,6 @@ def _peft_mixed(kit: BenchKit, prompts: list[str], digests: list[str],
         return sum(len(row[: row.index(eos) + 1]) if eos in row else len(row) for row in new)
 
     return run
-
-
-def _p95(xs: list[float]) -> float:
-    return statistics.quantiles(xs, n=20)[-1] if len(xs) >= 2 else xs[0]
 
 
 @dataclass(frozen=True)
@@ -411,7 +408,7 @@ def _run(root: Path, reps: int, triton_runs: int,
         t0 = time.perf_counter()
         cache.release(cache.acquire(d, None))
         loads.append(time.perf_counter() - t0)
-    m["cold_load_p95_s"], m["read_hash_p95_s"] = _p95(loads), _p95(reads)
+    m["cold_load_p95_s"], m["read_hash_p95_s"] = p95(loads), p95(reads)
 
     mixed = [GenerationRequest(p, d, max_tokens=NEW_TOKENS) for p, d in zip(prompts, digests,
                                                                             strict=True)]

@@ -32,6 +32,7 @@ from backend.serving.cache import AdapterCache, CacheBudgets, CacheQuota
 from backend.serving.engine import Engine, GenerationRequest, GenerationResult
 from backend.serving.scheduler import Scheduler, SchedulerLimits
 from control.contracts.digests import directory_digest
+from control.tools.bench.stats import p95
 from control.tools.kit import build_tokenizer
 
 RANK, TARGETS = 16, ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -277,10 +278,6 @@ def read_and_hash(path: Path) -> None:
             hashlib.sha256(p.read_bytes()).hexdigest()
 
 
-def _p95(xs: list[float]) -> float:
-    return sorted(xs)[max(0, round(0.95 * len(xs)) - 1)]
-
-
 def base_latency_under_cold_loads(engine: Engine, fetch: Callable[[str], Any],
                                   digests: list[str], prompts: list[str],
                                   runs: int) -> dict[str, Any]:
@@ -324,12 +321,12 @@ def base_latency_under_cold_loads(engine: Engine, fetch: Callable[[str], Any],
     try:
         timed()  # warm up
         for _ in range(runs):
-            quiet.append(_p95(timed()))
+            quiet.append(p95(timed()))
             stop = threading.Event()
             loader = threading.Thread(target=storm, args=(stop, loads), daemon=True)
             loader.start()
             try:
-                stormy.append(_p95(timed()))
+                stormy.append(p95(timed()))
             finally:
                 stop.set()
                 loader.join(60)

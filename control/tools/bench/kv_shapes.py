@@ -9,15 +9,16 @@ what that costs, each from runs through one scheduler:
   :data:`LONG_PROMPT_TOKENS`-token prompt, over 32 short rows, alternated, best of ``reps``
   each. Decode only: the window runs from the long row's first token (every row is then in the
   batch) to the end, so the long prompt's own prefill is not counted against it. Every short
-  row then attends over the long row's width, and its KV buffer holds that width.
+  row's KV buffer then holds the long row's width; since the row runs
+  (``backend.serving.row_runs``) its attention reads only its own columns.
 - ``peak_kv_vs_live_kv``: the most KV bytes the engine held (every layer's buffers under the
   running batch, their room included, and any prompt being prefilled in chunks) over the most
   it needed for the tokens the rows actually have (each row's prompt and tokens so far, no
   padding, no room), sampled at every decode step of the mixed run. The copies a join holds
   for a moment (old and new buffers) are not sampled.
 
-Paged KV storage, where each row holds blocks for its own tokens only, is what would bring both
-to 1 (not built yet).
+Paged KV storage, where each row holds blocks for its own tokens only, is what would bring the
+second to 1 (not built yet).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import time
 from backend.serving.engine import Engine, GenerationRequest
 from backend.serving.scheduler import Scheduler, SchedulerLimits
 from control.tools.bench.kit import TokenClock, long_prompt
+from control.tools.bench.stats import p95
 
 LONG_PROMPT_TOKENS = 2048
 STREAMS = 31
@@ -30,13 +31,6 @@ CHUNK = 16
 WARM_TOKENS = 4  # tokens every stream has before the long request arrives
 QUIET_TOKENS = 40  # tokens a stream gets in a quiet round's window
 GOAL = 1.5
-
-
-def _p95(xs: list[float]) -> float:
-    """nan for no gaps (every stream ended before the window): no figure, not a good one."""
-    if not xs:
-        return float("nan")
-    return statistics.quantiles(xs, n=20)[-1] if len(xs) >= 2 else xs[0]
 
 
 def _round(engine: Engine, streams: list[GenerationRequest], long: GenerationRequest | None,
@@ -73,7 +67,7 @@ def _round(engine: Engine, streams: list[GenerationRequest], long: GenerationReq
             first.done.wait()
         gaps = [b - a for c in clocks for a, b in zip(c.times, c.times[1:], strict=False)
                 if arrival < b <= end]
-        return _p95(gaps), ttft
+        return p95(gaps), ttft
     finally:
         sched.stop()
 

@@ -3,11 +3,13 @@ prompts it keeps (``backend.serving.prefix_cache`` holds the entries)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from collections.abc import Sequence as Sequence_
 
 import torch
 
-from backend.serving.engine import DecodeBatch, Engine, Sequence
+from backend.serving.engine import DecodeBatch, Sequence
+from backend.serving.lora_ops import SlotBatch
 from backend.serving.prefix_cache import PrefixCache, PrefixKey
 
 
@@ -25,21 +27,32 @@ def cached_entries(cache: PrefixCache[DecodeBatch] | None,
     return hits
 
 
-def remember(cache: PrefixCache[DecodeBatch] | None, engine: Engine,
-             rows: Sequence_[tuple[Sequence, PrefixKey | None]], batch: DecodeBatch) -> None:
+def remember(cache: PrefixCache[DecodeBatch] | None,
+             rows: Sequence_[tuple[Sequence, PrefixKey | None]], batch: DecodeBatch,
+             skip: Collection[int] = ()) -> None:
     """Keep the prompts of ``batch``'s rows (``rows[i]`` is row i's sequence and key), each as a
-    compact one-row entry of its own, when it was computed with its key's own adapter."""
+    compact one-row entry of its own, when it was computed with its key's own adapter; rows
+    ``skip`` came from the cache and are not stored again.
+
+    A row's entry is one copy of its own columns (the batch is left-padded: they are the columns
+    from its first unmasked one on). Taking the row out as a batch of its own first, as before,
+    copied it twice, and counted as a leave of the running batch."""
     if cache is None:
         return
     for i, (seq, key) in enumerate(rows):
-        if key is None or seq.mismatched or not seq.observed:
+        if key is None or i in skip or seq.mismatched or not seq.observed:
             continue  # only a prompt computed with the key's own adapter is remembered
-        one = engine.retain(batch, [i])
-        assert one is not None
-        if not bool(torch.isfinite(one.logits).all()):
+        logits = batch.logits[i:i + 1]
+        if not bool(torch.isfinite(logits).all()):
             continue  # a row that will fail alone is no prompt to remember
-        keys = [k.clone(memory_format=torch.contiguous_format) for k in one.keys]
-        values = [v.clone(memory_format=torch.contiguous_format) for v in one.values]
-        entry = DecodeBatch([], keys, values, one.mask.clone(), one.last_pos.clone(),
-                            one.logits.clone(), one.slots, observed=frozenset(seq.observed))
+        first = int(batch.mask[i].nonzero()[0])
+
+        def own(t: torch.Tensor, i: int = i, first: int = first) -> torch.Tensor:
+            return t[i:i + 1, :, first:].clone(memory_format=torch.contiguous_format)
+
+        keys, values = [own(k) for k in batch.keys], [own(v) for v in batch.values]
+        entry = DecodeBatch([], keys, values, batch.mask[i:i + 1, first:].clone(),
+                            batch.last_pos[i:i + 1].clone(), logits.clone(),
+                            SlotBatch.from_slots([seq.slot], logits.device),
+                            observed=frozenset(seq.observed))
         cache.put(key, entry, sum(t.numel() * t.element_size() for t in keys + values))

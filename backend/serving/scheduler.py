@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -313,7 +314,7 @@ class Scheduler:
             cached = {i: hit for i, (_j, hit) in enumerate(short) if hit is not None}
         if starting:
             joined = eng.prefill([j.seq for j in starting], cached)
-            self._remember(starting, joined)
+            self._remember(starting, joined, cached.keys())
             self._join(starting, joined)
         self._prefill_turn(revoked)
         if self._batch is None:
@@ -417,8 +418,9 @@ class Scheduler:
     def _cached(self, new: list[_Job]) -> dict[int, DecodeBatch]:
         return cached_entries(self.prefix_cache, [j.key for j in new])
 
-    def _remember(self, new: list[_Job], batch: DecodeBatch) -> None:
-        remember(self.prefix_cache, self.engine, [(j.seq, j.key) for j in new], batch)
+    def _remember(self, new: list[_Job], batch: DecodeBatch,
+                  hits: Collection[int] = ()) -> None:
+        remember(self.prefix_cache, [(j.seq, j.key) for j in new], batch, hits)
 
 
 def _unstartable(engine: Engine, job: _Job,

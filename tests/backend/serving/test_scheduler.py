@@ -226,3 +226,36 @@ def test_preparing_an_adapter_takes_no_engine_lock(engine: Engine,
         worker.start()
         worker.join(10)
         assert not worker.is_alive() and len(prepared) == 1
+
+
+def test_a_prompt_is_remembered_once_and_a_hit_is_not_stored_again(engine: Engine) -> None:
+    cache: PrefixCache[DecodeBatch] = PrefixCache(64 * 2**20)
+    puts: list[PrefixKey] = []
+    put = cache.put
+
+    def counted(key: PrefixKey, value: DecodeBatch, nbytes: int) -> None:
+        puts.append(key)
+        put(key, value, nbytes)
+
+    cache.put = counted  # type: ignore[method-assign]
+    sched = Scheduler(engine, prefix_cache=cache, start=False)
+    results = []
+    for _ in range(2):  # the second runs from the cache
+        sinks = []
+        for prompt in ("Hello there", "The cat"):  # two rows: one prefill of both
+            seq = engine.open_sequence(GenerationRequest(prompt, None, max_tokens=4))
+            key = PrefixKey("base", None, "tok", tuple(seq.prompt_ids), salt=b"tenant")
+            sinks.append(Sink())
+            sched.submit(seq, sinks[-1], key=key)
+        leaves = engine.steps.kv_traffic.leaves
+        sched.run_once()  # the prefill, and the prompts remembered (or restored)
+        # taking a row's entry is not a leave of the batch (it was, and copied the row twice)
+        assert engine.steps.kv_traffic.leaves == leaves
+        while sched.run_once():
+            pass
+        results.append([s.result.token_ids for s in sinks if s.result is not None])
+    assert len(puts) == 2, "a prompt restored from the cache was stored again"
+    assert len(results[0]) == 2 and results[0] == results[1]
+    for entry in cache.values():  # each its own columns, compact
+        assert entry.keys[0].shape[2] == entry.mask.shape[1] == int(entry.mask.sum())
+        assert all(k.is_contiguous() for k in entry.keys + entry.values)

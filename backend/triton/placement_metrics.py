@@ -7,8 +7,10 @@ by what each model server publishes in vLLM's names. Its LoRA-affinity scorer re
 ``vllm:num_requests_waiting``                   requests admitted but not decoding yet: queued in
                                                 the scheduler, or waiting for their adapter's load
 ``vllm:num_requests_running``                   sequences in the running (decode) batch
-``vllm:kv_cache_usage_perc``                    decode rows in use over ``max_running``, 0..1 (KV
-                                                is allocated per row, bounded by ``max_running``)
+``vllm:kv_cache_usage_perc``                    0..1, whichever binds first: the KV positions
+                                                the live requests reserve over the host's KV
+                                                budget (``max_kv_tokens``), or decode rows in use
+                                                over ``max_running``
 ``vllm:lora_requests_info``                     value: when the series was last set (Unix
                                                 seconds); labels ``max_lora`` (device slots),
                                                 ``running_lora_adapters`` and
@@ -88,11 +90,15 @@ def state_of(service: Any) -> PlacementState:
                if r.active_requests > 0 and r.tier != "device" and not r.revoked}
     max_lora = int(service.engine.max_adapters)
     max_running = max(1, int(service.limits.max_running))
+    # A host full of long requests has rows free and no KV to admit into them: the picker must
+    # see it as full. What admission counts (backend.serving.kv_admission), over the budget.
+    budget = getattr(service.limits, "max_kv_tokens", None)
+    kv = service.scheduler.kv_reserved() / budget if budget else 0.0
     waiting_d = sorted(set(queued_d) | set(loading))
     return PlacementState(
         running=running_n,
         waiting=queued_n + sum(loading.values()),
-        kv_usage=min(1.0, running_n / max_running),
+        kv_usage=min(1.0, max(running_n / max_running, kv)),
         max_lora=max_lora,
         # bounded by the slot count: only resident adapters run, and the waiting list is cut
         running_adapters=tuple(running_d[:max_lora]),

@@ -97,3 +97,26 @@ def test_host_memory_series_are_bounded_by_the_slots_most_recent_first() -> None
     m.publish()
     m.publish()
     assert sum(1 for (name, _l) in m.values if name == "vllm:lora_adapter_loaded") == 9
+
+
+def test_kv_usage_is_the_kv_budget_reserved_when_that_binds_before_the_rows() -> None:
+    """One long request holds 90 % of the KV budget with three of four rows free: the picker's
+    kv_cache_usage_perc says 0.9 (it said 0.25, rows alone, and sent it more long requests)."""
+    from types import SimpleNamespace
+
+    from backend.triton.placement_metrics import state_of
+
+    def service(reserved: int, running: int, budget: int | None) -> SimpleNamespace:
+        return SimpleNamespace(
+            scheduler=SimpleNamespace(load=lambda: (running, 0),
+                                      adapters_in_flight=lambda: ([], []),
+                                      kv_reserved=lambda: reserved),
+            cache=SimpleNamespace(report=lambda: {}), engine=SimpleNamespace(max_adapters=2),
+            limits=SimpleNamespace(max_running=4, max_kv_tokens=budget))
+
+    assert state_of(service(900, 1, 1000)).kv_usage == 0.9
+    assert state_of(service(100, 3, 1000)).kv_usage == 0.75  # rows bind first
+    assert state_of(service(900, 1, None)).kv_usage == 0.25  # no budget: rows
+    m = _metrics([state_of(service(900, 1, 1000))])
+    m.publish()
+    assert parse(_text(m)).kv_usage == 0.9

@@ -332,7 +332,9 @@ def bench_scale(
             "zipf": bench_zipf.run_bench(kit, quick=quick, progress=_progress),
             "fairness": bench_fairness.run_bench(kit, quick=quick, progress=_progress),
             "warmup": bench_warmup.run_bench(kit, quick=quick, progress=_progress),
-            "registry": bench_registry.run_bench(quick=quick, progress=_progress)}
+            "registry": bench_registry.run_bench(
+                quick=quick, pg_url=pg_url or os.environ.get("LORAPLANE_TEST_PG_URL"),
+                progress=_progress)}
 
     def human() -> None:
         from rich.table import Table
@@ -412,27 +414,32 @@ def bench_scale(
                   f"{w['with_vs_without']:.3f} ({w['ttft_first_with_s'] * 1e3:.1f} / "
                   f"{w['ttft_first_without_s'] * 1e3:.1f} ms)")
         console.print(t)
-        g = result["registry"]
-        t = Table(title=f"{g['adapters']:,} adapters in the registry vs {g['small_adapters']} "
-                        f"({g['goal']}: {'met' if g['met'] else 'NOT met'})")
-        for col in ("figure", "measured"):
-            t.add_column(col)
-        for mode in ("steady", "churn"):
-            k = g["tickets"][mode]
-            p99 = k["ticket_p99_ms"]
-            t.add_row(f"ticket p99 ms, {mode}: large / small (ratio)",
-                      f"{p99['large']['median']:.2f} / {p99['small']['median']:.2f} "
-                      f"({k['ratio']:.3f})")
-        t.add_row("registration, adapters/s (events/s)",
-                  f"{g['registration_adapters_per_s']:.0f} ({g['registration_events_per_s']:.0f})")
-        t.add_row("projection rebuild, events/s",
-                  f"{g['projection_events_per_s']:.0f} ({g['projection_events']:,} events)")
-        t.add_row("gateway RSS MiB, large / small",
-                  f"{g['gateway_rss_mib']['large']} / {g['gateway_rss_mib']['small']}")
-        hv = g["host_view"]
-        t.add_row("host governance view MiB (process RSS), large / small",
-                  f"{hv['large']['view_mib']} ({hv['large']['rss_mib']}) / "
-                  f"{hv['small']['view_mib']} ({hv['small']['rss_mib']})")
-        console.print(t)
+        reg = result["registry"]
+        for db, g in (("SQLite", reg), ("PostgreSQL", reg.get("postgresql"))):
+            if g is None:
+                continue
+            t = Table(title=f"{g['adapters']:,} adapters in the registry vs "
+                            f"{g['small_adapters']}, {db} "
+                            f"({g['goal']}: {'met' if g['met'] else 'NOT met'})")
+            for col in ("figure", "measured"):
+                t.add_column(col)
+            for mode in ("steady", "churn"):
+                k = g["tickets"][mode]
+                p99 = k["ticket_p99_ms"]
+                t.add_row(f"ticket p99 ms, {mode}: large / small (ratio)",
+                          f"{p99['large']['median']:.2f} / {p99['small']['median']:.2f} "
+                          f"({k['ratio']:.3f})")
+            t.add_row("registration, adapters/s (events/s)",
+                      f"{g['registration_adapters_per_s']:.0f} "
+                      f"({g['registration_events_per_s']:.0f})")
+            t.add_row("projection rebuild, events/s",
+                      f"{g['projection_events_per_s']:.0f} ({g['projection_events']:,} events)")
+            t.add_row("gateway RSS MiB, large / small",
+                      f"{g['gateway_rss_mib']['large']} / {g['gateway_rss_mib']['small']}")
+            hv = g["host_view"]
+            t.add_row("host governance view MiB (process RSS), large / small",
+                      f"{hv['large']['view_mib']} ({hv['large']['rss_mib']}) / "
+                      f"{hv['small']['view_mib']} ({hv['small']['rss_mib']})")
+            console.print(t)
 
     emit(result, human)

@@ -1,6 +1,7 @@
 """A hundred thousand adapters in the registry (issue 24, in ``bench scale``).
 
-A scratch registry (a SQLite file in a temporary folder) gets a stand-in base (one Linear layer:
+A scratch registry (a SQLite file in a temporary folder; with ``--pg-url``, the same again in
+PostgreSQL scratch schemas) gets a stand-in base (one Linear layer:
 routing needs digests, not a model), ``tenants`` tenants, and ``adapters`` adapters (100,000;
 1,000 with ``--quick``), each a valid PEFT folder of seeded random rank-1 weights, spread
 round-robin over the tenants. Each adapter is registered, released (external evaluation, up to
@@ -123,11 +124,13 @@ def register_one(reg: Any, path: Path, tenant: str, alias: str) -> str:
 
 
 def build(home: Path, adapters: int, tenants: int, *, batched: bool = True,
+          db_url: str | None = None,
           progress: Callable[[str], None] = lambda _m: None) -> Built:
     """A scratch registry with ``adapters`` adapters over ``tenants`` tenants (see the module
-    notes); its projection tables are left empty (:func:`rebuild` fills them)."""
+    notes) on ``db_url`` (None: a SQLite file in ``home``); its projection tables are left empty
+    (:func:`rebuild` fills them)."""
 
-    settings = Settings(home=home, db_url=f"sqlite:///{home / 'registry.db'}")
+    settings = Settings(home=home, db_url=db_url or f"sqlite:///{home / 'registry.db'}")
     settings.ensure_dirs()
     reg = open_registry(settings, follow=False)
     base, tok = _tiny_base(home / "artifacts")
@@ -309,21 +312,37 @@ def tickets(large: Built, small: Built, size: Size,
     return out
 
 
-def run_bench(*, quick: bool = False, size: Size | None = None,
+def run_bench(*, quick: bool = False, size: Size | None = None, pg_url: str | None = None,
               progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
-    """The whole measurement on scratch registries (see the module notes)."""
+    """The whole measurement on scratch registries (see the module notes): on SQLite files, and
+    with ``pg_url`` also on PostgreSQL (two scratch schemas, dropped afterwards), reported
+    under ``postgresql`` with the same keys."""
     size = size or (QUICK if quick else FULL)
-    t_all = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="loraplane-registry-") as tmp:
-        progress(f"registry: registering {size.adapters:,} adapters (batched)")
-        large = build(Path(tmp) / "large", size.adapters, size.tenants, progress=progress)
-        small = build(Path(tmp) / "small", size.small, min(size.tenants, size.small))
-        progress(f"registry: {large.events:,} events in {large.registration_s:.0f} s; "
-                 "rebuilding the projections")
-        projected, rebuild_s = rebuild(large.settings)
-        rebuild(small.settings)
-        host = {"large": host_memory(large.settings), "small": host_memory(small.settings)}
-        t = tickets(large, small, size, progress)
+        out = _measure(Path(tmp) / "sqlite", size, None, None, progress)
+        if pg_url:
+            from control.tools.bench_ledger import scratch_schema  # sqlalchemy admin: here only
+
+            with scratch_schema(pg_url) as large_url, scratch_schema(pg_url) as small_url:
+                progress("registry: the same on PostgreSQL")
+                out["postgresql"] = _measure(Path(tmp) / "pg", size, large_url, small_url,
+                                             progress)
+    return out
+
+
+def _measure(root: Path, size: Size, large_url: str | None, small_url: str | None,
+             progress: Callable[[str], None]) -> dict[str, Any]:
+    t_all = time.perf_counter()
+    progress(f"registry: registering {size.adapters:,} adapters (batched)")
+    large = build(root / "large", size.adapters, size.tenants, db_url=large_url,
+                  progress=progress)
+    small = build(root / "small", size.small, min(size.tenants, size.small), db_url=small_url)
+    progress(f"registry: {large.events:,} events in {large.registration_s:.0f} s; "
+             "rebuilding the projections")
+    projected, rebuild_s = rebuild(large.settings)
+    rebuild(small.settings)
+    host = {"large": host_memory(large.settings), "small": host_memory(small.settings)}
+    t = tickets(large, small, size, progress)
     steady, churn = t["steady"], t["churn"]
     return {
         "adapters": size.adapters, "small_adapters": size.small, "tenants": size.tenants,
@@ -342,7 +361,8 @@ def run_bench(*, quick: bool = False, size: Size | None = None,
         "host_view": {k: {"releases": v["releases"], "rss_mib": round(v["rss_kib"] / 1024, 1),
                           "view_mib": round(v["view_kib"] / 1024, 1)} for k, v in host.items()},
         "setup": {"concurrency": CONCURRENCY, "requests_per_round": size.requests,
-                  "rounds_each": size.rounds, "churn_every_s": CHURN_S, "database": "sqlite",
+                  "rounds_each": size.rounds, "churn_every_s": CHURN_S,
+                  "database": "sqlite" if large_url is None else "postgresql",
                   "seconds": round(time.perf_counter() - t_all, 1)},
     }
 
@@ -356,6 +376,7 @@ def main(argv: list[str]) -> None:
         n = int(argv[0]) if argv else QUICK.adapters
         print(json.dumps(run_bench(size=Size(n, QUICK.small, QUICK.tenants, QUICK.rounds,
                                              QUICK.requests),
+                                   pg_url=argv[1] if len(argv) > 1 else None,
                                    progress=lambda m: print(m, file=sys.stderr)), indent=1))
 
 

@@ -86,3 +86,35 @@ def test_run_bench_reports_every_figure() -> None:
     assert all(v > 0 for v in out["gateway_rss_mib"].values())
     assert out["host_view"]["large"]["releases"] == 10 + 1  # and the base's own
     assert out["host_view"]["small"]["releases"] == 3 + 1
+
+
+def test_run_bench_measures_postgresql_too() -> None:
+    """With a PostgreSQL URL the same figures come again from two scratch schemas, which are
+    dropped afterwards."""
+    import os
+
+    import sqlalchemy as sa
+
+    from tests.fixtures_control import PG_URL_ENV
+    from tests.required import unavailable
+
+    url = os.environ.get(PG_URL_ENV)
+    if not url:
+        unavailable("PostgreSQL", f"this test reads {PG_URL_ENV}")
+    admin = sa.create_engine(url)
+    schemas = ("SELECT count(*) FROM information_schema.schemata "
+               "WHERE schema_name LIKE 'lp_bench_%%'")
+    with admin.connect() as conn:
+        before = conn.exec_driver_sql(schemas).scalar()
+    out = bench_registry.run_bench(size=Size(adapters=10, small=3, tenants=2, rounds=1,
+                                             requests=100), pg_url=url)
+    pg = out["postgresql"]
+    assert out["setup"]["database"] == "sqlite" and pg["setup"]["database"] == "postgresql"
+    assert pg["events"] == out["events"] and pg["projection_events"] == pg["events"]
+    for key in ("registration_adapters_per_s", "projection_events_per_s",
+                "ticket_p99_100k_vs_100", "ticket_p99_100k_vs_100_churn"):
+        assert pg[key] > 0, key
+    assert pg["host_view"]["large"]["releases"] == 10 + 1
+    with admin.connect() as conn:
+        assert conn.exec_driver_sql(schemas).scalar() == before
+    admin.dispose()

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,6 +41,7 @@ from backend.serving.chunked_prefill import PartialPrefill
 from backend.serving.engine import DecodeBatch, Engine, GenerationResult, Sequence
 from backend.serving.kv_admission import KvHeld, admit, over_budget, reserved
 from backend.serving.placement_gate import let_placements_in
+from backend.serving.prefill_order import Prefilling
 from backend.serving.prefix_cache import PrefixCache, PrefixKey
 from backend.serving.prefix_entries import cached_entries, remember
 from backend.serving.tenant_queues import QueueFull, TenantQueues
@@ -138,7 +139,7 @@ class Scheduler:
         self._running: list[_Job] = []
         # admitted jobs whose long prompts are prefilled a chunk per turn, oldest first; they
         # count as running (admission, load, KV) but are not rows of the batch yet
-        self._prefilling: list[tuple[_Job, PartialPrefill]] = []
+        self._prefilling: Prefilling[_Job] = Prefilling()
         # digest -> kill switch: adapters revoked while this scheduler runs (see ``revoke``)
         self._revoked: dict[str, bool] = {}
         self._batch: DecodeBatch | None = None
@@ -203,7 +204,7 @@ class Scheduler:
         """The keys and values of long prompts still being prefilled, per layer (memory
         accounting: they are KV held beside the running batch's)."""
         with self._cv:
-            return [t for _job, part in self._prefilling for t in (*part.keys, *part.values)]
+            return self._prefilling.tensors()
 
     def stop(self) -> None:
         """Stop the loop; unfinished sequences end as failed."""
@@ -242,7 +243,7 @@ class Scheduler:
             return reserved(self._running, self._chunked_jobs(), KvHeld.of(self._batch))
 
     def _chunked_jobs(self) -> list[_Job]:
-        return [job for job, _part in self._prefilling]
+        return self._prefilling.jobs()
 
     def _live(self) -> list[_Job]:
         """Jobs admitted and not ended: the batch's rows, then those still prefilling."""
@@ -272,14 +273,16 @@ class Scheduler:
             live = [j for j in dict.fromkeys(self._live() + new) if not j.finished]
             log.exception("decode step failed; failing %d live sequences", len(live))
             with self._cv:
-                self._running, self._batch, self._prefilling = [], None, []
+                self._running, self._batch = [], None
+            self._prefilling.clear()
             for job in live:
                 self._end(job, Outcome.FAILED, "engine")
 
     def _end_leftover(self) -> None:
         with self._cv:
             leftover = self._queue.clear() + self._live()
-            self._running, self._batch, self._prefilling = [], None, []
+            self._running, self._batch = [], None
+            self._prefilling.clear()
         for job in leftover:
             if not job.finished:
                 self._end(job, Outcome.FAILED, "shutdown")
@@ -308,7 +311,7 @@ class Scheduler:
         long = [j for i, j in enumerate(starting) if i not in cached and self._will_chunk(j.seq)]
         if long:
             with self._cv:
-                self._prefilling += [(j, PartialPrefill(j.seq)) for j in long]
+                self._prefilling.add(long, lambda j: PartialPrefill(j.seq))
             short = [(j, cached.get(i)) for i, j in enumerate(starting) if j not in long]
             starting = [j for j, _hit in short]
             cached = {i: hit for i, (_j, hit) in enumerate(short) if hit is not None}
@@ -361,26 +364,24 @@ class Scheduler:
         return chunk > 0 and len(seq.prompt_ids) > chunk
 
     def _prefill_turn(self, revoked: dict[str, bool]) -> None:
-        """One chunk of the oldest long prompt (``backend.serving.chunked_prefill``); it joins
-        the batch when its prompt is done. A job gone, revoked or whose slot was reloaded
-        meanwhile ends here, as a queued one would: it has sent nothing yet."""
-        while self._prefilling:
-            job, part = self._prefilling[0]
+        """A chunk of a long prompt, then joins (``backend.serving.prefill_order``); a job gone,
+        revoked or whose slot was reloaded ends as a queued one would: it sent nothing yet."""
+        for job, _part in self._prefilling:
             why = _unstartable(self.engine, job, revoked)
-            if why is None:
-                break
+            if why is not None:
+                with self._cv:
+                    self._prefilling.drop(job)
+                self._end(job, *why)
+        self._prefilling.advance(lambda part: self.engine.prefill_chunk(
+            part, self.limits.prefill_chunk))
+        while True:  # one at a time: each join changes what the next one's check counts
             with self._cv:
-                self._prefilling.pop(0)
-            self._end(job, *why)
-        else:
-            return
-        done = self.engine.prefill_chunk(part, self.limits.prefill_chunk)
-        if done is None:
-            return
-        with self._cv:
-            self._prefilling.pop(0)
-        self._remember([job], done)
-        self._join([job], done)
+                one = self._prefilling.join_next(_order_fits(
+                    self.limits.max_kv_tokens, self._running, self._batch))
+            if one is None:
+                return
+            self._remember([one[0]], one[1])
+            self._join([one[0]], one[1])
 
     def _retain(self, keep: list[int]) -> None:
         """End the rows not in ``keep`` (done), keep the others in the batch."""
@@ -436,6 +437,13 @@ def _unstartable(engine: Engine, job: _Job,
         job.seq.failure = "stale_slot"
         return Outcome.IDENTITY_MISMATCH, "stale_slot"
     return None
+
+
+def _order_fits(budget: int | None, running: list[_Job], batch: DecodeBatch | None
+                ) -> Callable[[list[_Job]], bool]:
+    """Whether prompts prefilled in chunks joining in ``order`` keep what the buffers hold
+    within ``budget`` (``backend.serving.kv_admission.reserved``)."""
+    return lambda order: budget is None or reserved(running, order, KvHeld.of(batch)) <= budget
 
 
 def _gone(job: _Job) -> bool:

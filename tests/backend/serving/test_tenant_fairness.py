@@ -34,6 +34,8 @@ class Ends:
     def __init__(self) -> None:
         self.turn = 0
         self.ended: dict[str, tuple[int, str, str | None]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.first: dict[str, int] = {}  # the turn of each job's first streamed piece
 
     def sink(self, name: str) -> _Sink:
         return _Sink(self, name)
@@ -47,11 +49,12 @@ class _Sink:
         return False
 
     def token(self, piece: str) -> None:
-        pass
+        self.ends.first.setdefault(self.name, self.ends.turn)
 
     def finish(self, result: GenerationResult, outcome: str, reason: str | None) -> None:
         assert self.name not in self.ends.ended, f"{self.name} ended twice"
         self.ends.ended[self.name] = (self.ends.turn, str(outcome), reason)
+        self.ends.tokens[self.name] = result.token_ids
 
 
 def _submit(sched: Scheduler, engine: Engine, ends: Ends, tenant: str, i: int) -> str:
@@ -220,3 +223,55 @@ class RoomMachine(RuleBasedStateMachine):
 TestWaitingRoom = RoomMachine.TestCase
 TestWaitingRoom.settings = settings(max_examples=300, stateful_step_count=40, deadline=None,
                                     database=None)
+
+
+# -- long prompts prefilled in chunks -----------------------------------------------------------
+
+def test_long_prompts_of_two_tenants_are_prefilled_side_by_side(engine: Engine) -> None:
+    ends = Ends()
+    sched = Scheduler(engine, SchedulerLimits(max_running=8, max_queued=64, prefill_chunk=8),
+                      start=False)
+    long = [f"Once upon a time, far away {i} " * 3 for i in range(4)]
+    requests = {f"acme-{i}": GenerationRequest(long[i], None, max_tokens=4) for i in range(3)}
+    requests["globex-0"] = GenerationRequest(long[3], None, max_tokens=4)
+    for name, r in requests.items():
+        sched.submit(engine.open_sequence(r), ends.sink(name), stream=True,
+                     tenant=name.split("-")[0])
+        if name == "acme-2":  # acme's three are admitted and prefilling before globex's comes
+            for _ in range(2):
+                ends.turn += 1
+                sched.run_once()
+    _drain(sched, ends)
+    first = ends.first
+    # globex's prompt advanced beside acme's: its first token came before acme's second
+    # prompt's (one at a time, oldest first, it came after all three of acme's: turns 11, 22,
+    # 33, then 44)
+    assert first["globex-0"] < first["acme-1"] < first["acme-2"], first
+    assert first["acme-0"] < first["acme-1"]  # a tenant's own prompts keep their order
+    for name, r in requests.items():  # and each answers as it would alone
+        assert ends.ended[name][1] == "ok"
+        assert ends.tokens[name] == engine.generate([r])[0].token_ids, name
+    assert engine.pins() == {}
+
+
+def test_a_finished_prompt_joins_ahead_only_when_the_new_order_fits() -> None:
+    from backend.serving.chunked_prefill import PartialPrefill
+    from backend.serving.prefill_order import Prefilling
+
+    jobs = [Job("a", 0), Job("a", 1), Job("b", 2)]
+    room: Prefilling[Job] = Prefilling()
+    room.add(jobs, lambda j: PartialPrefill(None))  # type: ignore[arg-type]
+    # the tenants alternate; each tenant's oldest unfinished prompt goes on
+    assert [room.next()[0] for _ in range(4)] == [  # type: ignore[index]
+        jobs[0], jobs[2], jobs[0], jobs[2]]
+    done = object()
+    room.finished(jobs[2], done)  # type: ignore[arg-type]
+    seen: list[list[Job]] = []
+    assert room.join_next(lambda order: seen.append(order) or False) is None
+    assert seen == [[jobs[2], jobs[0], jobs[1]]]  # asked with it moved to the front
+    assert room.jobs() == jobs  # refused: the order stands
+    assert room.join_next(lambda order: True) == (jobs[2], done)
+    assert room.jobs() == jobs[:2]
+    assert [room.next()[0] for _ in range(2)] == [jobs[0], jobs[0]]  # type: ignore[index]
+    room.finished(jobs[0], done)  # type: ignore[arg-type]
+    assert room.join_next(lambda order: False) == (jobs[0], done)  # the front always joins

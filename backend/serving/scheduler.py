@@ -104,8 +104,13 @@ class SchedulerLimits:
             max_in_flight=int(flight) if (flight := os.environ.get("LORAPLANE_MAX_IN_FLIGHT"))
             else None,
         )
-        if limits.prefill_chunk < 0:
-            raise ValueError("LORAPLANE_PREFILL_CHUNK must be >= 0 (0: no chunking)")
+        # A bound that would refuse every request is a mistake to say at start, not to serve.
+        floors = {"PREFILL_CHUNK": (limits.prefill_chunk, 0),  # 0: no chunking
+                  "MAX_RUNNING": (limits.max_running, 1), "MAX_QUEUED": (limits.max_queued, 0),
+                  "MAX_IN_FLIGHT": (limits.max_in_flight, 1)}
+        for name, (value, least) in floors.items():
+            if value is not None and value < least:
+                raise ValueError(f"LORAPLANE_{name} must be >= {least}, not {value}")
         return limits
 
 

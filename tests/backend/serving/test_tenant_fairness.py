@@ -275,3 +275,23 @@ def test_a_finished_prompt_joins_ahead_only_when_the_new_order_fits() -> None:
     assert [room.next()[0] for _ in range(2)] == [jobs[0], jobs[0]]  # type: ignore[index]
     room.finished(jobs[0], done)  # type: ignore[arg-type]
     assert room.join_next(lambda order: False) == (jobs[0], done)  # the front always joins
+
+
+@pytest.mark.parametrize(("name", "value"), [("LORAPLANE_MAX_IN_FLIGHT", "0"),
+                                             ("LORAPLANE_MAX_RUNNING", "0"),
+                                             ("LORAPLANE_MAX_QUEUED", "-1"),
+                                             ("LORAPLANE_PREFILL_CHUNK", "-1")])
+def test_bounds_that_would_refuse_everything_are_refused_at_start(
+        monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name} must be >= "):
+        SchedulerLimits.from_env()
+
+
+def test_the_in_flight_bound_defaults_to_four_times_queued_and_running(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("LORAPLANE_MAX_IN_FLIGHT", "LORAPLANE_MAX_RUNNING", "LORAPLANE_MAX_QUEUED"):
+        monkeypatch.delenv(name, raising=False)
+    assert SchedulerLimits.from_env().in_flight_bound() == 4 * (256 + 32)
+    monkeypatch.setenv("LORAPLANE_MAX_IN_FLIGHT", "7")
+    assert SchedulerLimits.from_env().in_flight_bound() == 7

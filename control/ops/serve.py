@@ -85,7 +85,7 @@ from control.ops.triton_server import (
     MODEL_REPOSITORY,
     TritonProcess,
     check_ports_free,
-    free_port,
+    free_ports,
 )
 from control.ops.triton_user import KEEP_ROOT, grant_home, triton_user_for
 from projections.follower import ProjectionFollower, open_registry
@@ -123,9 +123,17 @@ class Ports:
     triton_grpc: int = 0
 
     def resolved(self) -> Ports:
-        """These ports with every 0 replaced by a port free now."""
-        return replace(self, **{f.name: free_port() for f in fields(self)
-                                if getattr(self, f.name) == 0})
+        """These ports with every 0 replaced by a port free now, each a different one."""
+        zero = [f.name for f in fields(self) if getattr(self, f.name) == 0]
+        given = [getattr(self, f.name) for f in fields(self) if f.name not in zero]
+        return replace(self, **dict(zip(zero, free_ports(len(zero), avoid=given), strict=True)))
+
+    @classmethod
+    def free(cls) -> Ports:
+        """Four different ports free now for the tenant-facing ones (tests, benches, the
+        demo); Triton's loopback ports are chosen at start."""
+        http, grpc, metrics, gateway = free_ports(4)
+        return cls(http, grpc, metrics, gateway)
 
 
 def open_signer(settings: Settings, registry: Registry, actor: str) -> TicketSigner:

@@ -28,7 +28,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -135,9 +135,28 @@ def check_ports_free(address: str, ports: dict[str, int]) -> None:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now (the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1", avoid: Iterable[int] = ()) -> list[int]:
+    """``n`` distinct TCP ports free on ``host`` now, none in ``avoid``. The sockets stay bound
+    until all are chosen: one ``free_port()`` after another may get the same port twice (the
+    kernel can hand a port it just released out again), and tritonserver then refuses to start
+    ("cannot listen to GRPC requests and metrics requests at the same address and port")."""
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+            if port not in avoid and port not in ports:
+                ports.append(port)
+    finally:
+        for s in held:
+            s.close()
+    return ports
 
 
 @dataclass

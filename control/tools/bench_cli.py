@@ -44,7 +44,7 @@ import sqlalchemy as sa
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import Outcome, request_ledger
-from control.ops.clients import TritonRefused, free_port, infer_with, request_ticket
+from control.ops.clients import TritonRefused, infer_with, request_ticket
 from control.ops.serve import Deployment, Ports
 from control.tools.kit import KitManifest, build_kit
 from control.tools.kit import work_dir as scratch_dir
@@ -276,7 +276,7 @@ def _run(kit_dir: Path, root: Path, runs: int,
         listed = len(json.loads(out))
 
     progress("starting the deployment (gateway, follower, tritonserver)")
-    dep = Deployment(settings, Ports(free_port(), free_port(), free_port(), free_port()),
+    dep = Deployment(settings, Ports.free(),
                      actor=ACTOR, progress=progress)
     revocations: list[Revocation] = []
     try:

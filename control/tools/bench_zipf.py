@@ -83,7 +83,7 @@ from control.contracts.host_status import REPORT_INTERVAL_S, HostStatusTable
 from control.contracts.ledger import adapter_loads, request_ledger
 from control.contracts.store import ArtifactStore
 from control.gateway.ticket_office import TicketOffice
-from control.ops.clients import TritonRefused, free_port, infer_with
+from control.ops.clients import TritonRefused, infer_with
 from control.ops.serve import Deployment, Ports, open_signer
 from control.tools.kit import KitManifest, build_kit
 from control.tools.kit import work_dir as scratch_dir
@@ -434,7 +434,7 @@ def _run(kit_dir: Path, root: Path, size: Size, small: int, slots: int, clients:
     paths = write_adapters(kit_dir, root / "adapters", size.adapters)
     reg, tenants = register_base(settings, kit_dir)
     progress(f"zipf: starting the deployment ({slots} device slots) while the adapters register")
-    dep = Deployment(settings, Ports(free_port(), free_port(), free_port(), free_port()),
+    dep = Deployment(settings, Ports.free(),
                      actor=ACTOR, host_id=HOST, progress=progress)
     db = make_engine(settings.db_url)
     # Started beside the registrations (they wait on the disk, Triton's start on the CPU): the

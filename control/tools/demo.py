@@ -30,7 +30,7 @@ from control.contracts.db import dispose_engines, make_engine
 from control.contracts.digests import short
 from control.contracts.ledger import Ledger
 from control.domain import ValidationFailed
-from control.ops.clients import TritonRefused, free_port, generate, request_ticket
+from control.ops.clients import TritonRefused, generate, request_ticket
 from control.ops.serve import Deployment, Ports
 from control.tools.kit import KitManifest, build_kit
 from control.tools.rollout_demo import show_rollback
@@ -82,7 +82,7 @@ def run_demo(work_dir: Path, *, fresh: bool = True, json_out: bool = False) -> i
     actor = "demo-operator"
     cat = _register(reg, kit, kit_dir, step, actor)
 
-    ports = Ports(free_port(), free_port(), free_port(), free_port())
+    ports = Ports.free()
     dep = Deployment(settings, ports, actor=actor, progress=step)
     results: list[dict[str, Any]] = []
     rollout: dict[str, Any] = {}

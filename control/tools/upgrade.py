@@ -52,7 +52,6 @@ from control.domain import (
     UpgradeCell,
     is_approved,
 )
-from control.ops.clients import free_port
 from control.ops.serve import Ports
 from control.ops.triton_server import TritonProcess
 from control.tools.gate import GATE_ACTOR, Gate, GateTarget, GateUnavailable, OnNewBase
@@ -154,7 +153,7 @@ def _run(desk: UpgradeDesk, plan: BaseUpgrade, approved: list[Adapter], target: 
     shadow: dict[str, Any] = {"host": plan.shadow_host, "started": False}
     if to_gate:
         host = ShadowHost(settings, plan.to_base, plan.shadow_host,
-                          ports or Ports(free_port(), free_port(), free_port(), free_port()),
+                          ports or Ports.free(),
                           actor=actor, ready_timeout_s=ready_timeout_s, progress=progress)
         shadow.update(started=True, started_at=time.time())
         try:

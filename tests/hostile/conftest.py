@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from control.ops.clients import free_port
 from control.ops.serve import Deployment, Ports
 from control.tools.selftest import Target
 from tests.integration.conftest import ACTOR, Stack, provision, sqlite_home
@@ -46,7 +45,7 @@ class HostileStack(Stack):
 def hostile(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
     settings = sqlite_home(tmp_path_factory, "hostile-home")
     reg, kit, keys, digests = provision(settings, kit_dir)
-    ports = Ports(free_port(), free_port(), free_port(), free_port())
+    ports = Ports.free()
     dep = Deployment(settings, ports, actor=ACTOR)
     dep.start()
     try:

@@ -40,7 +40,6 @@ from control.ops.clients import (
     Generation,
     Streamed,
     TritonRefused,
-    free_port,
     generate,
     request_ticket,
     stream_generate,
@@ -120,7 +119,7 @@ def chaos(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
     lacking = sum(not ps for ps in prompts.values())
     assert not lacking, f"{lacking} routes have no prompt that sets them apart from every other"
 
-    ports = Ports(free_port(), free_port(), free_port(), free_port())
+    ports = Ports.free()
     repo = derived_repository(tmp_path_factory.mktemp("chaos-repo") / "models", MODEL_SOURCE)
     dep = Deployment(settings, ports, actor=ACTOR, model_repository=repo)
     dep.start()

@@ -15,7 +15,7 @@ import pytest
 
 from control.app.registry import Registry
 from control.contracts.config import Settings
-from control.ops.clients import free_port, request_ticket
+from control.ops.clients import request_ticket
 from control.ops.serve import Deployment, Ports
 from control.ops.triton_server import TritonUnavailable, find_triton
 from control.tools.kit import KitManifest
@@ -129,7 +129,7 @@ def started_stack(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory, name:
     (``deployment``: further ``Deployment`` fields, a test's own model repository say)."""
     settings = sqlite_home(tmp_path_factory, name)
     reg, kit, keys, digests = provision(settings, kit_dir)
-    dep = Deployment(settings, Ports(free_port(), free_port(), free_port(), free_port()),
+    dep = Deployment(settings, Ports.free(),
                      actor=ACTOR, **deployment)
     dep.start()
     try:

@@ -38,7 +38,7 @@ from control.contracts.ledger import Ledger, Outcome
 from control.contracts.synthetic import GATE_TENANT
 from control.contracts.tickets import GENERIC_REFUSAL
 from control.domain import CellVerdict, PlanStatus
-from control.ops.clients import TritonRefused, free_port, generate, infer_with, request_ticket
+from control.ops.clients import TritonRefused, generate, infer_with, request_ticket
 from control.ops.serve import Deployment, Ports
 from control.tools.gate import GateTarget
 from control.tools.kit import KitManifest
@@ -89,7 +89,7 @@ def world(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[W
     for name, path in (("base-v2", kit.base_v2_path), ("base-b", kit.base_b_path)):
         bases[name] = reg.register_base(kit_dir / path, kit_dir / kit.tokenizer_path,
                                         name=f"tiny-llama-{name}", actor=ACTOR)
-    dep = Deployment(settings, Ports(free_port(), free_port(), free_port(), free_port()),
+    dep = Deployment(settings, Ports.free(),
                      base=kit.base_digest, actor=ACTOR)
     dep.start()
     try:

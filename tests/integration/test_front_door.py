@@ -146,7 +146,7 @@ def door_stack(kit_dir: Path) -> Iterator[DoorStack]:
     paths = [] if user is None else list(needed_paths(
         install.binary, install.backend_dir, Path(__file__).parents[2] / "model_repository",
         Path(__file__).parents[2], settings))
-    dep = Deployment(settings, Ports(free_port(), free_port(), free_port(), free_port()),
+    dep = Deployment(settings, Ports.free(),
                      actor=ACTOR, front_door="haproxy",
                      triton_user=user.name if user is not None else None)
     try:

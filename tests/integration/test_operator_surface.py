@@ -75,7 +75,7 @@ def test_triton_listens_on_loopback_only(stack: Stack) -> None:
 
 def test_stopping_says_what_it_stops_and_skips_triton_exit_timeout(stack: Stack) -> None:
     said: list[str] = []
-    dep = Deployment(stack.settings, Ports(free_port(), free_port(), free_port(), free_port()),
+    dep = Deployment(stack.settings, Ports.free(),
                      actor=ACTOR, progress=said.append, host_id="stop-test")
     dep.start()
     assert dep.triton is not None

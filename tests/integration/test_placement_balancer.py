@@ -114,9 +114,9 @@ def pool(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Po
         reg.advance(digests["globex-gamma"], external=True,
                     evaluation={"suite": "smoke", "passed": True}, actor=ACTOR)
         reg.grant("globex", "globex-gamma", actor=ACTOR)
-        gateway = Deployment(first, Ports(free_port(), free_port(), free_port(), free_port()),
+        gateway = Deployment(first, Ports.free(),
                              role="control", actor=ACTOR)
-        hosts = [Deployment(s, Ports(free_port(), free_port(), free_port(), free_port()),
+        hosts = [Deployment(s, Ports.free(),
                             role="triton", host_id=name, actor=ACTOR, front_door="external")
                  for name, s in zip(HOSTS, settings, strict=True)]
         doors: list[FrontDoor] = []

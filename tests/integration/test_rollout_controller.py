@@ -21,7 +21,6 @@ import pytest
 
 from control.contracts.ledger import Ledger, Outcome
 from control.domain import RolloutPolicy, RolloutStatus
-from control.ops.clients import free_port
 from control.ops.model_repositories import derived_repository
 from control.ops.serve import Deployment, Ports
 from control.tools.canary_traffic import PROMPTS, Running
@@ -50,8 +49,7 @@ def stack(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[R
     })
     repo = derived_repository(tmp_path_factory.mktemp("swap-repo") / "models", MODEL_SOURCE)
     # No controller in the deployment: the test runs it as a process it can kill.
-    s.deployment = Deployment(s.settings, Ports(free_port(), free_port(), free_port(),
-                                                free_port()), actor=ACTOR,
+    s.deployment = Deployment(s.settings, Ports.free(), actor=ACTOR,
                               model_repository=repo, rollout_controller=False)
     s.deployment.start()
     try:

@@ -22,7 +22,7 @@ import pytest
 from control.contracts.ledger import LOAD_FAILED, MEMORY_REFUSALS, Ledger, Outcome
 from control.contracts.synthetic import PROBE_TENANT
 from control.domain import RolloutPolicy, RolloutStatus
-from control.ops.clients import free_port, request_ticket
+from control.ops.clients import request_ticket
 from control.ops.serve import Deployment, Ports
 from control.tools.canary_traffic import Running
 from tests.integration.rollout_stack import (
@@ -50,8 +50,7 @@ def stack(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[R
         "acme-degraded": ("alpha", 1.001, "alpha-degraded", 1.0),
         "acme-broken": ("alpha", 1.002, "alpha-v2", 1.001),
     })
-    s.deployment = Deployment(s.settings, Ports(free_port(), free_port(), free_port(),
-                                                free_port()), actor=ACTOR)
+    s.deployment = Deployment(s.settings, Ports.free(), actor=ACTOR)
     s.deployment.start()
     try:
         yield s

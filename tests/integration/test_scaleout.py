@@ -23,7 +23,7 @@ from control.contracts import root_of_trust
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
-from control.ops.clients import TritonRefused, free_port, generate, request_ticket
+from control.ops.clients import TritonRefused, generate, request_ticket
 from control.ops.serve import Deployment, Ports
 from control.tools.kit import KitManifest
 from projections.follower import open_registry
@@ -56,7 +56,7 @@ class Cluster:
 
 
 def _ports() -> Ports:
-    return Ports(free_port(), free_port(), free_port(), free_port())
+    return Ports.free()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import openai
 import pytest
 
 from control.contracts.config import Settings
-from control.ops.clients import free_port
 from control.ops.serve import Deployment, Ports
 from control.ops.triton_server import TritonUnavailable, find_triton
 from control.tools.kit import KitManifest
@@ -49,7 +48,7 @@ def traced(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory
                                   alias="acme-alpha", actor=ACTOR)
     reg.advance(digest, external=True, evaluation={"suite": "smoke", "passed": True}, actor=ACTOR)
     reg.grant("acme", "acme-alpha", actor=ACTOR)
-    dep = Deployment(settings, Ports(free_port(), free_port(), free_port(), free_port()),
+    dep = Deployment(settings, Ports.free(),
                      actor=ACTOR)
     try:
         dep.start()

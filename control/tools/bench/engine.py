@@ -49,7 +49,7 @@ from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
 from control.contracts.store import ArtifactStore
-from control.ops.clients import free_port, infer_with, request_ticket
+from control.ops.clients import infer_with, request_ticket
 from control.ops.serve import Deployment, Ports
 from control.tools.bench.kit import (
     BENCH_SHAPE,
@@ -206,7 +206,7 @@ def _side_by_side(root: Path, kit: BenchKit) -> Iterator[_SideBySide]:
     os.environ.update(env)
 
     def ports() -> Ports:
-        return Ports(free_port(), free_port(), free_port(), free_port())
+        return Ports.free()
 
     governed = Deployment(settings, ports(), actor="bench", host_id=GOVERNED_HOST)
     opened = Deployment(settings, ports(), actor="bench", role="triton", host_id=OPEN_HOST,

@@ -19,7 +19,6 @@ import pytest
 
 from control.console.access import load_or_create_token
 from control.console.app import Console
-from control.ops.clients import free_port
 from control.ops.serve import Deployment, Ports
 from control.tools.canary_traffic import Running
 from tests.control.console.conftest import chromium, shot, wait_for
@@ -44,8 +43,7 @@ def stack(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[R
     chromium()  # skip (or fail in CI) before starting a deployment for nothing
     s = build(tmp_path_factory, kit_dir, "console-rollout",
               {ALIAS: ("alpha", 1.0, "alpha-v2", 1.0)})
-    s.deployment = Deployment(s.settings, Ports(free_port(), free_port(), free_port(),
-                                                free_port()), actor=ACTOR)
+    s.deployment = Deployment(s.settings, Ports.free(), actor=ACTOR)
     s.deployment.start()
     try:
         yield s

@@ -19,18 +19,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
 from backend.serving.chunked_prefill import PartialPrefill
 from backend.serving.engine_types import DecodeBatch
-
-
-class HasTenant(Protocol):
-    @property
-    def tenant(self) -> str: ...
-
+from backend.serving.tenant_queues import HasTenant
 
 J = TypeVar("J", bound=HasTenant)
 

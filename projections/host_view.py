@@ -82,6 +82,7 @@ class CacheLimits:
 
     resident_share: float | None = None
     loads_per_minute: float | None = None
+    max_replicas: int | None = None  # hosts that may hold one of its adapters in a slot at once
 
 
 @dataclass(frozen=True)
@@ -150,12 +151,14 @@ def _load(conn: Connection, position: int, root: Ed25519PublicKey | None) -> Gov
         tickets_not_before={str(r.name): float(r.tickets_not_before) for r in conn.execute(
             sa.select(tenants.c.name, tenants.c.tickets_not_before)
             .where(tenants.c.tickets_not_before.is_not(None)))},
-        cache_limits={str(r.name): CacheLimits(r.resident_share, r.loads_per_minute)
+        cache_limits={str(r.name): CacheLimits(r.resident_share, r.loads_per_minute,
+                                               r.max_replicas)
                       for r in conn.execute(
                           sa.select(tenants.c.name, tenants.c.resident_share,
-                                    tenants.c.loads_per_minute)
+                                    tenants.c.loads_per_minute, tenants.c.max_replicas)
                           .where(sa.or_(tenants.c.resident_share.is_not(None),
-                                        tenants.c.loads_per_minute.is_not(None))))},
+                                        tenants.c.loads_per_minute.is_not(None),
+                                        tenants.c.max_replicas.is_not(None))))},
         placements={str(r.name): HeldWhere(r.pool, tuple(x for x in str(r.regions).split(",")
                                                         if x))
                     for r in conn.execute(sa.select(tenants.c.name, tenants.c.pool,

@@ -20,9 +20,9 @@ metadata = sa.MetaData()
 # 2: ``signing_keys.retired_at``. 3: ``tenants.tickets_not_before``. 4: ``session_pins`` and
 # ``routes.fallback``. 5: ``revocations.immediate``. 6: ``signing_keys.root_signature``. 7:
 # ``tenants.pool`` and ``tenants.regions``. 8: ``tenants.resident_share`` and
-# ``tenants.loads_per_minute``. 9: ``routing_changes``. A new version also teaches
-# ``detect_version`` its columns.
-SCHEMA_VERSION = 9
+# ``tenants.loads_per_minute``. 9: ``routing_changes``. 10: ``tenants.max_replicas``. A new
+# version also teaches ``detect_version`` its columns.
+SCHEMA_VERSION = 10
 
 _digest = sa.String(71)  # "sha256:" + 64 hex
 _name = sa.String(64)
@@ -83,6 +83,8 @@ tenants = sa.Table(
     # loads per minute its requests may start.
     sa.Column("resident_share", sa.Float, nullable=True),
     sa.Column("loads_per_minute", sa.Float, nullable=True),
+    # How many hosts may hold one of its adapters in a device slot at once (None: no bound).
+    sa.Column("max_replicas", sa.Integer, nullable=True),
 )
 
 adapters = sa.Table(
@@ -222,7 +224,9 @@ def detect_version(insp: sa.Inspector) -> int:
         return 6
     if not has(tenants, "resident_share"):
         return 7
-    return 9 if insp.has_table(routing_changes.name) else 8
+    if not insp.has_table(routing_changes.name):
+        return 8
+    return 10 if has(tenants, "max_replicas") else 9
 
 
 def create_tables(engine: Engine) -> None:

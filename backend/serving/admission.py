@@ -133,4 +133,5 @@ def cache_claim(claims: TicketClaims, bound: ReleaseBinding | None,
     return CacheClaim(requester=claims.tenant, owner=owner,
                       owner_share=owned.resident_share if owned is not None else None,
                       requester_loads_per_minute=asks.loads_per_minute if asks is not None
-                      else None)
+                      else None,
+                      owner_max_replicas=owned.max_replicas if owned is not None else None)

@@ -37,6 +37,12 @@ Revocation purges every tier at once and unloads from the device as soon as no r
 A revoked digest stays in the cache as a tombstone: nothing can load it again, not even a request
 that passed the revocation check just before the revocation landed.
 
+An adapter whose owner bounds its replicas (``TenantPolicy.max_replicas``) is placed only after
+this host claims one of them (``backend.serving.replicas``, from the load worker, before the
+store is read); one whose claim is lost, or was never made because the bound came later, takes no
+request until it is claimed and leaves its slot when its last request ends
+(``backend.serving.cache_governance``).
+
 References are held through :class:`backend.serving.lease.Lease` handles, released exactly once; a
 count
 that would go negative raises :class:`backend.serving.lease.InvariantViolation` and is counted,
@@ -53,7 +59,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Protocol
@@ -65,12 +70,12 @@ from backend.serving.cache_entries import (
     RecordOutbox,
     bytes_in,
     dir_bytes,
-    drop_tier,
     evict_for_device,
     forget_cold,
     holds,
     make_tier_room,
 )
+from backend.serving.cache_governance import CacheGovernance, ReplicaClaimer
 from backend.serving.engine import AdapterSource, HostAdapter, PreparedAdapter
 from backend.serving.fair_share import (
     CacheClaim,
@@ -132,8 +137,10 @@ class DigestReport:
     revoked: bool
 
 
-class AdapterCache:
+class AdapterCache(CacheGovernance):
     """Budgets, LRU, references and tenant limits over the engine's adapter slots."""
+
+    engine: AdapterPlacement
 
     def __init__(
         self,
@@ -178,6 +185,9 @@ class AdapterCache:
         # thread each (backend.serving.load_workers), so their tensor work does not spread
         # over the cores decoding runs on.
         self._workers: LoadWorkers = load_workers.SHARED
+        # This host's claims on bounded adapters' replicas (backend.serving.replicas; None:
+        # every adapter unbounded here)
+        self.replicas: ReplicaClaimer | None = None
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -216,9 +226,10 @@ class AdapterCache:
                     e = self._entries[digest] = CacheEntry(digest, claim.owner)
                 elif claim.owner is not None:
                     e.tenant = claim.owner  # the verified owner, whoever loaded it before
+                e.max_replicas = claim.owner_max_replicas
                 self._fair.note_share(claim.owner, claim.owner_share)
                 self._entries.move_to_end(digest)
-                if e.on_device:
+                if e.on_device and not e.unclaimed:
                     self._device.move_to_end(digest)
                     e.hits += 1
                     e.refs += 1
@@ -278,14 +289,14 @@ class AdapterCache:
             assert e is not None
             e.refs -= 1
             self._refs -= 1
-            unload = e.refs == 0 and e.revoked and e.on_device
+            unload = e.refs == 0 and (e.revoked or e.unclaimed) and e.on_device
             if e.refs == 0:
                 self._room_changes += 1
                 self._lock.notify_all()  # a load may be waiting for room
         if unload:  # the engine's lock first (see _place); a revoked entry takes no new refs
             with self._engine_lock(), self._lock:
-                if e.refs == 0 and e.on_device:
-                    self._unload(e, "revoked")
+                if e.refs == 0 and e.on_device and (e.revoked or e.unclaimed):
+                    self._unload(e, "revoked" if e.revoked else "max_replicas")
         self._outbox.emit()
 
     # -- loading ----------------------------------------------------------------------------
@@ -293,10 +304,19 @@ class AdapterCache:
     def _load(self, e: CacheEntry, requester: str | None, future: Future[None]) -> None:
         started = time.time()
         t0 = time.perf_counter()
+        bound = e.max_replicas  # set by the acquire that started this load
+        try:
+            if self.replicas is not None:  # before the store is read: a refusal costs no load
+                self.replicas.claim(e.digest, bound)
+        except CacheRefused as refused:  # not a failed load: no record counts against it
+            self._ended(e, requester, future, refused)
+            return
         try:
             with self._lock:
                 path, host = e.path, e.host
-            if host is None:
+                kept = e.on_device  # in its slot with no claim, claimed now: keep it there
+                e.claimed = bound is not None
+            if not kept and host is None:
                 if path is None:
                     path = self.fetch(e.digest)  # store read + digest check
                     nbytes = dir_bytes(path)
@@ -311,26 +331,37 @@ class AdapterCache:
                     make_tier_room(self._entries, "host", host.nbytes, self.budgets.host_bytes, e,
                                    self._fair.share_of)
                     e.host, e.host_bytes = host, host.nbytes
-            self._place(e, host, started, t0)
-            self._outbox.emit()
-            future.set_result(None)
+            if not kept:
+                assert host is not None
+                self._place(e, host, started, t0)
         except BaseException as exc:
             reason = exc.reason if isinstance(exc, CacheRefused) else type(exc).__name__[:64]
             with self._lock:
                 e.load_failures += 1
                 self._outbox.add((e.digest, "failed", started, time.perf_counter() - t0,
                                       None, reason))
-            self._outbox.emit()
+            if self.replicas is not None:
+                self.replicas.unloaded(e.digest)  # a claim made for nothing goes at once
+            self._ended(e, requester, future, exc)
+        else:
+            self._ended(e, requester, future, None)
+
+    def _ended(self, e: CacheEntry, requester: str | None, future: Future[None],
+               exc: BaseException | None) -> None:
+        """A load's end, whatever it was: the load queue's bookkeeping, its records, and its
+        waiters told (``exc`` None: it is in its slot)."""
+        with self._lock:
+            e.loading = None
+            self._pending -= 1
+            self._fair.finished(requester)
+            forget_cold(self._entries)
+            self._room_changes += 1
+            self._lock.notify_all()
+        self._outbox.emit()  # its own record, and what an eviction on the way recorded
+        if exc is None:
+            future.set_result(None)
+        else:
             future.set_exception(exc)
-        finally:
-            with self._lock:
-                e.loading = None
-                self._pending -= 1
-                self._fair.finished(requester)
-                forget_cold(self._entries)
-                self._room_changes += 1
-                self._lock.notify_all()
-            self._outbox.emit()  # what an eviction on the way recorded
 
     def _place(self, e: CacheEntry, host: PreparedAdapter, started: float, t0: float) -> None:
         """Evict unreferenced adapters until ``e`` fits its owner's share, the budget and the
@@ -376,44 +407,10 @@ class AdapterCache:
                 if self._room_changes == seen:
                     self._lock.wait(timeout=max(0.0, min(deadline - time.monotonic(), 0.5)))
 
-    def _engine_lock(self) -> AbstractContextManager[object]:
-        """The engine's own lock, when it has one (``placement_lock``): taken before the
-        cache's wherever a slot is filled or emptied."""
-        lock = getattr(self.engine, "placement_lock", None)
-        return lock if lock is not None else nullcontext()
-
-    def _unload(self, x: CacheEntry, reason: str) -> None:
-        self.engine.unload_adapter(x.digest)
-        x.on_device, x.device_bytes = False, 0
-        self._device.pop(x.digest, None)
-        x.evictions[reason] = x.evictions.get(reason, 0) + 1
-        self._outbox.add((x.digest, "unloaded", time.time(), 0.0, None, reason))
-
     def _used(self, tier: str) -> int:
         return bytes_in(self._entries.values(), tier)
 
     # -- governance -------------------------------------------------------------------------
-
-    def revoke(self, digest: str) -> None:
-        """Purge ``digest`` from every tier; unload it now or when its last request ends."""
-        with self._engine_lock(), self._lock:  # the engine's lock first (see _place)
-            e = self._entries.get(digest)
-            if e is None:
-                e = self._entries[digest] = CacheEntry(digest)
-            e.revoked = True
-            for tier in ("host", "store"):
-                if holds(e, tier):
-                    drop_tier(e, tier)
-                    e.evictions["revoked"] = e.evictions.get("revoked", 0) + 1
-            if e.on_device and e.refs == 0:
-                self._unload(e, "revoked")
-        self._outbox.emit()
-        self.on_purge(digest)
-
-    def is_revoked(self, digest: str) -> bool:
-        with self._lock:
-            e = self._entries.get(digest)
-            return bool(e and e.revoked)
 
     def usage(self) -> dict[str, int]:
         """Accounted bytes per tier."""

@@ -56,6 +56,17 @@ class CacheEntry:
     evictions: dict[str, int] = field(default_factory=dict)
     revoked: bool = False
     loading: Future[None] | None = None
+    # Hosts that may hold it in a slot at once, from its owner's policy (None: no bound), and
+    # whether this host holds a claim on one of them (``backend.serving.replicas``)
+    max_replicas: int | None = None
+    claimed: bool = False
+
+    @property
+    def unclaimed(self) -> bool:
+        """Bounded, with no claim held here (never made: the bound came after it was placed;
+        or lost): it takes no request before a claim, and leaves its slot when its last
+        request ends, as a revoked adapter does."""
+        return self.max_replicas is not None and not self.claimed
 
 
 def evict_for_device(entries: OrderedDict[str, CacheEntry], e: CacheEntry, need: int,

@@ -55,6 +55,7 @@ class CacheClaim:
     owner: str | None
     owner_share: float | None = None  # of the device and host budgets
     requester_loads_per_minute: float | None = None
+    owner_max_replicas: int | None = None  # hosts that may hold the adapter in a slot at once
 
 
 @dataclass

@@ -52,6 +52,7 @@ from backend.serving.messages import BUSY_MESSAGE, FAILURE_MESSAGE, LIMITS_MESSA
 from backend.serving.outcomes import Admitted, Collector, Outcomes
 from backend.serving.prefix_cache import PrefixCache, TenantSalts
 from backend.serving.recorder import LedgerWriter, write_durably
+from backend.serving.replicas import ReplicaGuard
 from backend.serving.requests import (
     Answer,
     AnswerSink,
@@ -67,6 +68,7 @@ from control.contracts import ticket_seals
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger, LedgerEntry, Outcome
+from control.contracts.replica_claims import ReplicaTable, lease_from_env
 from control.contracts.sampling import with_defaults
 from control.contracts.store import ArtifactStore
 from control.contracts.tickets import TicketClaims, TicketVerifier, load_public_keys
@@ -139,6 +141,11 @@ class LoraService:
                                   on_event=self._record_load,
                                   on_purge=self.prefix_cache.purge_adapter,
                                   violations=engine.violations)
+        # claims on bounded adapters' replicas, counted with the other hosts' (issue 25)
+        lease_s = lease_from_env()
+        self.replicas = ReplicaGuard(lambda: ReplicaTable(db, self.host, lease_s=lease_s),
+                                     lease_s)
+        self.cache.replicas = self.replicas.start(self.cache)
         self.scheduler = Scheduler(engine, self.limits, self.prefix_cache)
         self.tickets = VerifiedTickets(self._load_verifier)
         self.stats = ServiceStats()
@@ -228,6 +235,7 @@ class LoraService:
         self.intake.close()
         self.revocations.close_steps()
         self.writer.close()
+        self.replicas.close()  # gives this host's claims up: another may take them at once
         self.revocations.listener.close()
 
     # -- the steps a subclass (the open bench peer) or a test may replace -------------------

@@ -77,7 +77,8 @@ def warm_up(service: WarmupService, digests: list[str], state: GovernanceState, 
                 limits = state.cache_limits.get(owner)
                 claim = CacheClaim(owner, owner,
                                    limits.resident_share if limits is not None else None,
-                                   limits.loads_per_minute if limits is not None else None)
+                                   limits.loads_per_minute if limits is not None else None,
+                                   limits.max_replicas if limits is not None else None)
                 try:
                     service.cache.release(service.cache.acquire(digest, owner, claim=claim))
                     report.loaded.append(digest)

@@ -17,8 +17,10 @@ schema the connection's ``search_path`` names:
   signing keys, releases, bases, the tenants' ticket cut-offs, the projections' position),
   inserts its own ledger and adapter-load rows, updates only its own rows' completion columns,
   reports revocation steps into ``serving_step_reports`` (the control plane folds them into
-  events), and replaces its own row of ``host_status`` (its slots, tiers and load queue, for the
-  operator console). Never the event store, a projection's rows, or the API-key hashes.
+  events), replaces its own row of ``host_status`` (its slots, tiers and load queue, for the
+  operator console), and makes, renews and deletes its own claims in ``adapter_replicas`` while
+  reading everyone's (an adapter's ``max_replicas`` counts them). Never the event store, a
+  projection's rows, or the API-key hashes.
 
 Whose rows are "own" is decided by row-level security on ``host = session_user``: the login
 role the host connected as. ``current_user`` would follow a ``SET ROLE`` to the group role;
@@ -65,12 +67,16 @@ DEFAULT_PREFIX = "loraplane"
 class Grant:
     """What one role may do on one table. ``select``/``update`` name columns (``EVERY_COLUMN``:
     all of them); ``own_rows`` names the column that must equal the session's login role for
-    every row the role reads, inserts or updates (row-level security)."""
+    every row the role reads, inserts, updates or deletes (row-level security); ``reads_all``:
+    it may still read every row, and writes only its own (a table whose rows the hosts count
+    together, ``adapter_replicas``)."""
 
     select: tuple[str, ...] = ()
     insert: bool = False
     update: tuple[str, ...] = ()
     own_rows: str | None = None
+    delete: bool = False
+    reads_all: bool = False
 
     def describe(self) -> str:
         def cols(c: tuple[str, ...]) -> str:
@@ -78,9 +84,11 @@ class Grant:
 
         parts = ([f"SELECT{cols(self.select)}"] if self.select else []) + (
             ["INSERT"] if self.insert else []) + (
-            [f"UPDATE{cols(self.update)}"] if self.update else [])
+            [f"UPDATE{cols(self.update)}"] if self.update else []) + (
+            ["DELETE"] if self.delete else [])
         if self.own_rows:
-            parts.append(f"own rows ({self.own_rows} = session_user)")
+            parts.append(f"{'writes ' if self.reads_all else ''}own rows "
+                         f"({self.own_rows} = session_user)")
         return ", ".join(parts)
 
 
@@ -123,7 +131,7 @@ GRANTS: dict[str, dict[str, Grant]] = {
     "signing_keys": {GATEWAY: READ, HOST: READ},
     "tenants": {GATEWAY: READ, HOST: Grant(select=("name", "tickets_not_before",
                                                    "resident_share", "loads_per_minute",
-                                                   "pool", "regions"))},
+                                                   "max_replicas", "pool", "regions"))},
     "projection_tracking": {GATEWAY: READ, HOST: READ},
     "routing_changes": {GATEWAY: READ},  # what each batch changed: the route cache's refresh
     # the request ledger and what hangs off it
@@ -133,6 +141,11 @@ GRANTS: dict[str, dict[str, Grant]] = {
                     own_rows=OWN_HOST),
     },
     "adapter_loads": {HOST: Grant(select=EVERY_COLUMN, insert=True, own_rows=OWN_HOST)},
+    # the hosts' claims on an adapter's replicas (control.contracts.replica_claims): every host
+    # counts everyone's live claims, and makes, renews and gives up its own only
+    "adapter_replicas": {HOST: Grant(select=EVERY_COLUMN, insert=True,
+                                     update=("claimed_at", "expires_at"), delete=True,
+                                     own_rows=OWN_HOST, reads_all=True)},
     "request_feedback": {GATEWAY: Grant(select=("request_id",), insert=True)},
     # a host's revocation steps, folded into events by the control plane
     "serving_step_reports": {HOST: Grant(select=EVERY_COLUMN, insert=True, own_rows=OWN_HOST)},
@@ -357,6 +370,8 @@ def _grant_table(sql: _Sql, table: str, grants: Mapping[str, Grant], names: Role
                 sql.run(f"GRANT USAGE ON SEQUENCE {seq} TO {role}")
         if g.update:
             sql.run(f"GRANT UPDATE{_columns(g.update, sql.q)} ON TABLE {t} TO {role}")
+        if g.delete:
+            sql.run(f"GRANT DELETE ON TABLE {t} TO {role}")
     guarded = any(g.own_rows for g in grants.values())
     sql.run(f"ALTER TABLE {t} {'ENABLE' if guarded else 'DISABLE'} ROW LEVEL SECURITY")
     if not guarded:
@@ -367,6 +382,9 @@ def _grant_table(sql: _Sql, table: str, grants: Mapping[str, Grant], names: Role
         if g.own_rows:
             mine = f"{sql.q(g.own_rows)} = session_user"
             sql.run(f"CREATE POLICY {name} ON {t} TO {role} USING ({mine}) WITH CHECK ({mine})")
+            if g.reads_all:  # permissive policies add up: every row for SELECT, own for writes
+                reads = sql.q(f"{POLICY_PREFIX}{kind}_reads")
+                sql.run(f"CREATE POLICY {reads} ON {t} FOR SELECT TO {role} USING (true)")
         else:  # its column grants already say what it may do; every row is visible to it
             sql.run(f"CREATE POLICY {name} ON {t} FOR SELECT TO {role} USING (true)")
 

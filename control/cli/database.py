@@ -39,6 +39,7 @@ def _declare_components() -> None:
         host_status,  # noqa: F401  (the hosts' status reports, for the console)
         ledger,  # noqa: F401  (declares the ledger schema component)
         ledger_log,  # noqa: F401  (declares the ledger_log component)
+        replica_claims,  # noqa: F401  (the hosts' claims on adapters' replicas)
         serving_reports,  # noqa: F401  (the hosts' revocation steps)
         ticket_seals,  # noqa: F401  (the keys that open tickets' sealed arms)
     )

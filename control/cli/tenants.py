@@ -75,6 +75,9 @@ def tenant_policy(
     loads_per_minute: Annotated[float | None, typer.Option(
         help="Cold adapter loads a minute its requests may start on one host (default 120).")
     ] = None,
+    max_replicas: Annotated[int | None, typer.Option(
+        help="Hosts that may hold one of its adapters in a device slot at once (default: no "
+             "bound); a host past it refuses the adapter's requests as unavailable.")] = None,
 ) -> None:
     """Set a tenant's policy: limits, signature requirement, trusted signing keys."""
     from control.app.signatures import check_trusted_key  # cryptography: only this verb
@@ -90,7 +93,8 @@ def tenant_policy(
                               max_file_bytes=max_file_bytes, max_rank=max_rank,
                               allowed_target_modules=targets, trusted_keys=keys,
                               isolation=isolation, regions=sorted(set(region or [])),
-                              resident_share=resident_share, loads_per_minute=loads_per_minute)
+                              resident_share=resident_share, loads_per_minute=loads_per_minute,
+                              max_replicas=max_replicas)
         registry().set_policy(tenant, policy, actor=state.actor)
     data = {"tenant": tenant, **policy.to_json(), "trusted_keys": len(keys)}
     emit(data, lambda: print_fields(data))

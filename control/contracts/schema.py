@@ -154,12 +154,13 @@ class Change:
 # control.app.integrity, projections.tables), so this module imports none of them. The order
 # below is the order status and upgrade go through them.
 ORDER = ("ledger", "ledger_log", "audit", "projections", "serving_reports", "ticket_seals",
-         "host_status")
+         "host_status", "adapter_replicas")
 OWNERS = {"ledger": "control.contracts.ledger", "ledger_log": "control.contracts.ledger_log",
           "audit": "control.app.integrity", "projections": "projections.tables",
           "serving_reports": "control.contracts.serving_reports",
           "ticket_seals": "control.contracts.ticket_seals",
-          "host_status": "control.contracts.host_status"}
+          "host_status": "control.contracts.host_status",
+          "adapter_replicas": "control.contracts.replica_claims"}
 _declared: dict[str, Component] = {}
 
 

@@ -40,9 +40,12 @@ class TenantPolicy:
     # its requests may start on one host.
     resident_share: float | None = None
     loads_per_minute: float | None = None
+    # How many Triton hosts may hold one of this tenant's adapters in a device slot at once
+    # (issue 25; None: no bound). Claimed through ``control.contracts.replica_claims``.
+    max_replicas: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_adapters", "max_file_bytes", "max_rank"):
+        for name in ("max_adapters", "max_file_bytes", "max_rank", "max_replicas"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise DomainError(f"policy {name} must be a positive integer")

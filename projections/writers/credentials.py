@@ -38,7 +38,8 @@ def _policy_set(conn: Connection, e: Tenant.TenantPolicySet) -> None:
     conn.execute(tenants.update().where(tenants.c.name == e.tenant)
                  .values(pool=policy.pool, regions=",".join(policy.regions),
                          resident_share=policy.resident_share,
-                         loads_per_minute=policy.loads_per_minute))
+                         loads_per_minute=policy.loads_per_minute,
+                         max_replicas=policy.max_replicas))
 
 
 def _signing_key_retired(conn: Connection, e: SigningKey.SigningKeyRetired) -> None:

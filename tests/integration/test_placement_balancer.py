@@ -26,11 +26,14 @@ from control.app.registry import Registry
 from control.contracts import root_of_trust
 from control.contracts.db import make_engine
 from control.contracts.ledger import adapter_loads, request_ledger
+from control.contracts.replica_claims import ReplicaTable
+from control.domain import TenantPolicy
 from control.ops.balancer import start_balancer
-from control.ops.clients import Generation, TritonRefused, free_port, generate, request_ticket
+from control.ops.clients import Generation, TritonRefused, generate, request_ticket
 from control.ops.front_door import FrontDoor, Upstream
 from control.ops.scale_out import host_settings, start_all
 from control.ops.serve import Deployment, Ports
+from control.ops.triton_server import free_ports
 from control.tools.bench_cli import fresh_adapter
 from control.tools.kit import KitManifest
 from projections.follower import open_registry
@@ -124,10 +127,12 @@ def pool(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Po
             gateway.start()
             start_all(hosts)
             upstreams = [Upstream("127.0.0.1", h.ports.http, h.ports.grpc) for h in hosts]
-            for policy in ("affinity", "roundrobin"):
+            taken = {p for h in (*hosts, gateway) for p in vars(h.ports).values()}
+            door_ports = free_ports(4, avoid=taken)
+            for i, policy in enumerate(("affinity", "roundrobin")):
                 doors.append(start_balancer(root / f"balancer-{policy}", upstreams,
-                                            http_port=free_port(), grpc_port=free_port(),
-                                            policy=policy))
+                                            http_port=door_ports[2 * i],
+                                            grpc_port=door_ports[2 * i + 1], policy=policy))
             yield Pool(reg, gateway, hosts, key, other, digests, url, doors[0], doors[1])
         finally:
             for door in doors:
@@ -216,6 +221,51 @@ def test_a_revocation_is_refused_by_every_host_within_a_second(pool: Pool) -> No
     assert set(decided) == set(HOSTS) and max(decided.values()) < 1.0, decided
     with pytest.raises(TritonRefused):  # and through the balancer, whatever the header says
         _call(pool.affinity.http_url, ticket, affinity, "balanced")
+
+
+def test_max_replicas_bounds_the_hosts_holding_an_adapter(pool: Pool) -> None:
+    """acme's policy bounds its adapters to one replica each: asked on every host, a23 is
+    served by one host only; the others refuse it as unavailable, with ``adapter_max_replicas``
+    on their ledger rows, and the claims table names the one host. With the bound lifted,
+    every host serves it again."""
+    digest = pool.digests["a23"]
+    ticket, _ = pool.ticket("a23")
+    urls = [dep.triton.http_url for dep in pool.hosts if dep.triton is not None]
+    since = time.time()
+    pool.registry.set_policy("acme", TenantPolicy(max_replicas=1), actor=ACTOR)
+    try:
+        served: list[str] = []
+        refused: list[TritonRefused] = []
+        deadline = time.monotonic() + 10  # the hosts see the policy event within it
+        while time.monotonic() < deadline and len(refused) < 2 * (len(urls) - 1):
+            for url in urls:
+                try:
+                    served.append(_call(url, ticket, None, "bounded").request_id)
+                except TritonRefused as e:
+                    refused.append(e)
+        holder = set(pool.host_of(served).values())
+        assert len(holder) == 1 and refused, (holder, refused)
+        assert all(e.status == "503" and "sha256" not in e.message for e in refused), refused
+        assert ReplicaTable(make_engine(pool.db_url), "test").holders(digest) == sorted(holder)
+        t = request_ledger
+        with make_engine(pool.db_url).connect() as conn:
+            refusers = {str(h) for h in conn.execute(
+                sa.select(t.c.host).where(t.c.adapter_digest == digest,
+                                          t.c.reason == "adapter_max_replicas",
+                                          t.c.admitted_at >= since)).scalars()}
+        assert refusers == set(HOSTS) - holder, refusers
+    finally:
+        pool.registry.set_policy("acme", TenantPolicy(), actor=ACTOR)
+    deadline = time.monotonic() + 10
+    answered: set[str] = set()
+    while time.monotonic() < deadline and len(answered) < len(urls):
+        for url in urls:
+            try:
+                answered.add(pool.host_of([_call(url, ticket, None, "unbounded").request_id])
+                             .popitem()[1])
+            except TritonRefused:
+                time.sleep(0.1)
+    assert answered == set(HOSTS), answered
 
 
 def _phase(pool: Pool, url: str, rounds: int) -> tuple[float, int, int, int]:

@@ -272,6 +272,32 @@ class TestHostRole:
             (a, 2.0, 4), (b, 1.0, 4)}
         _refused(deployment.gateway, "SELECT * FROM host_status")
 
+    def test_counts_every_replica_claim_and_writes_only_its_own(
+            self, deployment: Deployment) -> None:
+        """Hosts see each other's claims on an adapter's replicas (the bound counts them all)
+        but make, renew and give up only their own; the gateway gets nothing of the table."""
+        from control.contracts.replica_claims import ReplicaTable
+
+        a, b = deployment.host_a_id, deployment.host_b_id
+        digest = "sha256:" + uuid.uuid4().hex * 2
+        mine, theirs = ReplicaTable(deployment.host_a, a), ReplicaTable(deployment.host_b, b)
+        assert mine.claim(digest, 1)
+        assert not theirs.claim(digest, 1)  # a's claim, counted through b's role
+        assert theirs.holders(digest) == [a]
+        assert theirs.claim(digest, 2)
+        assert mine.claim(digest, 2)  # a renews its own
+        assert _count(deployment.host_b, "DELETE FROM adapter_replicas WHERE host = :h",
+                      h=a) == 0
+        assert _count(deployment.host_b, "UPDATE adapter_replicas SET expires_at = 0 "
+                      "WHERE host = :h", h=a) == 0
+        _refused(deployment.host_b, "UPDATE adapter_replicas SET host = :a WHERE host = :b",
+                 a=a + "-x", b=b)
+        _refused(deployment.host_b, "INSERT INTO adapter_replicas VALUES (:d, :h, 0, 1e12)",
+                 d="sha256:" + "e" * 64, h=a)
+        theirs.release(digest)
+        assert mine.holders(digest) == [a]
+        _refused(deployment.gateway, "SELECT * FROM adapter_replicas")
+
     def test_cannot_become_another_role(self, deployment: Deployment) -> None:
         """The rows it may touch follow the login role, not a role it can switch to."""
         a = deployment.host_a

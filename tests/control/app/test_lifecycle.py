@@ -409,8 +409,11 @@ def test_cli_policy_evaluate_canary_rollback(tmp_path: Path, artifacts: Artifact
     assert cli("base", "register", str(artifacts.base), "--tokenizer", str(artifacts.tokenizer),
                "--name", "tiny")[0] == 0
     assert cli("tenant", "create", "acme")[0] == 0
-    code, out = cli("tenant", "policy", "acme", "--max-adapters", "5")
+    code, out = cli("tenant", "policy", "acme", "--max-adapters", "5", "--max-replicas", "0")
+    assert code != 0 and "max_replicas must be a positive integer" in str(out)
+    code, out = cli("tenant", "policy", "acme", "--max-adapters", "5", "--max-replicas", "2")
     assert code == 0 and out["max_adapters"] == 5  # type: ignore[index]
+    assert out["max_replicas"] == 2  # type: ignore[index]
     code, out = cli("adapter", "register", str(artifacts.adapters["alpha"]), "--tenant", "acme",
                     "--alias", "chat", "--training-data-version", "td-1")
     assert code == 0, out

@@ -23,6 +23,7 @@ from control.cli.main import app
 from control.contracts import (
     host_status,  # noqa: F401  (declares its schema component)
     ledger_log,  # noqa: F401  (declares its schema component)
+    replica_claims,  # noqa: F401  (declares its schema component)
     schema,
     serving_reports,  # noqa: F401  (declares its schema component)
     ticket_seals,  # noqa: F401  (declares its schema component)
@@ -143,7 +144,8 @@ class SchemaContract:
         assert [(c.component, c.action) for c in changes] == [
             ("ledger", "current"), ("ledger_log", "created"), ("audit", "created"),
             ("projections", "current"), ("serving_reports", "created"),
-            ("ticket_seals", "created"), ("host_status", "created")]
+            ("ticket_seals", "created"), ("host_status", "created"),
+            ("adapter_replicas", "created")]
         assert {s.state for s in status(engine)} == {"current"}
 
     def test_concurrent_first_opens_create_once(self, engine: Engine) -> None:
@@ -165,7 +167,7 @@ class SchemaContract:
         assert {s.component: s.state for s in status(engine)} == {
             "ledger": "current", "ledger_log": "absent", "audit": "absent",
             "projections": "current", "serving_reports": "absent",
-            "ticket_seals": "absent", "host_status": "absent"}
+            "ticket_seals": "absent", "host_status": "absent", "adapter_replicas": "absent"}
 
     def test_audit_seal_creates_its_table_stamped(self, engine: Engine,
                                                   settings: Settings) -> None:

@@ -1,0 +1,179 @@
+"""This host's side of ``max_replicas``: claim before placing, renew while held, give up after.
+
+An adapter whose owner's policy bounds its replicas (``TenantPolicy.max_replicas``) is placed in
+a device slot only after this host holds one of its claims
+(``control.contracts.replica_claims``); the cache calls :meth:`ReplicaGuard.claim` from the load
+worker, before the store is read, so a refused claim costs one database transaction and no
+load. A refusal is the cache's ``CacheRefused("max_replicas")``: the request is refused as
+unavailable with that reason on its ledger row, and a balancer or client tries another host.
+
+While the adapter stays in its slot, a thread of this guard renews the claim every third of the
+lease. A renewal that fails (the bound shrank, or the claim lapsed while this host was cut off
+and another host took the replica) *sheds* the adapter: the cache takes no new request for it
+here and unloads it when its last running request ends, as a revocation does. When the cache
+unloads an adapter, its claim is given up at once on this guard's thread (the cache's load
+records arrive under no lock, but on request and scheduler threads that must not wait on the
+database); a claim whose adapter is loading or resident again by then is kept.
+
+Adapters with no bound never touch the table: a deployment that sets no ``max_replicas`` pays
+nothing. Without a database answer a bounded adapter is not loaded (``replicas_unknown``): the
+bound is the owner's policy, and a host that cannot count the replicas cannot keep it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+from backend.serving.fair_share import CacheRefused
+
+log = logging.getLogger("loraplane.backend.replicas")
+
+REFUSED_MESSAGE = ("this adapter is held by as many hosts as its owner allows "
+                   "(max_replicas); another host serves it")
+
+
+class Claims(Protocol):
+    """The claims table as this guard uses it (``control.contracts.replica_claims``)."""
+
+    def claim(self, digest: str, bound: int) -> bool: ...
+    def release(self, digest: str) -> None: ...
+
+
+class HeldAdapters(Protocol):
+    """What the guard asks of the adapter cache."""
+
+    def replica_bound(self, digest: str) -> int | None: ...
+    def shed(self, digest: str) -> None: ...
+
+
+class ReplicaGuard:
+    """Claims, renewals and releases of this host's bounded adapters."""
+
+    def __init__(self, open_claims: Callable[[], Claims], lease_s: float) -> None:
+        """``open_claims`` opens the table (its leases ``lease_s`` long); called on first use,
+        never while nothing is bounded, and again after a failure."""
+        self.open_claims, self.lease_s = open_claims, lease_s
+        self._claims: Claims | None = None
+        self._lock = threading.Lock()  # one claim, renewal or release at a time
+        self._held: set[str] = set()
+        self._unloaded: set[str] = set()
+        self._wake = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.cache: HeldAdapters | None = None
+        self.lost = 0  # renewals refused: adapters shed
+
+    def start(self, cache: HeldAdapters) -> ReplicaGuard:
+        self.cache = cache
+        self._thread = threading.Thread(target=self._run, name="replica-claims", daemon=True)
+        self._thread.start()
+        return self
+
+    def claim(self, digest: str, bound: int | None) -> None:
+        """Hold one of ``digest``'s replicas before placing it (``bound`` None: unbounded, no
+        claim); CacheRefused when the bound is taken or cannot be counted."""
+        if bound is None:
+            return
+        with self._lock:
+            try:
+                granted = self._table().claim(digest, bound)
+            except Exception:
+                self._claims = None  # opened afresh next time
+                log.warning("could not count the replicas of %s; not loading it", digest,
+                            exc_info=True)
+                raise CacheRefused("replicas_unknown", "adapter placement cannot be checked "
+                                   "now, retry later") from None
+            if not granted:
+                raise CacheRefused("max_replicas", REFUSED_MESSAGE)
+            self._held.add(digest)
+
+    def unloaded(self, digest: str) -> None:
+        """The cache took ``digest`` out of its slot: give its claim up soon (on this guard's
+        thread; no database work on the caller's)."""
+        with self._wake:
+            if digest in self._held:
+                self._unloaded.add(digest)
+                self._wake.notify()
+
+    def held(self) -> set[str]:
+        with self._lock:
+            return set(self._held)
+
+    def renew_once(self) -> None:
+        """Renew every claim held, give up those whose adapter left, shed those refused."""
+        with self._wake:
+            self._unloaded.clear()
+        for digest in sorted(self.held()):
+            self._renew(digest)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop renewing and give every claim up (another host may take them at once)."""
+        self._stop.set()
+        with self._wake:
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        for digest in sorted(self.held()):
+            with self._lock:
+                self._give_up(digest)
+
+    # -- on the guard's thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._wake:
+                if not self._unloaded:
+                    self._wake.wait(self.lease_s / 3)
+                gone, self._unloaded = self._unloaded, set()
+            if self._stop.is_set():
+                return
+            try:
+                if gone:
+                    for digest in sorted(gone):
+                        self._renew(digest)  # gives it up unless it is back in a slot
+                else:
+                    self.renew_once()
+            except Exception:  # a database outage: the claims lapse, loads are refused
+                log.warning("could not renew this host's replica claims", exc_info=True)
+
+    def _renew(self, digest: str) -> None:
+        assert self.cache is not None
+        with self._lock:
+            if digest not in self._held:
+                return
+            # Read under this lock: a load that starts after it claims again once it is free
+            bound = self.cache.replica_bound(digest)
+            if bound is None:
+                self._give_up(digest)
+                return
+            try:
+                granted = self._table().claim(digest, bound)
+            except Exception:
+                self._claims = None
+                raise
+            if not granted:
+                # Its row is left to lapse: the others already fill the bound, and this host
+                # still holds the adapter until its running requests end. A request that comes
+                # meanwhile claims it again, or is refused.
+                self._held.discard(digest)
+        if not granted:
+            self.lost += 1
+            log.warning("lost this host's replica claim on %s: shedding it", digest)
+            self.cache.shed(digest)
+
+    def _give_up(self, digest: str) -> None:
+        try:
+            self._table().release(digest)
+        except Exception:  # it lapses on its own within one lease
+            self._claims = None
+            log.warning("could not give up the replica claim on %s", digest, exc_info=True)
+        self._held.discard(digest)
+
+    def _table(self) -> Claims:
+        if self._claims is None:
+            self._claims = self.open_claims()
+        return self._claims

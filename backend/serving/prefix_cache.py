@@ -99,7 +99,16 @@ Footprint = Callable[[Any], Iterable[tuple[Hashable, int]]]
 
 
 class PrefixCache(Generic[V]):
-    """LRU over a byte budget; thread-safe.
+    """LRU over a byte budget, shared fairly between tenants; thread-safe.
+
+    Fair sharing: when an entry needs room, the victim is the least recently used entry of the
+    tenant (the key's ``salt``; the cache never learns a tenant's name) holding the most bytes
+    over its fair part, the budget split evenly between the tenants with entries and the one
+    inserting, the new entry counted. When only the inserting tenant is over and it holds
+    nothing to give back, the new entry is not kept. So a tenant alone may fill the whole
+    budget, and one that floods new prompts evicts its own entries, never another's while
+    that one holds no more than its part (before, one tenant's flood emptied everyone's
+    prefixes).
 
     ``footprint`` (optional) names the storages an entry holds; the cache then keeps, entry by
     entry as they come and go, the bytes of every storage its entries hold, each counted once
@@ -118,6 +127,9 @@ class PrefixCache(Generic[V]):
         self._footprint = footprint
         self._storages: dict[Hashable, list[int]] = {}  # storage -> [entries holding it, bytes]
         self._held = 0  # bytes of every storage in _storages
+        # salt -> its keys, least recently used first, and the bytes they hold
+        self._tenants: dict[bytes, OrderedDict[PrefixKey, None]] = {}
+        self._tenant_bytes: dict[bytes, int] = {}
 
     @property
     def tracks_storages(self) -> bool:
@@ -147,10 +159,28 @@ class PrefixCache(Generic[V]):
                     del self._storages[key]
                     self._held -= held[1]
 
-    def _drop(self, item: tuple[V, int, tuple[tuple[Hashable, int], ...]]) -> None:
+    def _drop(self, key: PrefixKey) -> None:
+        item = self._items.pop(key)
         # the footprint taken when the entry came: what it held then is what it gives back
         self.stats.bytes -= item[1]
         self._hold(item[2], -1)
+        keys = self._tenants[key.salt]
+        del keys[key]
+        self._tenant_bytes[key.salt] -= item[1]
+        if not keys:
+            del self._tenants[key.salt], self._tenant_bytes[key.salt]
+
+    def _victim(self, salt: bytes, nbytes: int) -> PrefixKey | None:
+        """The entry to evict for ``nbytes`` more of ``salt``'s (see the class notes); None:
+        nobody over its part has an entry to give back."""
+        held = dict(self._tenant_bytes)
+        held[salt] = held.get(salt, 0) + nbytes
+        fair = self.max_bytes / len(held)
+        over = [s for s, b in held.items() if b > fair and self._tenants.get(s)]
+        if not over:
+            return None
+        worst = max(over, key=lambda s: held[s])
+        return next(iter(self._tenants[worst]))
 
     def get(self, key: PrefixKey) -> V | None:
         with self._lock:
@@ -159,33 +189,41 @@ class PrefixCache(Generic[V]):
                 self.stats.misses += 1
                 return None
             self._items.move_to_end(key)
+            self._tenants[key.salt].move_to_end(key)
             self.stats.hits += 1
             return item[0]
 
-    def put(self, key: PrefixKey, value: V, nbytes: int) -> None:
-        """Insert (or replace) an entry; evict least recently used ones to fit the budget."""
+    def put(self, key: PrefixKey, value: V, nbytes: int) -> bool:
+        """Insert (or replace) an entry, evicting to fit the budget as the class notes say;
+        False when it is not kept."""
         if nbytes > self.max_bytes:
-            return
+            return False
         # a storage once per entry, however many of its tensors view it
         footprint = (tuple(dict(self._footprint(value)).items())
                      if self._footprint is not None else ())
         with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self._drop(old)
-            while self._items and self.stats.bytes + nbytes > self.max_bytes:
-                self._drop(self._items.popitem(last=False)[1])
+            if key in self._items:
+                self._drop(key)
+            while self.stats.bytes + nbytes > self.max_bytes:
+                victim = self._victim(key.salt, nbytes)
+                if victim is None:
+                    self.stats.entries = len(self._items)
+                    return False
+                self._drop(victim)
             self._items[key] = (value, nbytes, footprint)
+            self._tenants.setdefault(key.salt, OrderedDict())[key] = None
+            self._tenant_bytes[key.salt] = self._tenant_bytes.get(key.salt, 0) + nbytes
             self.stats.bytes += nbytes
             self._hold(footprint, +1)
             self.stats.entries = len(self._items)
+            return True
 
     def purge_adapter(self, adapter: str) -> int:
         """Drop every entry of one adapter digest; return how many."""
         with self._lock:
             doomed = [k for k in self._items if k.adapter == adapter]
             for k in doomed:
-                self._drop(self._items.pop(k))
+                self._drop(k)
             self.stats.entries = len(self._items)
             return len(doomed)
 

@@ -313,13 +313,14 @@ def tickets(large: Built, small: Built, size: Size,
 
 
 def run_bench(*, quick: bool = False, size: Size | None = None, pg_url: str | None = None,
+              sqlite: bool = True,
               progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
-    """The whole measurement on scratch registries (see the module notes): on SQLite files, and
-    with ``pg_url`` also on PostgreSQL (two scratch schemas, dropped afterwards), reported
-    under ``postgresql`` with the same keys."""
+    """The whole measurement on scratch registries (see the module notes): on SQLite files
+    (unless ``sqlite`` is False), and with ``pg_url`` also on PostgreSQL (two scratch schemas,
+    dropped afterwards), reported under ``postgresql`` with the same keys."""
     size = size or (QUICK if quick else FULL)
     with tempfile.TemporaryDirectory(prefix="loraplane-registry-") as tmp:
-        out = _measure(Path(tmp) / "sqlite", size, None, None, progress)
+        out = _measure(Path(tmp) / "sqlite", size, None, None, progress) if sqlite else {}
         if pg_url:
             from control.tools.bench_ledger import scratch_schema  # sqlalchemy admin: here only
 
@@ -373,10 +374,14 @@ def main(argv: list[str]) -> None:
     elif argv[:1] == ["host"]:
         _host_view(argv[1])
     else:
+        # [N [PG_URL [--pg-only]]]: N adapters at the full size's rounds (the quick size's
+        # with N at most its own); --pg-only skips the SQLite side
         n = int(argv[0]) if argv else QUICK.adapters
-        print(json.dumps(run_bench(size=Size(n, QUICK.small, QUICK.tenants, QUICK.rounds,
-                                             QUICK.requests),
+        shape = FULL if n > QUICK.adapters else QUICK
+        print(json.dumps(run_bench(size=Size(n, shape.small, shape.tenants, shape.rounds,
+                                             shape.requests),
                                    pg_url=argv[1] if len(argv) > 1 else None,
+                                   sqlite="--pg-only" not in argv[2:],
                                    progress=lambda m: print(m, file=sys.stderr)), indent=1))
 
 

@@ -16,9 +16,9 @@ import pytest
 from typer.testing import CliRunner
 
 from control.cli.main import app
-from control.ops.clients import free_port, generate
+from control.ops.clients import generate
 from control.ops.serve import Deployment, Ports
-from control.ops.triton_server import PortInUse
+from control.ops.triton_server import PortInUse, free_ports
 from tests.integration.conftest import ACTOR, Stack
 
 pytestmark = pytest.mark.triton
@@ -50,11 +50,11 @@ def test_a_second_deployment_on_taken_ports_is_refused_before_it_starts(stack: S
     assert second.triton is None  # nothing was launched
     assert first.triton.log_path.stat().st_size == log_before  # nor written into its log
     # The CLI says the same, with exit code 2.
+    grpc, metrics, gateway = free_ports(3, avoid=[first.ports.http])
     res = CliRunner().invoke(app, ["--json", "--home", str(stack.settings.home), "serve",
                                    "--http-port", str(first.ports.http),
-                                   "--grpc-port", str(free_port()),
-                                   "--metrics-port", str(free_port()),
-                                   "--gateway-port", str(free_port())],
+                                   "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+                                   "--gateway-port", str(gateway)],
                              env={"LORAPLANE_DB_URL": stack.settings.db_url})
     assert res.exit_code == 2, res.output
     assert "already in use" in json.loads(res.stdout.splitlines()[0])["error"]

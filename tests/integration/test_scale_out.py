@@ -27,9 +27,10 @@ from control.contracts.db import make_engine
 from control.contracts.ledger import request_ledger
 from control.contracts.tickets import GENERIC_REFUSAL
 from control.domain.policy import TenantPolicy
-from control.ops.clients import Generation, TritonRefused, free_port, generate, request_ticket
+from control.ops.clients import Generation, TritonRefused, generate, request_ticket
 from control.ops.scale_out import ScaleOut
 from control.ops.serve import Ports
+from control.ops.triton_server import free_ports
 from control.tools.kit import KitManifest
 from projections.follower import open_registry
 from tests.fixtures_control import close_registry, postgres_settings
@@ -85,9 +86,10 @@ def cluster(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                         evaluation={"suite": "smoke", "passed": True}, actor=ACTOR)
             reg.grant(tenant, alias, actor=ACTOR)
         # what `serve --hosts 2 --pool gold=1` starts, on free loopback ports
+        http, grpc, gateway = free_ports(3)
         scale = ScaleOut(s, 2, {"gold": 1},
-                         Ports(http=free_port(), grpc=free_port(), metrics=0,
-                               gateway=free_port(), triton_http=0, triton_grpc=0),
+                         Ports(http=http, grpc=grpc, metrics=0,
+                               gateway=gateway, triton_http=0, triton_grpc=0),
                          actor=ACTOR)
         try:
             scale.start()

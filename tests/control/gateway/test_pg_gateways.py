@@ -25,7 +25,8 @@ import pytest
 from control.contracts.config import Settings
 from control.contracts.tickets import TicketSigner
 from control.gateway.server import FORBIDDEN
-from control.ops.clients import free_port, request_ticket
+from control.ops.clients import request_ticket
+from control.ops.triton_server import free_ports
 from projections.follower import open_registry
 from tests import REPO
 from tests.fixtures_control import (
@@ -108,7 +109,7 @@ def test_two_gateways_and_follower_share_one_postgres(settings: Settings,
         reg.grant("acme", "tiny-base", actor="op")
         procs.append(subprocess.Popen([sys.executable, "-m", "projections.follower"], env=env,
                                       cwd=root, stderr=subprocess.DEVNULL))
-        ports = [free_port(), free_port()]
+        ports = free_ports(2)
         for port in ports:
             procs.append(subprocess.Popen(
                 [sys.executable, "-c", GATEWAY, str(settings.home), settings.db_url,

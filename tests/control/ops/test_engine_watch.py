@@ -22,9 +22,8 @@ from pathlib import Path
 import pytest
 
 from control.ops import engine_watch, triton_server
-from control.ops.clients import free_port
 from control.ops.engine_watch import EngineWatch
-from control.ops.triton_server import TritonInstall, TritonProcess
+from control.ops.triton_server import TritonInstall, TritonProcess, free_ports
 
 UNLOAD_S = 1.5  # how long the stand-in keeps running after its "engine" unloaded
 
@@ -69,7 +68,8 @@ def triton(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ShellTri
     monkeypatch.setattr(engine_watch, "engine_stub_pid",
                         lambda _group: None if marker.exists() else 4242)
     monkeypatch.setattr(engine_watch, "CHECK_S", 0.02)
-    t = ShellTriton(tmp_path / "run", free_port(), free_port(), free_port(),
+    http, grpc, metrics = free_ports(3)
+    t = ShellTriton(tmp_path / "run", http, grpc, metrics,
                     home=tmp_path, marker=marker)
     try:
         yield t

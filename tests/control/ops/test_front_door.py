@@ -22,7 +22,6 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from control.contracts.wire import TICKET_HEADER
-from control.ops.clients import free_port
 from control.ops.front_door import (
     GENERATE_TICKET_HEADER_REFUSAL,
     LENGTH_REQUIRED,
@@ -35,6 +34,7 @@ from control.ops.front_door import (
     render,
 )
 from control.ops.triton_access import GRPC_HEADER_PREFIX, OPERATOR_HEADER
+from control.ops.triton_server import free_ports
 from tests.control.ops.door_support import haproxy_or_skip
 
 TOKEN = "t" * 43
@@ -136,8 +136,9 @@ def door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Door]:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     # gRPC goes to a port nothing listens on: a forwarded call fails UNAVAILABLE, a refused one
     # PERMISSION_DENIED at the door.
-    config = DoorConfig("127.0.0.1", free_port(), free_port(),
-                        (Upstream("127.0.0.1", server.server_address[1], free_port()),))
+    http, grpc, nothing = free_ports(3, avoid=[server.server_address[1]])
+    config = DoorConfig("127.0.0.1", http, grpc,
+                        (Upstream("127.0.0.1", server.server_address[1], nothing),))
     front = FrontDoor(tmp_path_factory.mktemp("door"), config)
     front.start()
     try:

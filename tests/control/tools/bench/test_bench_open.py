@@ -29,8 +29,13 @@ from control.contracts.ledger import Ledger, Outcome
 from control.contracts.tickets import TicketSigner
 from control.contracts.wire import ENGINE_MODEL, TICKET_PARAM
 from control.gateway.ticket_office import TicketOffice
-from control.ops.clients import free_port
-from control.ops.triton_server import MODEL_REPOSITORY, REPO_ROOT, TritonInstall, TritonProcess
+from control.ops.triton_server import (
+    MODEL_REPOSITORY,
+    REPO_ROOT,
+    TritonInstall,
+    TritonProcess,
+    free_ports,
+)
 from control.tools.bench.open_peer import (
     OpenGlue,
     OpenService,
@@ -222,10 +227,11 @@ def test_serve_and_triton_host_cannot_be_told_another_repository(
     monkeypatch.setattr(control.ops.serve, "TritonProcess", _RecordedTriton)
     monkeypatch.setattr(control.cli.ops, "run_until_stopped", run_briefly)  # serve's too
     settings: Settings = home["settings"]
-    ports = ["--http-port", str(free_port()), "--grpc-port", str(free_port()),
-             "--metrics-port", str(free_port())]
+    free = free_ports(4)
+    ports = ["--http-port", str(free[0]), "--grpc-port", str(free[1]),
+             "--metrics-port", str(free[2])]
     if verb == "serve":
-        ports += ["--gateway-port", str(free_port())]
+        ports += ["--gateway-port", str(free[3])]
     env = {"LORAPLANE_HOME": str(settings.home), "LORAPLANE_DB_URL": settings.db_url,
            OLD_SWITCH: "1", "LORAPLANE_MODEL_REPOSITORY": str(settings.home)}
     result = CliRunner().invoke(control.cli.main.app, [verb, *ports], env=env)

@@ -16,8 +16,10 @@ records arrive under no lock, but on request and scheduler threads that must not
 database); a claim whose adapter is loading or resident again by then is kept.
 
 Adapters with no bound never touch the table: a deployment that sets no ``max_replicas`` pays
-nothing. Without a database answer a bounded adapter is not loaded (``replicas_unknown``): the
-bound is the owner's policy, and a host that cannot count the replicas cannot keep it.
+one statement at start (the claims a previous process of this host left are given up: it holds
+none of them now, and they would keep other hosts out until they lapsed). Without a database
+answer a bounded adapter is not loaded (``replicas_unknown``): the bound is the owner's policy,
+and a host that cannot count the replicas cannot keep it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Claims(Protocol):
 
     def claim(self, digest: str, bound: int) -> bool: ...
     def release(self, digest: str) -> None: ...
+    def release_all(self) -> int: ...
 
 
 class HeldAdapters(Protocol):
@@ -124,6 +127,13 @@ class ReplicaGuard:
     # -- on the guard's thread ---------------------------------------------------------------
 
     def _run(self) -> None:
+        try:  # what a previous process of this host claimed: it holds none of it now
+            with self._lock:
+                if not self._held and self._table().release_all():
+                    log.info("gave up the replica claims a previous run of this host left")
+        except Exception:  # they lapse on their own within one lease
+            self._claims = None
+            log.warning("could not clear this host's old replica claims", exc_info=True)
         while not self._stop.is_set():
             with self._wake:
                 if not self._unloaded:

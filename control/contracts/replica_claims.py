@@ -121,6 +121,13 @@ class ReplicaTable:
             conn.execute(t.delete().where((t.c.adapter_digest == digest)
                                           & (t.c.host == self.host)))
 
+    def release_all(self) -> int:
+        """Give up every claim of this host (a host starting holds nothing yet: what a previous
+        process of it claimed would keep other hosts out until it lapsed); how many."""
+        t = adapter_replicas
+        with self.engine.begin() as conn:
+            return int(conn.execute(t.delete().where(t.c.host == self.host)).rowcount)
+
     def holders(self, digest: str) -> list[str]:
         """The hosts holding live claims on ``digest``, oldest claim first."""
         t = adapter_replicas

@@ -218,18 +218,36 @@ def test_a_bound_set_after_placing_is_claimed_before_the_next_request(
 
 
 def test_unbounded_adapters_never_touch_the_table(
-        hosts: Callable[..., Host], adapters: dict[str, Path]) -> None:
-    opened: list[int] = []
+        hosts: Callable[..., Host], adapters: dict[str, Path], db: DbEngine,
+        clock: Clock) -> None:
+    calls: list[str] = []
 
-    def opener() -> ReplicaTable:
-        opened.append(1)
-        raise AssertionError("the claims table was opened")
+    class Watched(ReplicaTable):
+        def claim(self, digest: str, bound: int) -> bool:
+            calls.append("claim")
+            return super().claim(digest, bound)
 
-    h = hosts("host-a", opener=opener)
+        def release(self, digest: str) -> None:
+            calls.append("release")
+            super().release(digest)
+
+    h = hosts("host-a", opener=lambda: Watched(db, "host-a", clock=clock))
     for digest in adapters:
         h.cache.release(h.cache.acquire(digest, "acme"))  # evictions too: two slots, three
     h.guard.renew_once()
-    assert opened == []
+    assert calls == []
+
+
+def test_a_restarted_host_gives_up_what_its_previous_run_claimed(
+        hosts: Callable[..., Host], adapters: dict[str, Path], db: DbEngine,
+        clock: Clock) -> None:
+    digest = next(iter(adapters))
+    one = CacheClaim("acme", "acme", owner_max_replicas=1)
+    assert ReplicaTable(db, "host-a", clock=clock).claim(digest, 1)  # a run that died
+    b = hosts("host-b")
+    hosts("host-a")  # host-a again: it holds nothing, so its old claim goes at once
+    _eventually(lambda: ReplicaTable(db, "r", clock=clock).holders(digest) == [], 2.0)
+    b.cache.release(b.cache.acquire(digest, "acme", claim=one))
 
 
 def test_a_database_that_cannot_answer_refuses_only_bounded_loads(

@@ -56,8 +56,9 @@ class ReplicaGuard:
     """Claims, renewals and releases of this host's bounded adapters."""
 
     def __init__(self, open_claims: Callable[[], Claims], lease_s: float) -> None:
-        """``open_claims`` opens the table (its leases ``lease_s`` long); called on first use,
-        never while nothing is bounded, and again after a failure."""
+        """``open_claims`` opens the table (its leases ``lease_s`` long); called at start (to
+        give up what a previous run of this host left), on the first bounded load, and again
+        after a failure."""
         self.open_claims, self.lease_s = open_claims, lease_s
         self._claims: Claims | None = None
         self._lock = threading.Lock()  # one claim, renewal or release at a time

@@ -227,6 +227,8 @@ class AdapterCache(CacheGovernance):
                 elif claim.owner is not None:
                     e.tenant = claim.owner  # the verified owner, whoever loaded it before
                 e.max_replicas = claim.owner_max_replicas
+                if claim.requester is not None and claim.requester == claim.owner:
+                    e.owner_asked = True
                 self._fair.note_share(claim.owner, claim.owner_share)
                 self._entries.move_to_end(digest)
                 if e.on_device and not e.unclaimed:
@@ -307,7 +309,7 @@ class AdapterCache(CacheGovernance):
         bound = e.max_replicas  # set by the acquire that started this load
         try:
             if self.replicas is not None:  # before the store is read: a refusal costs no load
-                self.replicas.claim(e.digest, bound)
+                self.replicas.claim(e.digest, bound, for_owner=e.owner_asked)
         except CacheRefused as refused:  # not a failed load: no record counts against it
             self._ended(e, requester, future, refused)
             return

@@ -56,10 +56,13 @@ class CacheEntry:
     evictions: dict[str, int] = field(default_factory=dict)
     revoked: bool = False
     loading: Future[None] | None = None
-    # Hosts that may hold it in a slot at once, from its owner's policy (None: no bound), and
-    # whether this host holds a claim on one of them (``backend.serving.replicas``)
+    # Hosts that may hold it in a slot at once, from its owner's policy (None: no bound),
+    # whether this host holds a claim on one of them (``backend.serving.replicas``), and whether
+    # its owner's own requests asked for it here since it was last placed (its claim then ranks
+    # before granted tenants' claims)
     max_replicas: int | None = None
     claimed: bool = False
+    owner_asked: bool = False
 
     @property
     def unclaimed(self) -> bool:

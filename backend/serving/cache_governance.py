@@ -22,7 +22,7 @@ from backend.serving.cache_entries import CacheEntry, RecordOutbox, drop_tier, h
 class ReplicaClaimer(Protocol):
     """This host's claims on bounded adapters' replicas (``backend.serving.replicas``)."""
 
-    def claim(self, digest: str, bound: int | None) -> None: ...
+    def claim(self, digest: str, bound: int | None, *, for_owner: bool) -> None: ...
     def unloaded(self, digest: str) -> None: ...
 
 
@@ -60,14 +60,16 @@ class CacheGovernance:
         self._outbox.emit()
         self.on_purge(digest)
 
-    def replica_bound(self, digest: str) -> int | None:
-        """The replica bound a claim on ``digest`` needs now: None when it is neither in a slot
-        nor loading here (its claim may go), or when it has no bound."""
+    def replica_need(self, digest: str) -> tuple[int, bool] | None:
+        """The replica bound a claim on ``digest`` needs now, and whether the owner's own
+        requests asked for it here: None when it is neither in a slot nor loading here (its
+        claim may go), or when it has no bound."""
         with self._lock:
             e = self._entries.get(digest)
-            if e is None or e.revoked or not (e.on_device or e.loading is not None):
+            if e is None or e.revoked or e.max_replicas is None or not (
+                    e.on_device or e.loading is not None):
                 return None
-            return e.max_replicas
+            return e.max_replicas, e.owner_asked
 
     def shed(self, digest: str) -> None:
         """This host lost its claim on one of ``digest``'s replicas: take no new request for it
@@ -94,7 +96,7 @@ class CacheGovernance:
 
     def _unload(self, x: CacheEntry, reason: str) -> None:
         self.engine.unload_adapter(x.digest)
-        x.on_device, x.device_bytes, x.claimed = False, 0, False
+        x.on_device, x.device_bytes, x.claimed, x.owner_asked = False, 0, False, False
         self._device.pop(x.digest, None)
         x.evictions[reason] = x.evictions.get(reason, 0) + 1
         self._outbox.add((x.digest, "unloaded", time.time(), 0.0, None, reason))

@@ -8,8 +8,11 @@ load. A refusal is the cache's ``CacheRefused("max_replicas")``: the request is 
 unavailable with that reason on its ledger row, and a balancer or client tries another host.
 
 While the adapter stays in its slot, a thread of this guard renews the claim every third of the
-lease. A renewal that fails (the bound shrank, or the claim lapsed while this host was cut off
-and another host took the replica) *sheds* the adapter: the cache takes no new request for it
+lease; a claim is held for the owner's requests once the owner's own requests ask for the adapter
+here (``CacheEntry.owner_asked``), which ranks it before claims held for granted tenants only. A
+renewal that fails (the bound shrank; the claim lapsed while this host was cut off and another
+host took the replica; or it was held for granted tenants' requests and the owner's own requests
+claimed the place on another host) *sheds* the adapter: the cache takes no new request for it
 here and unloads it when its last running request ends, as a revocation does. When the cache
 unloads an adapter, its claim is given up at once on this guard's thread (the cache's load
 records arrive under no lock, but on request and scheduler threads that must not wait on the
@@ -40,7 +43,7 @@ REFUSED_MESSAGE = ("this adapter is held by as many hosts as its owner allows "
 class Claims(Protocol):
     """The claims table as this guard uses it (``control.contracts.replica_claims``)."""
 
-    def claim(self, digest: str, bound: int) -> bool: ...
+    def claim(self, digest: str, bound: int, *, for_owner: bool) -> bool: ...
     def release(self, digest: str) -> None: ...
     def release_all(self) -> int: ...
 
@@ -48,7 +51,7 @@ class Claims(Protocol):
 class HeldAdapters(Protocol):
     """What the guard asks of the adapter cache."""
 
-    def replica_bound(self, digest: str) -> int | None: ...
+    def replica_need(self, digest: str) -> tuple[int, bool] | None: ...
     def shed(self, digest: str) -> None: ...
 
 
@@ -76,14 +79,15 @@ class ReplicaGuard:
         self._thread.start()
         return self
 
-    def claim(self, digest: str, bound: int | None) -> None:
+    def claim(self, digest: str, bound: int | None, *, for_owner: bool) -> None:
         """Hold one of ``digest``'s replicas before placing it (``bound`` None: unbounded, no
-        claim); CacheRefused when the bound is taken or cannot be counted."""
+        claim); CacheRefused when the bound is taken or cannot be counted. ``for_owner``: the
+        adapter's owner's own requests ask for it (the claim ranks before grantees')."""
         if bound is None:
             return
         with self._lock:
             try:
-                granted = self._table().claim(digest, bound)
+                granted = self._table().claim(digest, bound, for_owner=for_owner)
             except Exception:
                 self._claims = None  # opened afresh next time
                 log.warning("could not count the replicas of %s; not loading it", digest,
@@ -157,19 +161,19 @@ class ReplicaGuard:
             if digest not in self._held:
                 return
             # Read under this lock: a load that starts after it claims again once it is free
-            bound = self.cache.replica_bound(digest)
-            if bound is None:
+            need = self.cache.replica_need(digest)
+            if need is None:
                 self._give_up(digest)
                 return
             try:
-                granted = self._table().claim(digest, bound)
+                granted = self._table().claim(digest, need[0], for_owner=need[1])
             except Exception:
                 self._claims = None
                 raise
             if not granted:
-                # Its row is left to lapse: the others already fill the bound, and this host
-                # still holds the adapter until its running requests end. A request that comes
-                # meanwhile claims it again, or is refused.
+                # Its row is gone: the others fill the bound (or an owner's claim outranks this
+                # grantees' one), and this host still holds the adapter until its running
+                # requests end. A request that comes meanwhile claims it again, or is refused.
                 self._held.discard(digest)
         if not granted:
             self.lost += 1

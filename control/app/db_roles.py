@@ -144,7 +144,8 @@ GRANTS: dict[str, dict[str, Grant]] = {
     # the hosts' claims on an adapter's replicas (control.contracts.replica_claims): every host
     # counts everyone's live claims, and makes, renews and gives up its own only
     "adapter_replicas": {HOST: Grant(select=EVERY_COLUMN, insert=True,
-                                     update=("claimed_at", "expires_at"), delete=True,
+                                     update=("claimed_at", "expires_at", "for_owner"),
+                                     delete=True,
                                      own_rows=OWN_HOST, reads_all=True)},
     "request_feedback": {GATEWAY: Grant(select=("request_id",), insert=True)},
     # a host's revocation steps, folded into events by the control plane

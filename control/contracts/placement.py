@@ -5,10 +5,14 @@ The gateway's ticket answer carries ``affinity``; the bundled clients send it ba
 ``balance hdr(...)`` with consistent hashing) sends every request with one value to the same
 host while it is up, so the adapters behind it stay resident where its requests go.
 
-The value is a short hash of the route the ticket was issued for (tenant and alias), not of the
-release or adapter digest: the ticket answer never says which arm of a canary split a ticket
-landed on (``control.gateway.server``), and a per-arm value would. Both arms of a split are then
-placed on one host, which keeps both resident there. It decides nothing: the header only places
+The value is a short hash of the alias the ticket was issued for, not of the release or adapter
+digest: the ticket answer never says which arm of a canary split a ticket landed on
+(``control.gateway.server``), and a per-arm value would. Both arms of a split are then placed on
+one host, which keeps both resident there. Nor does it hash the tenant: the owner's requests and
+every granted tenant's for one alias go to the same host, so an adapter that its owner bounds to
+few replicas (``control.contracts.replica_claims``) is not asked for on several hosts by honest
+clients (an alias names one owner's route, so the hash reveals nothing its callers do not
+know). It decides nothing: the header only places
 a request. Authorization stays with the ticket, which every host verifies; a wrong or forged
 value costs a cold load on another host, never access.
 
@@ -35,9 +39,10 @@ POOL_HEADER = "x-loraplane-pool"
 _DOMAIN = b"loraplane-affinity\0"
 
 
-def affinity_of(tenant: str, alias: str) -> str:
-    """The affinity value of tickets issued to ``tenant`` for ``alias`` (16 hex characters)."""
-    return hashlib.sha256(_DOMAIN + tenant.encode() + b"\0" + alias.encode()).hexdigest()[:16]
+def affinity_of(alias: str) -> str:
+    """The affinity value of tickets issued for ``alias``, to its owner or any tenant granted
+    it (16 hex characters)."""
+    return hashlib.sha256(_DOMAIN + b"alias\0" + alias.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,16 @@ in one transaction that counts the live claims and writes its own:
   of the lease while the adapter is in its slot (``backend.serving.replicas``), deleted when it
   leaves. A host that dies stops renewing, and its claim lapses after at most one lease
   (:data:`DEFAULT_LEASE_S`, ``LORAPLANE_REPLICA_LEASE_S``); nobody needs to delete it;
-- a new claim is granted when fewer than ``bound`` other hosts hold live claims; a renewal when
-  fewer than ``bound`` live claims are older than the renewing host's (``claimed_at``, then the
-  host's name): when the bound shrinks, the newest holders lose theirs, and the oldest keep
-  serving. A claim that lapsed while its host was paused is a new claim;
+- claims are ranked: first those held for the adapter's *owner* (the host served or is loading
+  a request of the tenant whose adapter it is), then those held for granted tenants only; within
+  each, the oldest first (``claimed_at``, then the host's name). A claim, new or renewed, is
+  granted when fewer than ``bound`` live claims rank before it, and a refused renewal deletes
+  its own row. The holders are the first ``bound`` live claims. A host whose claim an owner's
+  claim pushed beyond the bound learns it at its next renewal (a third of a lease at most) and
+  sheds the adapter: no host writes another's row (each host's database role may write only
+  its own). So a granted tenant's traffic, however it is placed (a forged affinity header, a
+  host failing over), can never keep the owner's own requests from a place, and when the bound
+  shrinks the newest holders go. A claim that lapsed while its host was paused is a new claim;
 - the transactions of one adapter are serialised: on PostgreSQL by a transaction-scoped advisory
   lock on the adapter's digest, on SQLite by taking the database's write lock first (a write
   before any read). Claims of different adapters never wait on each other on PostgreSQL.
@@ -21,8 +27,10 @@ in one transaction that counts the live claims and writes its own:
 Times are the hosts' wall clocks (``time.time``): a lease must be longer than the hosts' clock
 skew, which NTP keeps to milliseconds. Rows name digests and hosts only, never a tenant. A
 host's database role makes, renews and deletes its own rows and reads everyone's
-(``control.app.db_roles``). Schema component ``adapter_replicas``, version 1; the rows are the
-moment's state, not evidence (the load records in ``adapter_loads`` are that).
+(``control.app.db_roles``). Schema component ``adapter_replicas``, version 2 (version 1 had no
+``for_owner``; its upgrade empties the table, which holds only the moment's leases: services
+are stopped for an upgrade, and hosts claim afresh as they load); the rows are the moment's
+state, not evidence (the load records in ``adapter_loads`` are that).
 """
 
 from __future__ import annotations
@@ -51,8 +59,21 @@ adapter_replicas = sa.Table(
     sa.Column("host", sa.String(128), primary_key=True),
     sa.Column("claimed_at", sa.Float, nullable=False),  # when this run of the claim began
     sa.Column("expires_at", sa.Float, nullable=False),
+    # held for the adapter's owner's requests (ranked first), or for granted tenants' only
+    sa.Column("for_owner", sa.Boolean, nullable=False),
 )
-ADAPTER_REPLICAS = declare(Component("adapter_replicas", 1, metadata, lambda _insp: 1))
+
+
+def _replicas_version(insp: sa.Inspector) -> int:
+    return 2 if any(c["name"] == "for_owner" for c in insp.get_columns("adapter_replicas")) else 1
+
+
+def _replicas_1_to_2(conn: Connection) -> None:
+    adapter_replicas.drop(conn, checkfirst=True)  # leases only: created afresh after this step
+
+
+ADAPTER_REPLICAS = declare(Component("adapter_replicas", 2, metadata, _replicas_version,
+                                     {1: _replicas_1_to_2}))
 
 
 def lease_from_env() -> float:
@@ -70,6 +91,19 @@ def lease_from_env() -> float:
     return value
 
 
+def _ranks_before(owner: bool, since: float | None, host: str) -> sa.ColumnElement[bool]:
+    """Claims ranking before one held ``for_owner=owner`` by ``host`` since ``since`` (None: a
+    new claim, which every live claim of its rank or better precedes, even one whose host's
+    clock reads later)."""
+    t = adapter_replicas
+    if since is None:
+        return t.c.for_owner if owner else sa.true()
+    older = (t.c.claimed_at < since) | ((t.c.claimed_at == since) & (t.c.host < host))
+    if owner:
+        return t.c.for_owner & older
+    return t.c.for_owner | older
+
+
 def _lock_key(digest: str) -> int:
     """A signed 64-bit advisory-lock key of the digest (PostgreSQL's bigint)."""
     return int.from_bytes(hashlib.sha256(b"loraplane-replica\0" + digest.encode()).digest()[:8],
@@ -85,29 +119,43 @@ class ReplicaTable:
         self.engine, self.host, self.lease_s, self.clock = engine, host, lease_s, clock
         open_component(engine, ADAPTER_REPLICAS)
 
-    def claim(self, digest: str, bound: int) -> bool:
+    def claim(self, digest: str, bound: int, *, for_owner: bool = True) -> bool:
         """Make or renew this host's claim on one of ``digest``'s ``bound`` replicas; False, and
-        nothing written, when the bound is taken (see the module notes for who keeps one)."""
+        its own row gone, when ``bound`` live claims rank before it (see the module notes).
+
+        ``for_owner``: the host holds it for the owner's requests (a claim keeps that rank
+        until it is given up or lapses)."""
         if bound < 1:
             raise ValueError("a replica bound is at least 1")
         t = adapter_replicas
-        now = self.clock()
         mine = (t.c.adapter_digest == digest) & (t.c.host == self.host)
         with self.engine.begin() as conn:
             self._serialise(conn, digest, mine)
-            row = conn.execute(sa.select(t.c.claimed_at, t.c.expires_at).where(mine)).first()
-            fresh = row is None or float(row.expires_at) <= now
-            ahead = (t.c.adapter_digest == digest) & (t.c.host != self.host) & (
-                t.c.expires_at > now)
-            if not fresh:
-                assert row is not None
-                ahead &= (t.c.claimed_at < row.claimed_at) | (
-                    (t.c.claimed_at == row.claimed_at) & (t.c.host < self.host))
-            if int(conn.execute(sa.select(sa.func.count()).select_from(t).where(ahead))
-                   .scalar() or 0) >= bound:
-                return False  # the transaction ends unwritten: a lost claim is left to lapse
-            claimed_at = now if fresh else float(row.claimed_at)  # type: ignore[union-attr]
-            values = {"claimed_at": claimed_at, "expires_at": now + self.lease_s}
+            now = self.clock()  # under the lock: claims are granted in the order of their times
+            live = (t.c.adapter_digest == digest) & (t.c.expires_at > now)
+            row = conn.execute(sa.select(t.c.claimed_at, t.c.expires_at, t.c.for_owner)
+                               .where(mine)).first()
+            # (owner's?, since): the claim as it would stand, tried in turn
+            tries: list[tuple[bool, float | None]] = []
+            if row is None or float(row.expires_at) <= now:
+                tries.append((for_owner, None))  # a new claim
+            else:
+                if for_owner and not row.for_owner:
+                    # a grantee's claim that the owner's requests now need ranks as a new
+                    # owner's claim (after every live one), else stays a grantee's in its place
+                    tries.append((True, None))
+                tries.append((bool(row.for_owner), float(row.claimed_at)))
+            for owner, since in tries:
+                ahead = live & (t.c.host != self.host) & _ranks_before(owner, since, self.host)
+                if int(conn.execute(sa.select(sa.func.count()).select_from(t).where(ahead))
+                       .scalar() or 0) < bound:
+                    break
+            else:
+                if row is not None:  # lost (or lapsed): it counts against nobody from now
+                    conn.execute(t.delete().where(mine))
+                return False
+            values = {"claimed_at": now if since is None else since,
+                      "expires_at": now + self.lease_s, "for_owner": owner}
             if row is None:
                 conn.execute(t.insert().values(adapter_digest=digest, host=self.host, **values))
             else:
@@ -129,13 +177,14 @@ class ReplicaTable:
             return int(conn.execute(t.delete().where(t.c.host == self.host)).rowcount)
 
     def holders(self, digest: str) -> list[str]:
-        """The hosts holding live claims on ``digest``, oldest claim first."""
+        """The hosts holding live claims on ``digest``, first in rank first (the owner's, then
+        the oldest): the first ``bound`` of them hold its places."""
         t = adapter_replicas
         with self.engine.connect() as conn:
             return [str(h) for h in conn.execute(
                 sa.select(t.c.host).where((t.c.adapter_digest == digest)
                                           & (t.c.expires_at > self.clock()))
-                .order_by(t.c.claimed_at, t.c.host)).scalars()]
+                .order_by(t.c.for_owner.desc(), t.c.claimed_at, t.c.host)).scalars()]
 
     def _serialise(self, conn: Connection, digest: str, mine: sa.ColumnElement[bool]) -> None:
         """Make this transaction the only one counting ``digest``'s claims until it ends."""

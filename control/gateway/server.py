@@ -130,12 +130,13 @@ async def issue_ticket(request: web.Request) -> web.Response:
         return _json(403, FORBIDDEN)
     c = issued.claims
     # No release and no adapter digest: the arm stays server-side (see the module notes).
-    # ``affinity`` and ``pool``: what a balancer places by, a hash of the route, equal on every
-    # arm, and the pool the ticket may run in (control.contracts.placement); hosts check the
-    # pool themselves, so neither is more than a placement hint.
+    # ``affinity`` and ``pool``: what a balancer places by, a hash of the alias, equal on every
+    # arm and for every tenant the alias serves, and the pool the ticket may run in
+    # (control.contracts.placement); hosts check the pool themselves, so neither is more than
+    # a placement hint.
     return _json(200, {"ticket": issued.token, "ticket_id": c.jti, "expires_at": c.exp,
                        "model": c.model, "alias": alias,
-                       "affinity": affinity_of(tenant, alias), "pool": c.pool})
+                       "affinity": affinity_of(alias), "pool": c.pool})
 
 
 async def end_session(request: web.Request) -> web.Response:

@@ -268,6 +268,49 @@ def test_max_replicas_bounds_the_hosts_holding_an_adapter(pool: Pool) -> None:
     assert answered == set(HOSTS), answered
 
 
+def test_a_grantees_traffic_never_keeps_the_owner_from_a_bounded_adapter(pool: Pool) -> None:
+    """acme bounds its adapters to one replica and grants a22 to globex. globex's requests, sent
+    straight to host-0 (where a forged affinity header would place them), take a22's only
+    place; acme's own requests on host-1 are still served, and within a renewal host-0 gives
+    the place up: globex's requests there are refused with ``adapter_max_replicas``."""
+    digest = pool.digests["a22"]
+    urls = [dep.triton.http_url for dep in pool.hosts if dep.triton is not None]
+    claims = ReplicaTable(make_engine(pool.db_url), "test")
+    pool.registry.grant("globex", "a22", actor=ACTOR)
+    pool.registry.set_policy("acme", TenantPolicy(max_replicas=1), actor=ACTOR)
+    try:
+        deadline = time.monotonic() + 15  # the gateway and hosts see both events within it
+        while claims.holders(digest) != ["host-0"]:
+            assert time.monotonic() < deadline, claims.holders(digest)
+            try:
+                _call(urls[0], pool.ticket("a22", pool.other_key)[0], None, "grantee")
+            except (AssertionError, TritonRefused):
+                time.sleep(0.2)  # the grant or the policy not seen yet
+        owners = _call(urls[1], pool.ticket("a22")[0], None, "owner").request_id
+        assert pool.host_of([owners]) == {owners: "host-1"}
+        assert claims.holders(digest)[0] == "host-1"
+        since = time.time()
+        refused: list[TritonRefused] = []
+        deadline = time.monotonic() + 15  # host-0 renews every 5 s (a 15 s lease)
+        while not refused and time.monotonic() < deadline:
+            try:
+                _call(urls[0], pool.ticket("a22", pool.other_key)[0], None, "grantee again")
+                time.sleep(0.3)
+            except TritonRefused as e:
+                refused.append(e)
+        assert refused and refused[0].status == "503", refused
+        assert claims.holders(digest) == ["host-1"]
+        t = request_ledger
+        with make_engine(pool.db_url).connect() as conn:
+            reasons = set(conn.execute(sa.select(t.c.host, t.c.reason).where(
+                t.c.adapter_digest == digest, t.c.admitted_at >= since,
+                t.c.reason.is_not(None))).tuples())
+        assert reasons == {("host-0", "adapter_max_replicas")}, reasons
+    finally:
+        pool.registry.set_policy("acme", TenantPolicy(), actor=ACTOR)
+        pool.registry.remove_grant("globex", "a22", actor=ACTOR)
+
+
 def _phase(pool: Pool, url: str, rounds: int) -> tuple[float, int, int, int]:
     """Every alias ``rounds`` times, four clients; (tokens per second, requests, loads,
     refusals). A refusal is a cost of the policy: cold loads past the tenant's load rate."""

@@ -217,15 +217,61 @@ def test_a_bound_set_after_placing_is_claimed_before_the_next_request(
     assert (reader.holders(first), reader.holders(second)) == (["host-b"], ["host-a"])
 
 
+def test_a_granted_tenants_traffic_never_keeps_the_owner_from_its_adapter(
+        hosts: Callable[[str], Host], adapters: dict[str, Path], db: DbEngine,
+        clock: Clock) -> None:
+    """acme bounds its adapter to one host and grants it to globex. globex's requests (placed
+    on host-b by its own affinity, or a forged one) take the only place first; acme's own
+    requests on host-a still get it, and host-b sheds it at its next renewal, so globex's next
+    request there is refused. On host-a, globex's requests share acme's place."""
+    a, b = hosts("host-a"), hosts("host-b")
+    digest = next(iter(adapters))
+    owners = CacheClaim("acme", "acme", owner_max_replicas=1)
+    grantees = CacheClaim("globex", "acme", owner_max_replicas=1)
+    held = b.cache.acquire(digest, "globex", claim=grantees)  # b holds it for globex
+    assert _refused(a.cache, digest, grantees) == "max_replicas"  # another grantee's: refused
+    a.cache.release(a.cache.acquire(digest, "acme", claim=owners))  # the owner's: served
+    reader = ReplicaTable(db, "reader", clock=clock)
+    assert reader.holders(digest) == ["host-a", "host-b"]
+    b.guard.renew_once()  # b learns it lost its place; its running request keeps its slot
+    assert reader.holders(digest) == ["host-a"] and b.guard.lost == 1
+    assert digest in b.engine.resident_adapters()
+    assert _refused(b.cache, digest, grantees) == "max_replicas"
+    b.cache.release(held)
+    assert digest not in b.engine.resident_adapters()
+    a.cache.release(a.cache.acquire(digest, "globex", claim=grantees))  # shares a's place
+    a.guard.renew_once()
+    assert reader.holders(digest) == ["host-a"] and a.guard.lost == 0
+
+
+def test_a_grantees_place_becomes_the_owners_when_the_owner_asks_there(
+        hosts: Callable[[str], Host], adapters: dict[str, Path], db: DbEngine,
+        clock: Clock) -> None:
+    """A place first claimed for a grantee's requests is claimed as the owner's at the next
+    renewal once the owner's own requests use it there, so another host's claim for the owner
+    is refused rather than taking it."""
+    a, b = hosts("host-a"), hosts("host-b")
+    digest = next(iter(adapters))
+    owners = CacheClaim("acme", "acme", owner_max_replicas=1)
+    grantees = CacheClaim("globex", "acme", owner_max_replicas=1)
+    a.cache.release(a.cache.acquire(digest, "globex", claim=grantees))
+    a.cache.release(a.cache.acquire(digest, "acme", claim=owners))  # served from a's slot
+    a.guard.renew_once()
+    assert _refused(b.cache, digest, owners) == "max_replicas"
+    a.guard.renew_once()
+    assert ReplicaTable(db, "reader", clock=clock).holders(digest) == ["host-a"]
+    assert a.guard.lost == 0 and digest in a.engine.resident_adapters()
+
+
 def test_unbounded_adapters_never_touch_the_table(
         hosts: Callable[..., Host], adapters: dict[str, Path], db: DbEngine,
         clock: Clock) -> None:
     calls: list[str] = []
 
     class Watched(ReplicaTable):
-        def claim(self, digest: str, bound: int) -> bool:
+        def claim(self, digest: str, bound: int, *, for_owner: bool = True) -> bool:
             calls.append("claim")
-            return super().claim(digest, bound)
+            return super().claim(digest, bound, for_owner=for_owner)
 
         def release(self, digest: str) -> None:
             calls.append("release")

@@ -12,7 +12,7 @@ from control.contracts.placement import HostUrl, affinity_of, parse_host_urls, p
 
 HOSTS = parse_host_urls(["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000",
                          "gold=10.0.1.1:8000", " gold = 10.0.1.2:8000 ", ""])
-ROUTES = [affinity_of(f"tenant{i}", "chat") for i in range(300)]
+ROUTES = [affinity_of(f"chat{i}") for i in range(300)]
 
 
 def test_entries_name_their_pool_or_the_shared_one() -> None:

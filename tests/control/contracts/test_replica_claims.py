@@ -1,7 +1,8 @@
 """Claims on an adapter's replicas (``control.contracts.replica_claims``), on SQLite and
 PostgreSQL: hosts racing for a bound get exactly the bound, leases lapse, a shrunk bound takes
-the newest claims, a release frees a place at once, and a state machine of hosts claiming,
-renewing, releasing and pausing never sees more live claims than the bound."""
+the newest claims, a release frees a place at once, an owner's claim outranks granted tenants'
+claims, and a state machine of hosts claiming (for the owner or not), renewing, releasing and
+pausing checks every answer against what the bound and the owner's precedence mean."""
 
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ from sqlalchemy.engine import Engine
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.replica_claims import (
+    ADAPTER_REPLICAS,
     LEASE_ENV,
     ReplicaTable,
     adapter_replicas,
     lease_from_env,
 )
+from control.contracts.schema import SchemaOutdated, upgrade
 from tests.fixtures_control import OnPostgres, OnSQLite
 
 DIGEST = "sha256:" + "ab" * 32
@@ -102,6 +105,55 @@ class Contract:
         assert [t.claim(DIGEST, 2) for t in tables] == [True, True, False]
         assert [t.claim(DIGEST, 1) for t in tables] == [True, False, False]
 
+    def test_the_owners_claim_outranks_granted_tenants_claims(self, engine: Engine) -> None:
+        """A granted tenant's traffic on one host cannot keep the owner's requests on another
+        from the adapter's only place: the owner's claim is granted, the grantee's host loses
+        its claim at its next renewal, and its row goes then."""
+        clock = Clock()
+        a, b, c = (ReplicaTable(engine, h, lease_s=10.0, clock=clock) for h in "abc")
+        assert b.claim(DIGEST, 1, for_owner=False)  # a grantee's requests placed it on b
+        assert not c.claim(DIGEST, 1, for_owner=False)  # another grantee's: the place is b's
+        clock.t += 1.0
+        assert a.claim(DIGEST, 1, for_owner=True)  # the owner's, on a: granted
+        assert a.holders(DIGEST) == ["a", "b"]  # the first (bound) of them hold the places
+        assert not b.claim(DIGEST, 1, for_owner=False)  # b's renewal: lost
+        assert _live(engine, DIGEST, clock.t) == ["a"]  # and its row is gone
+        assert not b.claim(DIGEST, 1, for_owner=True)  # owners' claims rank by age: a's first
+        assert not c.claim(DIGEST, 1, for_owner=False)
+        # a's claim keeps its owner's rank while it renews, even for grantees' requests
+        assert a.claim(DIGEST, 1, for_owner=False)
+        assert not b.claim(DIGEST, 1, for_owner=True)
+        # with room for two, a grantee's claim takes the second place until an owner needs it
+        assert b.claim(DIGEST, 2, for_owner=False)
+        assert c.claim(DIGEST, 2, for_owner=True)
+        assert [t.claim(DIGEST, 2, for_owner=False) for t in (a, b, c)] == [True, False, True]
+
+    def test_version_1_leases_are_dropped_by_the_upgrade(self, settings: Settings) -> None:
+        """A table of version 1 (no rank) is refused on open, and `db upgrade` brings it to
+        version 2 empty: its rows were leases only, which the hosts take afresh."""
+        engine = make_engine(settings.db_url)
+        try:
+            v1 = sa.MetaData()
+            old = sa.Table("adapter_replicas", v1,
+                           sa.Column("adapter_digest", sa.String(71), primary_key=True),
+                           sa.Column("host", sa.String(128), primary_key=True),
+                           sa.Column("claimed_at", sa.Float, nullable=False),
+                           sa.Column("expires_at", sa.Float, nullable=False))
+            v1.create_all(engine)
+            with engine.begin() as conn:
+                conn.execute(old.insert().values(adapter_digest=DIGEST, host="a",
+                                                 claimed_at=1.0, expires_at=9e9))
+            with pytest.raises(SchemaOutdated):
+                ReplicaTable(engine, "b")
+            changes = {c.component: c for c in upgrade(
+                engine, rebuild=None, components=(ADAPTER_REPLICAS,))}
+            assert (changes["adapter_replicas"].before,
+                    changes["adapter_replicas"].after) == (1, 2)
+            table = ReplicaTable(engine, "b")
+            assert table.holders(DIGEST) == [] and table.claim(DIGEST, 1)
+        finally:
+            engine.dispose()
+
     def test_a_bound_below_one_is_a_programming_error(self, engine: Engine) -> None:
         with pytest.raises(ValueError):
             ReplicaTable(engine, "a").claim(DIGEST, 0)
@@ -132,10 +184,13 @@ LEASE = 10.0
 
 
 class Hosts(RuleBasedStateMachine):
-    """Four hosts claim, renew (a claim by a holder), release and pause (time passes without
-    their renewing) on one adapter bounded to two. Checked against what a bound means, not
-    against the table's own rule: never more than two live claims, a host told yes holds a live
-    claim, and a host is refused only while two others hold live ones."""
+    """Four hosts claim (for the adapter's owner's requests or a grantee's), renew, release and
+    pause (time passes without their renewing) on one adapter bounded to two. The model keeps
+    each live claim's rank (the owner's first, then the oldest) and checks every answer against
+    what the bound means: an owner's claim is refused only while two other owner's claims rank
+    before it, a grantee's only while two live claims do (a free place is never refused), a
+    holder's renewal is kept unless two claims rank before it, and a refused host's row is gone
+    (it counts against nobody)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -145,49 +200,71 @@ class Hosts(RuleBasedStateMachine):
                        for h in HOSTS}
         with self.engine.begin() as conn:  # one database for every example: start empty
             conn.execute(adapter_replicas.delete())
-        self.until: dict[str, float] = {}  # host -> when its last granted claim lapses
+        # host -> (owner's?, since, until) of its last granted claim
+        self.claims: dict[str, tuple[bool, float, float]] = {}
 
     db_dir: Path = Path(".")
 
-    def live(self) -> set[str]:
-        return {h for h, t in self.until.items() if t > self.clock.t}
+    def live(self) -> dict[str, tuple[bool, float, float]]:
+        return {h: c for h, c in self.claims.items() if c[2] > self.clock.t}
 
-    @rule(host=st.sampled_from(HOSTS))
-    def claim(self, host: str) -> None:
-        others = self.live() - {host}
-        holder = host in self.live()
-        granted = self.tables[host].claim(DIGEST, BOUND)
-        if holder:
-            assert granted, (host, others)  # a holder's renewal within the bound is kept
-        elif len(others) < BOUND:
-            assert granted, (host, others)  # a place was free: refusing it would be a bug
+    def rank(self, host: str, owner: bool, since: float) -> tuple[int, float, str]:
+        return (0 if owner else 1, since, host)
+
+    @rule(host=st.sampled_from(HOSTS), for_owner=st.booleans())
+    def claim(self, host: str, for_owner: bool) -> None:
+        live = self.live()
+        mine = live.get(host)
+        others = {h: c for h, c in live.items() if h != host}
+
+        def ahead(owner: bool, since: float | None) -> list[str]:
+            """Live claims ranking before this one; a new claim (since None) comes after
+            every live claim of its rank."""
+            return [h for h, (o, s, _) in others.items() if (
+                (o or not owner) if since is None
+                else self.rank(h, o, s) < self.rank(host, owner, since))]
+
+        tries: list[tuple[bool, float | None]] = []
+        if mine is None:
+            tries.append((for_owner, None))
         else:
-            assert not granted, (host, others)
+            if for_owner and not mine[0]:
+                tries.append((True, None))  # the owner's now: ranked as a new owner's claim
+            tries.append((mine[0], mine[1]))
+        fits = [(o, s) for o, s in tries if len(ahead(o, s)) < BOUND]
+        granted = self.tables[host].claim(DIGEST, BOUND, for_owner=for_owner)
+        assert granted == bool(fits), (host, for_owner, live)
+        if for_owner and mine is None:  # nothing a grantee holds keeps the owner's claim out
+            assert granted == (sum(1 for o, _, _ in others.values() if o) < BOUND)
         if granted:
-            self.until[host] = self.clock.t + LEASE
-        elif host in self.until and self.until[host] <= self.clock.t:
-            self.until.pop(host)
+            owner, since = fits[0][0], (self.clock.t if fits[0][1] is None else fits[0][1])
+            self.claims[host] = (owner, since, self.clock.t + LEASE)
+        else:
+            self.claims.pop(host, None)
 
     @rule(host=st.sampled_from(HOSTS))
     def release(self, host: str) -> None:
         self.tables[host].release(DIGEST)
-        self.until.pop(host, None)
+        self.claims.pop(host, None)
 
     @rule(seconds=st.sampled_from([0.5, 3.0, 9.9, 10.0, 25.0]))
     def time_passes(self, seconds: float) -> None:
         self.clock.t += seconds
 
     @invariant()
-    def never_over_the_bound(self) -> None:
-        live = _live(self.engine, DIGEST, self.clock.t)
-        assert len(live) <= BOUND, live
-        assert set(live) == self.live(), (live, self.until, self.clock.t)
+    def the_table_holds_the_live_claims_in_rank(self) -> None:
+        live = self.live()
+        assert _live(self.engine, DIGEST, self.clock.t) == sorted(live), (live, self.clock.t)
+        ranked = sorted(live, key=lambda h: self.rank(h, live[h][0], live[h][1]))
+        assert self.tables[HOSTS[0]].holders(DIGEST) == ranked
+        # never more than the bound among the owner's claims, which nothing can outrank
+        assert sum(1 for o, _, _ in live.values() if o) <= BOUND
 
     def teardown(self) -> None:
         self.engine.dispose()
 
 
-def test_hosts_never_hold_more_live_claims_than_the_bound(tmp_path: Path) -> None:
+def test_claims_follow_the_bound_and_the_owners_precedence(tmp_path: Path) -> None:
     Hosts.db_dir = tmp_path
-    Hosts.TestCase.settings = hsettings(max_examples=60, stateful_step_count=30, deadline=None)
+    Hosts.TestCase.settings = hsettings(max_examples=80, stateful_step_count=30, deadline=None)
     Hosts.TestCase().runTest()

@@ -67,13 +67,10 @@ def test_haproxy_accepts_the_configuration(tmp_path: Path) -> None:
     assert checked.returncode == 0, checked.stderr
 
 
-def test_affinity_is_per_route_and_names_nothing() -> None:
-    a = affinity_of("acme", "chat")
-    assert a == affinity_of("acme", "chat") and len(a) == 16
-    assert len({a, affinity_of("acme", "chat2"), affinity_of("globex", "chat")}) == 3
-    assert "acme" not in a and "chat" not in a
-    # the separator keeps ("ab", "c") and ("a", "bc") apart
-    assert affinity_of("ab", "c") != affinity_of("a", "bc")
+def test_affinity_is_per_alias_and_names_nothing() -> None:
+    a = affinity_of("chat")
+    assert a == affinity_of("chat") and len(a) == 16 and a != affinity_of("chat2")
+    assert "chat" not in a
 
 
 def test_clients_send_the_affinity_header(monkeypatch: pytest.MonkeyPatch) -> None:

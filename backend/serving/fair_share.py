@@ -17,7 +17,7 @@ What each cold load and each eviction owes to whom, apart from the cache's own b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -125,6 +125,21 @@ class FairShare:
             self._pending_by.pop(requester, None)
 
 
+H = TypeVar("H", bound=Hashable)
+
+
+def over_fair_part(usage: Mapping[H, int], budget: int,
+                   weight: Callable[[H], float] = lambda _: 1.0) -> dict[H, float]:
+    """The holders in ``usage`` (bytes each, the one about to add counted with what it adds)
+    over their fair part of ``budget``, each with how far over: ``budget`` split between them
+    in proportion to ``weight`` (evenly by default). The one rule of both caches that share
+    bytes between tenants: adapters here, prompt prefixes in ``backend.serving.prefix_cache``."""
+    weights = {o: weight(o) for o in usage}
+    total = sum(weights.values())
+    parts = {o: budget * w / total for o, w in weights.items()}
+    return {o: used - parts[o] for o, used in usage.items() if used > parts[o]}
+
+
 def fair_victim(entries: Iterable[E], keep: E, need: int, budget: int,
                 share_of: Callable[[str | None], float], *, held: Callable[[E], int],
                 evictable: Callable[[E], bool]) -> E | None:
@@ -137,9 +152,7 @@ def fair_victim(entries: Iterable[E], keep: E, need: int, budget: int,
     for x in ordered:
         if held(x):
             usage[x.tenant] = usage.get(x.tenant, 0) + held(x)
-    weights = {o: share_of(o) for o in usage}
-    total = sum(weights.values())
-    over = {o for o, used in usage.items() if used > budget * weights[o] / total}
+    over = over_fair_part(usage, budget, share_of)
     first_any: E | None = None
     for x in ordered:
         if x is keep or not evictable(x):

@@ -31,6 +31,8 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from backend.serving.fair_share import over_fair_part
+
 V = TypeVar("V")
 T = TypeVar("T")
 
@@ -175,11 +177,11 @@ class PrefixCache(Generic[V]):
         nobody over its part has an entry to give back."""
         held = dict(self._tenant_bytes)
         held[salt] = held.get(salt, 0) + nbytes
-        fair = self.max_bytes / len(held)
-        over = [s for s, b in held.items() if b > fair and self._tenants.get(s)]
+        over = {s: by for s, by in over_fair_part(held, self.max_bytes).items()
+                if self._tenants.get(s)}
         if not over:
             return None
-        worst = max(over, key=lambda s: held[s])
+        worst = max(over, key=lambda s: over[s])
         return next(iter(self._tenants[worst]))
 
     def get(self, key: PrefixKey) -> V | None:

@@ -142,17 +142,28 @@ def in_force_within_s(gateway_delay_s: float) -> float:
     return FOLLOWER_POLL_S + gateway_delay_s + RELOAD_ALLOWANCE_S
 
 
-def _milliseconds(name: str, default: float) -> float:
+def env_number(name: str, default: float, unit: str, *, above: float | None = None,
+               at_most: float | None = None) -> float:
+    """The finite number of ``unit`` that environment variable ``name`` holds (unset or blank:
+    ``default``), within (``above``, ``at_most``] where given; else ConfigError naming it."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigError(f"{name} must be a number of milliseconds, not {raw!r}") from None
-    if not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number of milliseconds, not {raw!r}")
+        value = math.nan
+    bounds = "".join((f" above {above:g}" if above is not None else "",
+                      " and" if above is not None and at_most is not None else "",
+                      f" at most {at_most:g}" if at_most is not None else ""))
+    if not math.isfinite(value) or (above is not None and value <= above) or (
+            at_most is not None and value > at_most):
+        raise ConfigError(f"{name} must be a finite number of {unit}{bounds}, not {raw!r}")
     return value
+
+
+def _milliseconds(name: str, default: float) -> float:
+    return env_number(name, default, "milliseconds")
 
 
 def check_route_timing(refresh_s: float, max_stale_s: float) -> None:

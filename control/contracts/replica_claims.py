@@ -36,13 +36,13 @@ state, not evidence (the load records in ``adapter_loads`` are that).
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from collections.abc import Callable
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from control.contracts.config import env_number
 from control.contracts.schema import Component, declare, open_component
 
 LEASE_ENV = "LORAPLANE_REPLICA_LEASE_S"
@@ -79,16 +79,7 @@ ADAPTER_REPLICAS = declare(Component("adapter_replicas", 2, metadata, _replicas_
 def lease_from_env() -> float:
     """``LORAPLANE_REPLICA_LEASE_S`` (seconds above 0), or the default; a bad value raises
     ValueError naming the variable."""
-    raw = os.environ.get(LEASE_ENV, "").strip()
-    if not raw:
-        return DEFAULT_LEASE_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0.0 < value <= 3600.0:
-        raise ValueError(f"{LEASE_ENV} must be seconds above 0 and at most 3600, not {raw!r}")
-    return value
+    return env_number(LEASE_ENV, DEFAULT_LEASE_S, "seconds", above=0.0, at_most=3600.0)
 
 
 def _ranks_before(owner: bool, since: float | None, host: str) -> sa.ColumnElement[bool]:

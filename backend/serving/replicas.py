@@ -8,15 +8,16 @@ load. A refusal is the cache's ``CacheRefused("max_replicas")``: the request is 
 unavailable with that reason on its ledger row, and a balancer or client tries another host.
 
 While the adapter stays in its slot, a thread of this guard renews the claim every third of the
-lease; a claim is held for the owner's requests once the owner's own requests ask for the adapter
-here (``CacheEntry.owner_asked``), which ranks it before claims held for granted tenants only. A
-renewal that fails (the bound shrank; the claim lapsed while this host was cut off and another
-host took the replica; or it was held for granted tenants' requests and the owner's own requests
-claimed the place on another host) *sheds* the adapter: the cache takes no new request for it
-here and unloads it when its last running request ends, as a revocation does. When the cache
-unloads an adapter, its claim is given up at once on this guard's thread (the cache's load
-records arrive under no lock, but on request and scheduler threads that must not wait on the
-database); a claim whose adapter is loading or resident again by then is kept.
+lease, all of this host's claims in one transaction per tick. A claim is held for the owner's
+requests once the owner's own requests ask for the adapter here (``CacheEntry.owner_asked``), which
+ranks it before claims held for granted tenants only. A renewal that fails (the bound shrank; the
+claim lapsed while this host was cut off and another host took the replica; or it was held for
+granted tenants' requests and the owner's own requests claimed the place on another host) *sheds*
+the adapter: the cache takes no new request for it here and unloads it when its last running request
+ends, as a revocation does. When the cache unloads an adapter, its claim is given up at once on this
+guard's thread (the cache's load records arrive under no lock, but on request and scheduler threads
+that must not wait on the database); a claim whose adapter is loading or resident again by then is
+kept.
 
 Adapters with no bound never touch the table: a deployment that sets no ``max_replicas`` pays
 one statement at start (the claims a previous process of this host left are given up: it holds
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from backend.serving.fair_share import CacheRefused
@@ -44,6 +45,7 @@ class Claims(Protocol):
     """The claims table as this guard uses it (``control.contracts.replica_claims``)."""
 
     def claim(self, digest: str, bound: int, *, for_owner: bool) -> bool: ...
+    def renew(self, needs: Mapping[str, tuple[int, bool]]) -> set[str]: ...
     def release(self, digest: str) -> None: ...
     def release_all(self) -> int: ...
 
@@ -114,8 +116,7 @@ class ReplicaGuard:
         """Renew every claim held, give up those whose adapter left, shed those refused."""
         with self._wake:
             self._unloaded.clear()
-        for digest in sorted(self.held()):
-            self._renew(digest)
+        self._renew(self.held())
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop renewing and give every claim up (another host may take them at once)."""
@@ -148,34 +149,37 @@ class ReplicaGuard:
                 return
             try:
                 if gone:
-                    for digest in sorted(gone):
-                        self._renew(digest)  # gives it up unless it is back in a slot
+                    self._renew(gone)  # gives them up unless they are back in a slot
                 else:
                     self.renew_once()
             except Exception:  # a database outage: the claims lapse, loads are refused
                 log.warning("could not renew this host's replica claims", exc_info=True)
 
-    def _renew(self, digest: str) -> None:
+    def _renew(self, digests: Iterable[str]) -> None:
+        """Renew the claims on ``digests`` still held here in one transaction, give up those
+        whose adapter left its slot, and shed those refused."""
         assert self.cache is not None
         with self._lock:
-            if digest not in self._held:
-                return
-            # Read under this lock: a load that starts after it claims again once it is free
-            need = self.cache.replica_need(digest)
-            if need is None:
-                self._give_up(digest)
+            needs: dict[str, tuple[int, bool]] = {}
+            for digest in sorted(set(digests) & self._held):
+                # read under this lock: a load that starts after it claims again once free
+                need = self.cache.replica_need(digest)
+                if need is None:
+                    self._give_up(digest)
+                else:
+                    needs[digest] = need
+            if not needs:
                 return
             try:
-                granted = self._table().claim(digest, need[0], for_owner=need[1])
+                lost = self._table().renew(needs)
             except Exception:
                 self._claims = None
                 raise
-            if not granted:
-                # Its row is gone: the others fill the bound (or an owner's claim outranks this
-                # grantees' one), and this host still holds the adapter until its running
-                # requests end. A request that comes meanwhile claims it again, or is refused.
-                self._held.discard(digest)
-        if not granted:
+            # Their rows are gone: the others fill the bound (or an owner's claim outranks a
+            # grantee's one), and this host still holds each until its running requests end.
+            # A request that comes meanwhile claims it again, or is refused.
+            self._held -= lost
+        for digest in sorted(lost):
             self.lost += 1
             log.warning("lost this host's replica claim on %s: shedding it", digest)
             self.cache.shed(digest)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -118,39 +118,58 @@ class ReplicaTable:
         until it is given up or lapses)."""
         if bound < 1:
             raise ValueError("a replica bound is at least 1")
+        with self.engine.begin() as conn:
+            self._serialise(conn, [digest])
+            return self._claim(conn, digest, bound, for_owner)
+
+    def renew(self, needs: Mapping[str, tuple[int, bool]]) -> set[str]:
+        """Renew (or make) this host's claims on many adapters in one transaction: ``needs``
+        maps each digest to its bound and whether the owner's requests ask for it, as
+        :meth:`claim` takes them. Returns the digests refused (their rows gone). One
+        transaction per renewal tick, however many bounded adapters the host holds."""
+        if any(bound < 1 for bound, _ in needs.values()):
+            raise ValueError("a replica bound is at least 1")
+        if not needs:
+            return set()
+        with self.engine.begin() as conn:
+            # one digest's lock after another, in one order on every host: two hosts renewing
+            # overlapping sets never wait on each other in a cycle
+            self._serialise(conn, sorted(needs))
+            return {d for d in sorted(needs) if not self._claim(conn, d, *needs[d])}
+
+    def _claim(self, conn: Connection, digest: str, bound: int, for_owner: bool) -> bool:
+        """:meth:`claim`'s work, in ``conn``'s transaction, ``digest`` serialised."""
         t = adapter_replicas
         mine = (t.c.adapter_digest == digest) & (t.c.host == self.host)
-        with self.engine.begin() as conn:
-            self._serialise(conn, digest, mine)
-            now = self.clock()  # under the lock: claims are granted in the order of their times
-            live = (t.c.adapter_digest == digest) & (t.c.expires_at > now)
-            row = conn.execute(sa.select(t.c.claimed_at, t.c.expires_at, t.c.for_owner)
-                               .where(mine)).first()
-            # (owner's?, since): the claim as it would stand, tried in turn
-            tries: list[tuple[bool, float | None]] = []
-            if row is None or float(row.expires_at) <= now:
-                tries.append((for_owner, None))  # a new claim
-            else:
-                if for_owner and not row.for_owner:
-                    # a grantee's claim that the owner's requests now need ranks as a new
-                    # owner's claim (after every live one), else stays a grantee's in its place
-                    tries.append((True, None))
-                tries.append((bool(row.for_owner), float(row.claimed_at)))
-            for owner, since in tries:
-                ahead = live & (t.c.host != self.host) & _ranks_before(owner, since, self.host)
-                if int(conn.execute(sa.select(sa.func.count()).select_from(t).where(ahead))
-                       .scalar() or 0) < bound:
-                    break
-            else:
-                if row is not None:  # lost (or lapsed): it counts against nobody from now
-                    conn.execute(t.delete().where(mine))
-                return False
-            values = {"claimed_at": now if since is None else since,
-                      "expires_at": now + self.lease_s, "for_owner": owner}
-            if row is None:
-                conn.execute(t.insert().values(adapter_digest=digest, host=self.host, **values))
-            else:
-                conn.execute(t.update().where(mine).values(**values))
+        now = self.clock()  # under the lock: claims are granted in the order of their times
+        live = (t.c.adapter_digest == digest) & (t.c.expires_at > now)
+        row = conn.execute(sa.select(t.c.claimed_at, t.c.expires_at, t.c.for_owner)
+                           .where(mine)).first()
+        # (owner's?, since): the claim as it would stand, tried in turn
+        tries: list[tuple[bool, float | None]] = []
+        if row is None or float(row.expires_at) <= now:
+            tries.append((for_owner, None))  # a new claim
+        else:
+            if for_owner and not row.for_owner:
+                # a grantee's claim that the owner's requests now need ranks as a new owner's
+                # claim (after every live one), else stays a grantee's in its place
+                tries.append((True, None))
+            tries.append((bool(row.for_owner), float(row.claimed_at)))
+        for owner, since in tries:
+            ahead = live & (t.c.host != self.host) & _ranks_before(owner, since, self.host)
+            if int(conn.execute(sa.select(sa.func.count()).select_from(t).where(ahead))
+                   .scalar() or 0) < bound:
+                break
+        else:
+            if row is not None:  # lost (or lapsed): it counts against nobody from now
+                conn.execute(t.delete().where(mine))
+            return False
+        values = {"claimed_at": now if since is None else since,
+                  "expires_at": now + self.lease_s, "for_owner": owner}
+        if row is None:
+            conn.execute(t.insert().values(adapter_digest=digest, host=self.host, **values))
+        else:
+            conn.execute(t.update().where(mine).values(**values))
         return True
 
     def release(self, digest: str) -> None:
@@ -177,13 +196,16 @@ class ReplicaTable:
                                           & (t.c.expires_at > self.clock()))
                 .order_by(t.c.for_owner.desc(), t.c.claimed_at, t.c.host)).scalars()]
 
-    def _serialise(self, conn: Connection, digest: str, mine: sa.ColumnElement[bool]) -> None:
-        """Make this transaction the only one counting ``digest``'s claims until it ends."""
+    def _serialise(self, conn: Connection, digests: list[str]) -> None:
+        """Make this transaction the only one counting ``digests``' claims until it ends."""
         if conn.dialect.name == "postgresql":
-            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_lock_key(digest))))
+            for digest in digests:
+                conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_lock_key(digest))))
         else:
             # SQLite: a write first takes the database's write lock for the whole transaction
             # (even when it matches no row), so no other claim commits between the count and
             # this one's write.
             t = adapter_replicas
-            conn.execute(t.update().where(mine).values(expires_at=t.c.expires_at))
+            conn.execute(t.update().where((t.c.adapter_digest == digests[0])
+                                          & (t.c.host == self.host))
+                         .values(expires_at=t.c.expires_at))

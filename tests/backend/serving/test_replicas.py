@@ -12,7 +12,7 @@ answer refuses bounded loads only; closing gives every claim up.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -261,6 +261,31 @@ def test_a_grantees_place_becomes_the_owners_when_the_owner_asks_there(
     a.guard.renew_once()
     assert ReplicaTable(db, "reader", clock=clock).holders(digest) == ["host-a"]
     assert a.guard.lost == 0 and digest in a.engine.resident_adapters()
+
+
+def test_one_renewal_transaction_holds_every_claim(
+        hosts: Callable[..., Host], adapters: dict[str, Path], db: DbEngine,
+        clock: Clock) -> None:
+    """A host holding three bounded adapters renews them in one call of the table per tick
+    (before: one transaction per adapter every third of a lease)."""
+    calls: list[tuple[str, int]] = []
+
+    class Watched(ReplicaTable):
+        def renew(self, needs: Mapping[str, tuple[int, bool]]) -> set[str]:
+            calls.append(("renew", len(needs)))
+            return super().renew(needs)
+
+        def release(self, digest: str) -> None:
+            calls.append(("release", 1))
+            super().release(digest)
+
+    h = hosts("host-a", slots=3, opener=lambda: Watched(db, "host-a", clock=clock))
+    for digest in adapters:
+        h.cache.release(h.cache.acquire(digest, "acme", claim=BOUNDED))
+    h.guard.renew_once()
+    assert calls == [("renew", 3)]
+    reader = ReplicaTable(db, "reader", clock=clock)
+    assert all(reader.holders(d) == ["host-a"] for d in adapters)
 
 
 def test_unbounded_adapters_never_touch_the_table(

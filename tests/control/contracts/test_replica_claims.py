@@ -154,6 +154,24 @@ class Contract:
         finally:
             engine.dispose()
 
+    def test_renewing_many_claims_is_one_answer_per_adapter(self, engine: Engine) -> None:
+        """``renew`` answers each adapter as ``claim`` would, in one transaction: held claims
+        are kept, a new one is made where there is room, and a lost one is refused and gone."""
+        clock = Clock()
+        a, b = (ReplicaTable(engine, h, lease_s=10.0, clock=clock) for h in "ab")
+        third = "sha256:" + "ef" * 32
+        assert a.claim(DIGEST, 1, for_owner=False) and a.claim(OTHER, 1)
+        assert b.claim(third, 1)
+        clock.t += 1.0
+        assert b.claim(DIGEST, 1, for_owner=True)  # the owner's: outranks a's grantee claim
+        lost = a.renew({DIGEST: (1, False), OTHER: (1, True), third: (2, False)})
+        assert lost == {DIGEST}
+        assert (a.holders(DIGEST), a.holders(OTHER), a.holders(third)) == (
+            ["b"], ["a"], ["b", "a"])
+        assert a.renew({}) == set()
+        with pytest.raises(ValueError):
+            a.renew({DIGEST: (0, True)})
+
     def test_a_bound_below_one_is_a_programming_error(self, engine: Engine) -> None:
         with pytest.raises(ValueError):
             ReplicaTable(engine, "a").claim(DIGEST, 0)

@@ -1,5 +1,8 @@
 """A request's way in: the bound on requests in flight, then the admission steps in order.
 
+The bound (``backend.serving.in_flight``) counts a request from its arrival; once its ticket is
+verified (step 1), a tenant over its part of the bound is refused as busy.
+
 1. the ticket is verified, 2. governance is checked (``backend.serving.admission``), 3. the
 request's own parameters are checked, release defaults filled in; only then may any adapter bytes
 be read: 4. the adapter is leased from the governed cache, 5. the engine opens the sequence (its
@@ -21,7 +24,6 @@ refuses the cycle even under ``TYPE_CHECKING``.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -40,6 +42,7 @@ from backend.serving.engine_types import (
     InvalidRequestError,
     Sequence,
 )
+from backend.serving.in_flight import TENANT_BUSY, InFlightBook
 from backend.serving.lease import Lease, Violations
 from backend.serving.messages import (
     BUSY_MESSAGE,
@@ -129,39 +132,34 @@ class Intake:
 
     def __init__(self, service: IntakeService) -> None:
         self.service = service
-        self._inflight = 0
-        self._inflight_lock = threading.Lock()
+        # the host's bound, and each verified tenant's part of it (backend.serving.in_flight)
+        self.book = InFlightBook(lambda: service.limits.in_flight_bound())
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="admission")
 
     def submit(self, req: IncomingRequest, sink: AnswerSink) -> None:
         """See ``LoraService.submit``."""
         svc = self.service
-        with self._inflight_lock:
-            busy = self._inflight >= svc.limits.in_flight_bound()
-            if not busy:
-                self._inflight += 1
-        if busy:
+        rid = str(uuid.uuid4())
+        if not self.book.enter(rid):
             # No ticket is verified for a busy refusal: under overload the host spends nothing
             # it can avoid. The row records the refusal, without a tenant.
             svc.stats.refuse("busy")
-            rid = str(uuid.uuid4())
             svc.outcomes.record_refusal(
                 sink, svc.outcomes.entry(rid, None, time.time(), outcome=Outcome.REJECTED,
                                          reason="busy"),
                 BUSY_MESSAGE, "unavailable", counted=False)
             return
-        self._pool.submit(self.admit, req, sink)
+        self._pool.submit(self.admit, rid, req, sink)
 
-    def done(self) -> None:
+    def done(self, request_id: str) -> None:
         """A request counted in flight was answered."""
-        with self._inflight_lock:
-            self._inflight -= 1
+        self.book.done(request_id)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def admit(self, req: IncomingRequest, sink: AnswerSink) -> None:
-        rid, now = str(uuid.uuid4()), time.time()
+    def admit(self, rid: str, req: IncomingRequest, sink: AnswerSink) -> None:
+        now = time.time()
         with self._failing(rid, now, sink):
             self._admit_checked(rid, now, req, sink)
 
@@ -204,6 +202,10 @@ class Intake:
         except InvalidInput as e:
             svc.stats.refuse(e.reason)
             refuse(sink, rid, claims, now, e.reason, str(e), "invalid_arg")
+            return
+        if not self.book.verified(rid, claims.tenant):  # over its part of the bound
+            svc.stats.refuse(TENANT_BUSY)
+            refuse(sink, rid, claims, now, TENANT_BUSY, BUSY_MESSAGE, "unavailable")
             return
 
         step = _Leased(rid, now, req, sink, claims, gen)

@@ -62,7 +62,7 @@ class Finisher(Protocol):
 class InFlight(Protocol):
     """The service's bound on requests in flight (``backend.serving.intake.Intake``)."""
 
-    def done(self) -> None: ...
+    def done(self, request_id: str) -> None: ...
 
 
 class OutcomesService(Protocol):
@@ -163,7 +163,7 @@ class Outcomes:
 
         def answer(_durable: bool) -> None:
             if counted:
-                self.service.intake.done()
+                self.service.intake.done(entry.request_id)
             sink.answer(Answer(ok=False, request_id=entry.request_id, error=error, status=status,
                                outcome=str(entry.outcome)))
 
@@ -205,8 +205,8 @@ class Outcomes:
         """The final answer, once the row is written: only ``OK`` carries text and a digest;
         every other outcome is one of the fixed messages."""
         stats = self.service.stats
-        self.service.intake.done()
         rid = adm.request_id
+        self.service.intake.done(rid)
         if outcome == Outcome.OK:
             stats.served += 1
             text = "" if adm.stream else result.text

@@ -79,8 +79,9 @@ class SchedulerLimits:
     # Prompts longer than this many tokens are prefilled this many tokens per turn, between
     # decode steps (``backend.serving.chunked_prefill``); 0: every prompt in one pass.
     prefill_chunk: int = 512
-    # Requests a host holds at once, from arrival to answer, before it verifies their tickets
-    # (``backend.serving.intake``); past it they are refused as busy without a tenant. None:
+    # Requests a host holds at once, from arrival to answer; past it they are refused as busy
+    # before their tickets are read, without a tenant. A verified tenant may hold an equal part
+    # of it between the tenants in flight and one more (``backend.serving.in_flight``). None:
     # four times max_queued + max_running, so that one tenant's flood, which the fair queue
     # keeps to its part (``backend.serving.tenant_queues``), cannot fill it for the others.
     max_in_flight: int | None = None

@@ -48,11 +48,13 @@ from sqlalchemy.engine import Connection, Engine
 
 from control.contracts.ledger_tables import (  # re-exported: the ledger's one import path
     BUSY_REASON,
+    BUSY_REASONS,
     LEDGER,
     LEDGER_VERSION,
     LOAD_FAILED,
     MEMORY_REFUSALS,
     OUTCOMES,
+    TENANT_BUSY_REASON,
     AdapterLoad,
     Completion,
     LedgerEntry,
@@ -65,11 +67,33 @@ from control.contracts.ledger_tables import (  # re-exported: the ledger's one i
 from control.contracts.schema import open_component
 from control.contracts.synthetic import is_synthetic
 
-__all__ = ["BUSY_REASON", "LEDGER", "LEDGER_VERSION", "LOAD_FAILED", "MEMORY_REFUSALS",
-           "OUTCOMES", "AdapterLoad", "AlreadyRated", "Completion", "Ledger", "LedgerConflict",
-           "LedgerEntry", "NotRatable", "NotTheOwner", "Outcome", "Rating", "ReleaseWindow",
-           "RowReader", "adapter_loads", "metadata", "p95", "request_feedback",
-           "request_ledger"]
+__all__ = [
+    "BUSY_REASON",
+    "BUSY_REASONS",
+    "LEDGER",
+    "LEDGER_VERSION",
+    "LOAD_FAILED",
+    "MEMORY_REFUSALS",
+    "OUTCOMES",
+    "TENANT_BUSY_REASON",
+    "AdapterLoad",
+    "AlreadyRated",
+    "Completion",
+    "Ledger",
+    "LedgerConflict",
+    "LedgerEntry",
+    "NotRatable",
+    "NotTheOwner",
+    "Outcome",
+    "Rating",
+    "ReleaseWindow",
+    "RowReader",
+    "adapter_loads",
+    "metadata",
+    "p95",
+    "request_feedback",
+    "request_ledger",
+]
 
 
 class LedgerConflict(Exception):
@@ -112,7 +136,7 @@ class ReleaseWindow:
     ``requests``: rows naming the release (refused ones included); ``ok``/``failed``: how the
     served ones ended; ``identity_mismatches``: rows failed closed because the slot held
     another adapter than the ticket named, where either is this release's adapter;
-    ``busy``/``memory_refusals``: refusals for want of capacity (``BUSY_REASON``,
+    ``busy``/``memory_refusals``: refusals for want of capacity (``BUSY_REASONS``,
     ``MEMORY_REFUSALS``); ``load_failures``: failed attempts to load the release's adapter
     (``adapter_loads``) started in the window; ``rated``/``successes``: the release owner's
     ratings of the window's rows that bind to this release, as the table holds them when read,
@@ -357,7 +381,7 @@ class Ledger:
             ok=outcomes.count(Outcome.OK.value),
             failed=outcomes.count(Outcome.FAILED.value),
             identity_mismatches=mismatches + other_mismatches,
-            busy=sum(1 for r in found if r.reason == BUSY_REASON),
+            busy=sum(1 for r in found if r.reason in BUSY_REASONS),
             memory_refusals=sum(1 for r in found if r.reason in MEMORY_REFUSALS),
             load_failures=failed_loads,
             rated=len(rated),

@@ -79,12 +79,16 @@ request_ledger = sa.Table(
 OUTCOMES = tuple(o.value for o in Outcome)
 
 # Reasons the serving side writes on ``rejected`` rows that a rollout window counts apart
-# (backend/serving/service.py writes them; tests/control/contracts/test_feedback.py holds these
-# names to that source). ``busy``: the host's bound on requests in flight or its scheduler queue
-# was full; a busy refusal before the ticket was read has no tenant and no release, and is
-# counted host-wide only. The memory refusals are ``adapter_`` + the adapter cache's reason: no
-# slot or device budget was free for the adapter (the host's out-of-memory answer).
+# (backend/serving writes them; tests/control/contracts/test_ledger_feedback.py holds these
+# names to that source). ``busy``: the host's bound on requests in flight or its scheduler queue was
+# full; a busy refusal before the ticket was read has no tenant and no release, and is counted
+# host-wide only; ``tenant_busy``: the tenant held its part of the host's in-flight bound
+# (``backend.serving.in_flight``), on a row with its tenant and release. The memory refusals are
+# ``adapter_`` + the adapter cache's reason: no slot or device budget was free for the adapter (the
+# host's out-of-memory answer).
 BUSY_REASON = "busy"
+TENANT_BUSY_REASON = "tenant_busy"
+BUSY_REASONS = frozenset({BUSY_REASON, TENANT_BUSY_REASON})
 MEMORY_REFUSALS = frozenset({"adapter_no_room", "adapter_device_budget", "adapter_tenant_share"})
 LOAD_FAILED = "failed"  # adapter_loads.outcome of an attempt that did not make it resident
 

@@ -210,7 +210,9 @@ def test_busy_refusals_and_admission_failures_are_in_the_ledger(home: Home) -> N
         for a in busy:
             assert a.request_id
             row = _row(home, a.request_id)
-            assert (row.outcome, row.reason) == ("rejected", "busy")
+            # busy before its ticket was read, or over acme's part of the bound after
+            assert row.outcome == "rejected" and row.reason in ("busy", "tenant_busy")
+            assert row.reason == "busy" or row.tenant == "acme"
 
         def broken(*_a: object) -> Any:
             raise RuntimeError("an admission bug")

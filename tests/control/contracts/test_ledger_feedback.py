@@ -21,6 +21,7 @@ from control.contracts.ledger import (
     BUSY_REASON,
     LEDGER,
     MEMORY_REFUSALS,
+    TENANT_BUSY_REASON,
     AdapterLoad,
     AlreadyRated,
     Completion,
@@ -122,6 +123,7 @@ class FeedbackContract:
             entry("t-mm", "acme", at=103.0),
             entry("t-busy", "acme", at=104.0, outcome="rejected", reason=BUSY_REASON),
             entry("t-oom", "acme", at=105.0, outcome="rejected", reason="adapter_no_room"),
+            entry("t-tb", "acme", at=105.5, outcome="rejected", reason=TENANT_BUSY_REASON),
             entry("t-late", "acme", at=160.0),  # after the window
             entry("b-ok", "acme", at=100.5, release=R_B, adapter=B),
             # the ticket named the baseline, the slot held the target's adapter
@@ -143,7 +145,7 @@ class FeedbackContract:
         ledger.rate("t-ok-1", "acme", True)
         ledger.rate("t-ok-2", "acme", False)
         w = ledger.release_window(R_T, A, 100.0, 160.0)
-        assert (w.requests, w.ok, w.failed, w.busy, w.memory_refusals) == (6, 2, 1, 1, 1)
+        assert (w.requests, w.ok, w.failed, w.busy, w.memory_refusals) == (7, 2, 1, 2, 1)
         assert w.identity_mismatches == 2  # its own, and the baseline's whose slot held A
         assert (w.load_failures, w.rated, w.successes) == (1, 2, 1)
         assert w.p95_latency_s == pytest.approx(2.0)

@@ -227,6 +227,7 @@ class AdapterCache(CacheGovernance):
                 elif claim.owner is not None:
                     e.tenant = claim.owner  # the verified owner, whoever loaded it before
                 e.max_replicas = claim.owner_max_replicas
+                e.last_used = self.clock()
                 if claim.requester is not None and claim.requester == claim.owner:
                     e.owner_asked = True
                 self._fair.note_share(claim.owner, claim.owner_share)
@@ -291,6 +292,7 @@ class AdapterCache(CacheGovernance):
             assert e is not None
             e.refs -= 1
             self._refs -= 1
+            e.last_used = self.clock()
             unload = e.refs == 0 and (e.revoked or e.unclaimed) and e.on_device
             if e.refs == 0:
                 self._room_changes += 1

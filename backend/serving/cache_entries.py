@@ -63,6 +63,7 @@ class CacheEntry:
     max_replicas: int | None = None
     claimed: bool = False
     owner_asked: bool = False
+    last_used: float = 0.0  # the cache's clock when a request last took or gave back a reference
 
     @property
     def unclaimed(self) -> bool:

@@ -39,6 +39,7 @@ class CacheGovernance:
     engine: SlotHolder
     replicas: ReplicaClaimer | None
     on_purge: Callable[[str], object]
+    clock: Callable[[], float]
     _lock: threading.Condition
     _entries: OrderedDict[str, CacheEntry]
     _device: OrderedDict[str, CacheEntry]
@@ -60,16 +61,30 @@ class CacheGovernance:
         self._outbox.emit()
         self.on_purge(digest)
 
-    def replica_need(self, digest: str) -> tuple[int, bool] | None:
+    def replica_need(self, digest: str, idle_s: float | None = None) -> tuple[int, bool] | None:
         """The replica bound a claim on ``digest`` needs now, and whether the owner's own
         requests asked for it here: None when it is neither in a slot nor loading here (its
-        claim may go), or when it has no bound."""
+        claim may go), or when it has no bound. ``idle_s``: a bounded adapter that no request
+        has used for that long leaves its slot now (eviction reason ``replica_idle``) and its
+        claim may go: a host the balancer no longer sends its requests to (they moved back
+        after a failover) must not keep one of its few places from the host they go to."""
         with self._lock:
             e = self._entries.get(digest)
             if e is None or e.revoked or e.max_replicas is None or not (
                     e.on_device or e.loading is not None):
                 return None
-            return e.max_replicas, e.owner_asked
+            if not self._idle(e, idle_s):
+                return e.max_replicas, e.owner_asked
+        with self._engine_lock(), self._lock:  # the engine's lock first (see _place)
+            if not self._idle(e, idle_s):  # a request took it meanwhile
+                return (e.max_replicas, e.owner_asked) if e.max_replicas is not None else None
+            self._unload(e, "replica_idle")
+        self._outbox.emit()
+        return None
+
+    def _idle(self, e: CacheEntry, idle_s: float | None) -> bool:
+        return (idle_s is not None and e.on_device and e.refs == 0 and e.loading is None
+                and self.clock() - e.last_used >= idle_s)
 
     def shed(self, digest: str) -> None:
         """This host lost its claim on one of ``digest``'s replicas: take no new request for it

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
@@ -37,6 +38,9 @@ from backend.serving.fair_share import CacheRefused
 
 log = logging.getLogger("loraplane.backend.replicas")
 
+# How long a refused claim is answered from memory (at most a third of a lease): the places are
+# as taken a second later, and asking the table on every request would be one transaction each.
+REFUSAL_KEPT_S = 0.25
 REFUSED_MESSAGE = ("this adapter is held by as many hosts as its owner allows "
                    "(max_replicas); another host serves it")
 
@@ -53,18 +57,24 @@ class Claims(Protocol):
 class HeldAdapters(Protocol):
     """What the guard asks of the adapter cache."""
 
-    def replica_need(self, digest: str) -> tuple[int, bool] | None: ...
+    def replica_need(self, digest: str, idle_s: float | None = None
+                     ) -> tuple[int, bool] | None: ...
     def shed(self, digest: str) -> None: ...
 
 
 class ReplicaGuard:
     """Claims, renewals and releases of this host's bounded adapters."""
 
-    def __init__(self, open_claims: Callable[[], Claims], lease_s: float) -> None:
+    def __init__(self, open_claims: Callable[[], Claims], lease_s: float,
+                 idle_s: float | None = None) -> None:
         """``open_claims`` opens the table (its leases ``lease_s`` long); called at start (to
         give up what a previous run of this host left), on the first bounded load, and again
-        after a failure."""
-        self.open_claims, self.lease_s = open_claims, lease_s
+        after a failure. ``idle_s``: a bounded adapter no request used for that long leaves
+        its slot and its claim goes (None: it stays while the cache keeps it)."""
+        self.open_claims, self.lease_s, self.idle_s = open_claims, lease_s, idle_s
+        # (digest, for the owner?) -> until when a refusal stands without asking the table
+        # again: a hot adapter placed on a host past its bound cost a transaction per request
+        self._refused: dict[tuple[str, bool], float] = {}
         self._claims: Claims | None = None
         self._lock = threading.Lock()  # one claim, renewal or release at a time
         self._held: set[str] = set()
@@ -88,6 +98,9 @@ class ReplicaGuard:
         if bound is None:
             return
         with self._lock:
+            now = time.monotonic()
+            if self._refused.get((digest, for_owner), 0.0) > now:
+                raise CacheRefused("max_replicas", REFUSED_MESSAGE)
             try:
                 granted = self._table().claim(digest, bound, for_owner=for_owner)
             except Exception:
@@ -97,7 +110,11 @@ class ReplicaGuard:
                 raise CacheRefused("replicas_unknown", "adapter placement cannot be checked "
                                    "now, retry later") from None
             if not granted:
+                if len(self._refused) > 4096:  # stale entries of adapters asked once
+                    self._refused = {k: t for k, t in self._refused.items() if t > now}
+                self._refused[(digest, for_owner)] = now + min(REFUSAL_KEPT_S, self.lease_s / 3)
                 raise CacheRefused("max_replicas", REFUSED_MESSAGE)
+            self._refused.pop((digest, for_owner), None)
             self._held.add(digest)
 
     def unloaded(self, digest: str) -> None:
@@ -163,7 +180,7 @@ class ReplicaGuard:
             needs: dict[str, tuple[int, bool]] = {}
             for digest in sorted(set(digests) & self._held):
                 # read under this lock: a load that starts after it claims again once free
-                need = self.cache.replica_need(digest)
+                need = self.cache.replica_need(digest, self.idle_s)
                 if need is None:
                     self._give_up(digest)
                 else:

@@ -68,7 +68,7 @@ from control.contracts import ticket_seals
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger, LedgerEntry, Outcome
-from control.contracts.replica_claims import ReplicaTable, lease_from_env
+from control.contracts.replica_claims import ReplicaTable, idle_from_env, lease_from_env
 from control.contracts.sampling import with_defaults
 from control.contracts.store import ArtifactStore
 from control.contracts.tickets import TicketClaims, TicketVerifier, load_public_keys
@@ -144,7 +144,7 @@ class LoraService:
         # claims on bounded adapters' replicas, counted with the other hosts' (issue 25)
         lease_s = lease_from_env()
         self.replicas = ReplicaGuard(lambda: ReplicaTable(db, self.host, lease_s=lease_s),
-                                     lease_s)
+                                     lease_s, idle_from_env(lease_s))
         self.cache.replicas = self.replicas.start(self.cache)
         self.scheduler = Scheduler(engine, self.limits, self.prefix_cache)
         self.tickets = VerifiedTickets(self._load_verifier)

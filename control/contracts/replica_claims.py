@@ -42,10 +42,11 @@ from collections.abc import Callable, Mapping
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from control.contracts.config import env_number
+from control.contracts.config import ConfigError, env_number
 from control.contracts.schema import Component, declare, open_component
 
 LEASE_ENV = "LORAPLANE_REPLICA_LEASE_S"
+IDLE_ENV = "LORAPLANE_REPLICA_IDLE_S"
 # Long enough that a host paused by a slow database write or a full garbage collection keeps its
 # claims (it renews every third of this), short enough that a dead host's adapters are free to
 # load elsewhere within seconds of its balancer health check taking it out.
@@ -80,6 +81,17 @@ def lease_from_env() -> float:
     """``LORAPLANE_REPLICA_LEASE_S`` (seconds above 0), or the default; a bad value raises
     ValueError naming the variable."""
     return env_number(LEASE_ENV, DEFAULT_LEASE_S, "seconds", above=0.0, at_most=3600.0)
+
+
+def idle_from_env(lease_s: float) -> float:
+    """``LORAPLANE_REPLICA_IDLE_S``: how long a bounded adapter may sit unused in a host's slot
+    before the host gives its place up (default four leases; at least one lease: a shorter one
+    would give places up between a client's requests); ValueError naming the variable."""
+    value = env_number(IDLE_ENV, 4 * lease_s, "seconds", above=0.0, at_most=86400.0)
+    if value < lease_s:
+        raise ConfigError(f"{IDLE_ENV} must be at least the replica lease ({LEASE_ENV}, "
+                          f"{lease_s:g} s), not {value:g}")
+    return value
 
 
 def _ranks_before(owner: bool, since: float | None, host: str) -> sa.ColumnElement[bool]:

@@ -21,7 +21,7 @@ from sqlalchemy.engine import Engine as DbEngine
 
 from backend.serving.cache import AdapterCache, CacheBudgets, CacheClaim, CacheQuota, CacheRefused
 from backend.serving.engine import Engine
-from backend.serving.replicas import ReplicaGuard
+from backend.serving.replicas import REFUSAL_KEPT_S, ReplicaGuard
 from backend.serving.service import Answer, IncomingRequest, LoraService
 from control.contracts.config import Settings
 from control.contracts.db import make_engine
@@ -86,8 +86,8 @@ def hosts(kit_dir: Path, adapters: dict[str, Path], db: DbEngine,
           clock: Clock) -> Iterator[Callable[[str], Host]]:
     made: list[Host] = []
 
-    def host(name: str, *, slots: int = 2,
-             opener: Callable[[], ReplicaTable] | None = None) -> Host:
+    def host(name: str, *, slots: int = 2, opener: Callable[[], ReplicaTable] | None = None,
+             idle_s: float | None = None) -> Host:
         engine = Engine(kit_dir / "base", kit_dir / "tokenizer", device="cpu", max_rank=8,
                         max_adapters=slots)
         reads: list[str] = []
@@ -102,7 +102,7 @@ def hosts(kit_dir: Path, adapters: dict[str, Path], db: DbEngine,
                              quota=CacheQuota(resident_share=1.0, room_wait_s=0.0),
                              on_event=events)
         guard = ReplicaGuard(opener or (lambda: ReplicaTable(db, name, lease_s=9.0,
-                                                             clock=clock)), 9.0)
+                                                             clock=clock)), 9.0, idle_s)
         cache.replicas = guard.start(cache)
         made.append(Host(name, engine, cache, guard, events, reads))
         return made[-1]
@@ -153,6 +153,7 @@ def test_an_eviction_gives_the_claim_up_for_another_host(
     a.cache.release(a.cache.acquire(second, "acme", claim=one))  # the only slot: first leaves
     assert any(e[:2] == (first, "unloaded") for e in a.events)
     _eventually(lambda: ReplicaTable(db, "reader", clock=clock).holders(first) == [], 1.0)
+    time.sleep(REFUSAL_KEPT_S)  # host-b answers its refusal from memory that long
     b.cache.release(b.cache.acquire(first, "acme", claim=one))
     assert ReplicaTable(db, "reader", clock=clock).holders(first) == ["host-b"]
     assert third not in a.guard.held()
@@ -286,6 +287,64 @@ def test_one_renewal_transaction_holds_every_claim(
     assert calls == [("renew", 3)]
     reader = ReplicaTable(db, "reader", clock=clock)
     assert all(reader.holders(d) == ["host-a"] for d in adapters)
+
+
+def test_an_idle_holder_gives_its_place_up_for_the_host_its_requests_go_to(
+        hosts: Callable[..., Host], adapters: dict[str, Path], db: DbEngine,
+        clock: Clock) -> None:
+    """After a failover host-b holds the only place; the requests go back to host-a, which is
+    refused while host-b's place stands. host-b, no longer asked, gives the place up and empties
+    the slot once the adapter sat unused for its idle time, and host-a is served. While a
+    request runs on it, or one came within the idle time, an adapter is never idle."""
+    a, b = hosts("host-a"), hosts("host-b", idle_s=0.5)
+    digest = next(iter(adapters))
+    one = CacheClaim("acme", "acme", owner_max_replicas=1)
+    running = b.cache.acquire(digest, "acme", claim=one)
+    time.sleep(0.6)
+    b.guard.renew_once()  # a request still runs on it: not idle
+    assert digest in b.engine.resident_adapters()
+    b.cache.release(running)
+    b.guard.renew_once()  # used a moment ago
+    assert ReplicaTable(db, "r", clock=clock).holders(digest) == ["host-b"]
+    assert _refused(a.cache, digest, one) == "max_replicas"
+    time.sleep(0.6)
+    b.guard.renew_once()
+    assert ReplicaTable(db, "r", clock=clock).holders(digest) == []
+    assert digest not in b.engine.resident_adapters()
+    assert ("unloaded", "replica_idle") in {(e[1], e[2]) for e in b.events if e[0] == digest}
+    time.sleep(REFUSAL_KEPT_S)  # past the time host-a answers a refusal from memory
+    a.cache.release(a.cache.acquire(digest, "acme", claim=one))
+
+
+def test_a_refused_claim_is_answered_from_memory_for_a_moment(
+        hosts: Callable[..., Host], adapters: dict[str, Path], db: DbEngine,
+        clock: Clock) -> None:
+    """A hot adapter placed on a host past its bound asks the table once, not per request."""
+    calls: list[str] = []
+
+    class Watched(ReplicaTable):
+        def claim(self, digest: str, bound: int, *, for_owner: bool = True) -> bool:
+            calls.append(digest)
+            return super().claim(digest, bound, for_owner=for_owner)
+
+    a = hosts("host-a")
+    b = hosts("host-b", opener=lambda: Watched(db, "host-b", clock=clock))
+    digest = next(iter(adapters))
+    one = CacheClaim("acme", "acme", owner_max_replicas=1)
+    a.cache.release(a.cache.acquire(digest, "acme", claim=one))
+    assert all(_refused(b.cache, digest, one) == "max_replicas" for _ in range(5))
+    assert calls == [digest]
+    # a grantee's refusal says nothing of the owner's precedence: remembered apart
+    other = list(adapters)[1]
+    a.cache.release(a.cache.acquire(other, "globex",
+                                    claim=CacheClaim("globex", "acme", owner_max_replicas=1)))
+    grantee = CacheClaim("globex", "acme", owner_max_replicas=1)
+    assert [_refused(b.cache, other, grantee) for _ in range(3)] == ["max_replicas"] * 3
+    assert calls == [digest, other]
+    a.cache.release(a.cache.acquire(other, "acme", claim=one))  # the owner's on a: a's now
+    a.guard.renew_once()
+    assert _refused(b.cache, other, one) == "max_replicas"  # asked: a's claim is the owner's
+    assert calls == [digest, other, other]
 
 
 def test_unbounded_adapters_never_touch_the_table(

@@ -21,9 +21,11 @@ from control.contracts.config import Settings
 from control.contracts.db import make_engine
 from control.contracts.replica_claims import (
     ADAPTER_REPLICAS,
+    IDLE_ENV,
     LEASE_ENV,
     ReplicaTable,
     adapter_replicas,
+    idle_from_env,
     lease_from_env,
 )
 from control.contracts.schema import SchemaOutdated, upgrade
@@ -194,6 +196,17 @@ def test_the_lease_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.setenv(LEASE_ENV, bad)
         with pytest.raises(ValueError, match=LEASE_ENV):
             lease_from_env()
+
+
+def test_the_idle_time_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(IDLE_ENV, raising=False)
+    assert idle_from_env(15.0) == 60.0  # four leases
+    monkeypatch.setenv(IDLE_ENV, "20")
+    assert idle_from_env(15.0) == 20.0
+    for bad in ("10", "0", "soon", "inf"):  # below one lease: places given up between requests
+        monkeypatch.setenv(IDLE_ENV, bad)
+        with pytest.raises(ValueError, match=IDLE_ENV):
+            idle_from_env(15.0)
 
 
 HOSTS = ("h0", "h1", "h2", "h3")

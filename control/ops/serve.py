@@ -334,7 +334,9 @@ class Deployment:
                    f"{self.triton.http_url}, grpc {self.triton.grpc_url}"
                    if self.door is not None else "")
                 + f", metrics http://{self.triton.http_url.rsplit(':', 1)[0]}:"
-                f"{self.ports.metrics}/metrics (log {self.triton.log_path})"
+                f"{self.ports.metrics}/metrics (log {self.triton.log_path}); OpenAI route "
+                f"http://127.0.0.1:{self.ports.openai}/v1/completions (model: the ticket's "
+                "affinity value)"
             )
             # Started once the engine runs: a stub that dies from now on is noticed, its
             # requests recorded and Triton restarted (control.ops.engine_watch).

@@ -282,7 +282,6 @@ class Deployment:
                     "Triton gRPC (internal)": self.ports.triton_grpc} if with_door else {}
         if self.role != "control":
             internal["OpenAI route (loopback)"] = self.ports.openai
-        if self.role != "control":
             (internal if with_door else ports)["Triton metrics"] = self.ports.metrics
         if self.role != "triton":
             ports["gateway"] = self.ports.gateway

@@ -43,6 +43,7 @@ from backend.serving.admission import (
     check_governance,
     ticket_from_parameters,
 )
+from backend.serving.affinity_names import AffinityNames
 from backend.serving.cache import AdapterCache, CacheBudgets, CacheClaim, CacheQuota
 from backend.serving.engine import DecodeBatch, Engine, GenerationRequest, GenerationResult
 from backend.serving.intake import Intake
@@ -148,6 +149,7 @@ class LoraService:
         self.cache.replicas = self.replicas.start(self.cache)
         self.scheduler = Scheduler(engine, self.limits, self.prefix_cache)
         self.tickets = VerifiedTickets(self._load_verifier)
+        self.affinities = AffinityNames()  # backend.triton.placement_metrics reads it
         self.stats = ServiceStats()
         self.outcomes = Outcomes(self)
         self.intake = Intake(self)
@@ -253,6 +255,8 @@ class LoraService:
             check_governance(claims, state)
         except RequestRefused as e:
             raise RequestRefused(e.reason, claims) from None
+        if claims.adapter is not None:  # what the placement metrics name the adapter by
+            self.affinities.record(claims.adapter, claims.affinity)
         bound = state.releases.get(claims.release) if claims.release is not None else None
         return (claims, bound.defaults if bound is not None else {},
                 cache_claim(claims, bound, state))

@@ -15,9 +15,10 @@ by what each model server publishes in vLLM's names. Its LoRA-affinity scorer re
                                                 seconds); labels ``max_lora`` (device slots),
                                                 ``running_lora_adapters`` and
                                                 ``waiting_lora_adapters`` (comma-separated adapter
-                                                digests, each list at most ``max_lora`` long)
-``vllm:lora_adapter_loaded``                    1 per resident adapter; labels ``adapter_name``
-                                                (digest) and ``level`` (``device``: in a slot;
+                                                names, each list at most ``max_lora`` long)
+``vllm:lora_adapter_loaded``                    1 per resident adapter and name; labels
+                                                ``adapter_name`` (a name), ``digest`` (the
+                                                adapter's) and ``level`` (``device``: in a slot;
                                                 ``host``: prepared in host memory, the most
                                                 recently used, at most 4 per slot)
 =============================================  ===================================================
@@ -32,8 +33,14 @@ keeps the family bounded however many adapters pass through.
 ``running/waiting_lora_adapters`` say which adapters have requests in flight, not which are
 resident (llm-d-router #1500); ``vllm:lora_adapter_loaded`` says that.
 
-Labels carry adapter digests only, never a tenant or alias: the metrics port is for the balancer
-and operators, kept away from tenants by the deployment (``docker/k8s/networkpolicy.yaml``).
+An adapter's names (issue 25) are the affinity values the tickets of its recent requests
+carried, at most two (``backend.serving.affinity_names``), or its digest where they carried
+none: the picker matches a request's ``model`` against them, and through a host's OpenAI route
+``model`` is the ticket's affinity value (the digest stays sealed in the ticket).
+
+Labels carry affinity values (hashes of aliases) and adapter digests only, never a tenant or
+alias: the metrics port is for the balancer and operators, kept away from tenants by the
+deployment (``docker/k8s/networkpolicy.yaml``).
 """
 
 from __future__ import annotations
@@ -75,9 +82,11 @@ class PlacementState:
     waiting: int
     kv_usage: float
     max_lora: int
-    running_adapters: tuple[str, ...] = ()
+    running_adapters: tuple[str, ...] = ()  # names (affinity values, else digests)
     waiting_adapters: tuple[str, ...] = ()
     residency: Mapping[str, str] = field(default_factory=dict)  # digest -> device | host
+    # digest -> the names it is published as (absent: its digest)
+    names: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def state_of(service: Any) -> PlacementState:
@@ -95,16 +104,29 @@ def state_of(service: Any) -> PlacementState:
     budget = getattr(service.limits, "max_kv_tokens", None)
     kv = service.scheduler.kv_reserved() / budget if budget else 0.0
     waiting_d = sorted(set(queued_d) | set(loading))
+    residency = _residency(report, max_lora)
+    recorded = getattr(service, "affinities", None)  # None: a stand-in service in a test
+    names = {d: recorded.names(d) if recorded is not None else (d,)
+             for d in {*running_d, *waiting_d, *residency}}
+    running = _named(running_d, names)
     return PlacementState(
         running=running_n,
         waiting=queued_n + sum(loading.values()),
         kv_usage=min(1.0, max(running_n / max_running, kv)),
         max_lora=max_lora,
-        # bounded by the slot count: only resident adapters run, and the waiting list is cut
-        running_adapters=tuple(running_d[:max_lora]),
-        waiting_adapters=tuple(d for d in waiting_d if d not in running_d)[:max_lora],
-        residency=_residency(report, max_lora),
+        # bounded by the slot count, in names: the picker reads a list's length against
+        # max_lora as the slots in use
+        running_adapters=running[:max_lora],
+        waiting_adapters=tuple(n for n in _named([d for d in waiting_d if d not in running_d],
+                                                 names) if n not in running)[:max_lora],
+        residency=residency,
+        names=names,
     )
+
+
+def _named(digests: list[str], names: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """The names of ``digests``, in order, each once (one value may name two adapters)."""
+    return tuple(dict.fromkeys(n for d in digests for n in names[d]))
 
 
 def _residency(report: Mapping[str, Any], max_lora: int) -> dict[str, str]:
@@ -221,11 +243,12 @@ class PlacementMetrics:
             keep: set[Labels] = set()
             held = self.loaded.held()
             for digest, level in s.residency.items():
-                labels = {"adapter_name": digest, "level": level}
-                key = tuple(sorted(labels.items()))
-                if key not in held:  # always 1: a series already there is left as it is
-                    self.loaded.set(labels, 1.0)
-                keep.add(key)
+                for name in s.names.get(digest, (digest,)):
+                    labels = {"adapter_name": name, "digest": digest, "level": level}
+                    key = tuple(sorted(labels.items()))
+                    if key not in held:  # always 1: a series already there is left as it is
+                        self.loaded.set(labels, 1.0)
+                    keep.add(key)
             self.loaded.keep_only(keep)
 
     def _publish_info(self, s: PlacementState) -> None:

@@ -51,6 +51,10 @@ TritonHttpPortOption = Annotated[int, typer.Option(
     help="Triton's own HTTP port behind the front door (loopback; 0: any free port).")]
 TritonGrpcPortOption = Annotated[int, typer.Option(
     help="Triton's own gRPC port behind the front door (loopback; 0: any free port).")]
+OpenAIPortOption = Annotated[int, typer.Option(
+    help="The host's OpenAI-compatible route (model = the ticket's affinity, the ticket in the "
+         "x-loraplane-ticket header), on loopback; the front door sends /v1/completions and "
+         "/v1/chat/completions there (0: any free port).")]
 TritonUserOption = Annotated[str | None, typer.Option(help=TRITON_USER_HELP,
                                                        envvar=TRITON_USER_ENV)]
 
@@ -80,6 +84,7 @@ def serve(
     front_door: FrontDoorOption = "auto",
     triton_http_port: TritonHttpPortOption = 18000,
     triton_grpc_port: TritonGrpcPortOption = 18001,
+    openai_port: OpenAIPortOption = 18002,
     triton_user: TritonUserOption = None,
     console_port: Annotated[int, typer.Option(
         help="Also serve the operator console on 127.0.0.1:PORT (0: not at all); never on the "
@@ -101,7 +106,7 @@ def serve(
     with errors():
         require_schema(settings())  # before anything starts: "run `loraplane db upgrade`"
     ports = Ports(http_port, grpc_port, metrics_port, gateway_port, triton_http_port,
-                  triton_grpc_port)
+                  triton_grpc_port, openai_port)
     dep: Runnable
     if hosts or pool:
         from control.ops.scale_out import ScaleOut, parse_pools, plan_hosts  # serve only
@@ -204,6 +209,7 @@ def triton_host(
     front_door: FrontDoorOption = "auto",
     triton_http_port: TritonHttpPortOption = 18000,
     triton_grpc_port: TritonGrpcPortOption = 18001,
+    openai_port: OpenAIPortOption = 18002,
     triton_user: TritonUserOption = None,
 ) -> None:
     """Run one Triton host (no gateway) until interrupted; labels its ledger rows."""
@@ -227,7 +233,8 @@ def triton_host(
             time.sleep(5)
     dep = Deployment.from_env(s, Ports(http_port, grpc_port, metrics_port,
                                        triton_http=triton_http_port,
-                                       triton_grpc=triton_grpc_port), role="triton",
+                                       triton_grpc=triton_grpc_port, openai=openai_port),
+                              role="triton",
                               base=base, actor=state.actor, bind=listen,
                               front_door=front_door,
                               triton_user=default_triton_user(triton_user),

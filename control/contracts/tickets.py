@@ -65,6 +65,11 @@ _B64URL_RE = re.compile(r"^[A-Za-z0-9_-]*$")
 # into ``arm``: tickets signed before it are refused, which is fine because a ticket lives minutes.
 _CLAIMS = ("tenant", "model", "base", "tokenizer", "arm", "pool", "regions", "iat", "exp", "jti",
            "kid")
+# Claims a ticket may carry or not: ``affinity`` (issue 25) came after the third claim set, and
+# tickets signed without it stay valid for their few minutes.
+_OPTIONAL_CLAIMS = ("affinity",)
+# ``control.contracts.placement.affinity_of``: 16 lowercase hex characters, one spelling.
+AFFINITY_RE = re.compile(r"[0-9a-f]{16}")
 MAX_REGIONS = 16
 SEAL_INFO = b"loraplane-ticket-seal-v1"
 _NONCE = 12
@@ -105,6 +110,10 @@ class TicketClaims:
     # Where it may run (issue 25): hosts of this pool only, in these regions (empty: any).
     pool: str = SHARED_POOL
     regions: tuple[str, ...] = ()
+    # The placement value of the alias the ticket was issued for (issue 25), signed so a host's
+    # OpenAI route can check that a request's ``model`` names it, and publish it in its
+    # placement metrics instead of the sealed adapter digest. None: a ticket signed without it.
+    affinity: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The claims as the host reads them, the arm opened (for operators' tools)."""
@@ -218,13 +227,17 @@ class TicketSigner:
         ttl_s: int,
         pool: str = SHARED_POOL,
         regions: tuple[str, ...] = (),
+        affinity: str | None = None,
         now: float | None = None,
     ) -> tuple[str, TicketClaims]:
         """Sign a ticket; returns (token, claims).
 
         ``release`` and ``disclose`` have no default on purpose: every issuer must say which
         release it resolved (or None for a base without one), and whether the caller owns it.
+        ``affinity``: the alias's placement value (``affinity_of``), signed in the clear.
         """
+        if affinity is not None and not AFFINITY_RE.fullmatch(affinity):
+            raise ValueError("affinity must be 16 lowercase hex characters")
         iat = int(now if now is not None else time.time())
         claims = TicketClaims(
             tenant=tenant,
@@ -240,11 +253,15 @@ class TicketSigner:
             disclose=disclose,
             pool=pool,
             regions=tuple(sorted(set(regions))),
+            affinity=affinity,
         )
-        wire = {"tenant": tenant, "model": model, "base": base, "tokenizer": tokenizer,
-                "arm": seal_arm(self._aead, claims.jti, adapter, release, disclose),
-                "pool": pool, "regions": list(claims.regions),
-                "iat": claims.iat, "exp": claims.exp, "jti": claims.jti, "kid": self.kid}
+        wire: dict[str, Any] = {
+            "tenant": tenant, "model": model, "base": base, "tokenizer": tokenizer,
+            "arm": seal_arm(self._aead, claims.jti, adapter, release, disclose),
+            "pool": pool, "regions": list(claims.regions),
+            "iat": claims.iat, "exp": claims.exp, "jti": claims.jti, "kid": self.kid}
+        if affinity is not None:  # absent rather than null: one spelling per ticket
+            wire["affinity"] = affinity
         token = encode_v4_public(self._private, json.dumps(wire, separators=(",", ":")).encode(),
                                  self._footer)
         return token, claims
@@ -429,7 +446,10 @@ def _parse_claims(payload: object, kid: str) -> dict[str, Any]:
         data = json.loads(payload) if isinstance(payload, (bytes, str)) else None
     except ValueError:
         data = None
-    if not isinstance(data, dict) or set(data) != set(_CLAIMS):
+    if not isinstance(data, dict) or set(data).difference(_OPTIONAL_CLAIMS) != set(_CLAIMS):
+        raise TicketRejected("claims")
+    if "affinity" in data and not (isinstance(data["affinity"], str)
+                                   and AFFINITY_RE.fullmatch(data["affinity"])):
         raise TicketRejected("claims")
     strs = ("tenant", "model", "base", "tokenizer", "arm", "jti", "kid")
     if not all(isinstance(data[k], str) and data[k] for k in strs):

@@ -50,27 +50,33 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
-import aiohttp
 import sqlalchemy as sa
 from aiohttp import web
 
 from control.contracts import wire
 from control.contracts.ledger import request_ledger
-from control.contracts.placement import HostUrl, affinity_of, parse_host_urls, place
+from control.contracts.placement import affinity_of, parse_host_urls
 from control.contracts.sampling import (
     DEFAULT_MAX_TOKENS,
 )
 from control.contracts.telemetry import span, traceparent_of
 from control.domain import SESSION_RE
-from control.gateway.bodies import OPENAI_BODY_LIMIT, BodyError, read_json_object
 from control.gateway.observability import GatewayMetrics
+from control.gateway.openai_forward import (
+    BUSY,
+    Upstream,
+    add_completion_routes,
+    events,
+    open_session,
+    openai_body,
+    respond,
+    triton_body,
+)
 from control.gateway.openai_request import (
     ApiError,
     Generation,
@@ -89,51 +95,6 @@ log = logging.getLogger("loraplane.gateway")
 SESSION_HEADER = "x-session-id"
 
 
-@dataclass
-class Upstream:
-    """Triton hosts to forward to: a request goes to the hosts of its ticket's pool, the one
-    its route's affinity hashes to first (``control.contracts.placement.place``); a host that
-    refuses connections is skipped for the next."""
-
-    hosts: list[HostUrl]
-    model: str = wire.MODEL
-    session: aiohttp.ClientSession | None = None
-    tracer: Any = None
-    metrics: GatewayMetrics | None = None
-    _models: dict[str, frozenset[str]] | None = None
-
-    def order(self, pool: str, affinity: str) -> list[str]:
-        """Where to send a request of ticket pool ``pool`` and route ``affinity``, in turn."""
-        return place(self.hosts, pool, affinity)
-
-    async def target(self, stream: bool) -> tuple[str, frozenset[str]]:
-        """The model to call and its input names. Streaming goes to ``<model>_stream`` (the
-        decoupled engine model) where the hosts serve it; otherwise, and always for a plain
-        completion, to ``model``. Read once from the first host that answers (every host serves
-        the same model repository)."""
-        if self._models is None:
-            assert self.session is not None
-            found: dict[str, frozenset[str]] = {}
-            for url in (h.url for h in self.hosts):
-                try:
-                    for name in (self.model, self.model + wire.ENGINE_SUFFIX):
-                        async with self.session.get(
-                                f"http://{url}/v2/models/{name}/config") as r:
-                            if r.status == 200:
-                                cfg = await r.json(content_type=None)
-                                found[name] = frozenset(str(i.get("name"))
-                                                        for i in cfg.get("input", []))
-                except aiohttp.ClientConnectionError:
-                    continue
-                break
-            if self.model not in found:
-                raise ApiError(503, "the model is busy or unavailable; retry", "server_error")
-            self._models = found
-        engine = self.model + wire.ENGINE_SUFFIX
-        name = engine if stream and engine in self._models else self.model
-        return name, self._models[name]
-
-
 UPSTREAM_KEY = web.AppKey("openai_upstream", Upstream)
 OFFICE_KEY = web.AppKey("openai_office", TicketOffice)
 
@@ -147,15 +108,6 @@ def _tenant(request: web.Request) -> str:
         raise ApiError(401, "Missing or unknown API key.", "invalid_request_error",
                        "invalid_api_key")
     return tenant
-
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object, read whole (:mod:`control.gateway.bodies`)."""
-    try:
-        return await read_json_object(request, OPENAI_BODY_LIMIT)
-    except BodyError as e:
-        code = {413: "request_too_large", 408: "request_timeout"}.get(e.status)
-        raise ApiError(e.status, e.message, "invalid_request_error", code) from None
 
 
 def _finish_reason(request: web.Request, g: Generation, issued: Any,
@@ -201,72 +153,6 @@ async def _issue(request: web.Request, tenant: str, model: str, session: str | N
         raise not_found() from None
 
 
-def _triton_body(up_inputs: frozenset[str], g: Generation, ticket: str,
-                 traceparent: str | None) -> dict[str, Any]:
-    # What the client left out is left out here too: the host fills it from the release's
-    # inference defaults (control.contracts.sampling.with_defaults), as for any other client.
-    body: dict[str, Any] = {wire.TEXT_INPUT: g.prompt}
-    for name, value in ((wire.MAX_TOKENS, g.max_tokens), (wire.TEMPERATURE, g.temperature),
-                        (wire.TOP_P, g.top_p), (wire.SEED, g.seed)):
-        if value is not None:
-            body[name] = value
-    if wire.STREAM in up_inputs:
-        body[wire.STREAM] = g.stream
-    params = {wire.TICKET_PARAM: ticket}
-    if traceparent:
-        params["traceparent"] = traceparent
-    body["parameters"] = params
-    return body
-
-
-def _upstream_error(status: int, metrics: GatewayMetrics | None) -> ApiError:
-    # Triton's messages are generic already; still, a fixed text per class is all that leaves.
-    if metrics is not None:
-        metrics.upstream_errors.labels("refused" if status == 400 else "error").inc()
-    if status == 400:
-        return bad_request("request refused: check the prompt length, max_tokens and sampling "
-                           "values")
-    if status in (429, 503):
-        return ApiError(503, "the model is busy or unavailable; retry", "server_error")
-    return ApiError(502, "the model failed to answer", "server_error")
-
-
-async def _events(request: web.Request, model: str, body: dict[str, Any], stream: bool,
-                  hosts: list[str]) -> AsyncGenerator[dict[str, Any], None]:
-    """Triton's answer(s) from the first of ``hosts`` that takes the connection, as JSON
-    objects; raises ApiError before the first one on failure."""
-    up = request.app[UPSTREAM_KEY]
-    assert up.session is not None
-    endpoint = "generate_stream" if stream else "generate"
-    last: Exception | None = None
-    for url in hosts:
-        try:
-            # traceparent also as a header: Triton's own OpenTelemetry trace links to it
-            tp = body["parameters"].get("traceparent")
-            resp = await up.session.post(f"http://{url}/v2/models/{model}/{endpoint}",
-                                         json=body, headers={"traceparent": tp} if tp else None)
-        except aiohttp.ClientConnectionError as e:
-            last = e
-            continue
-        async with resp:
-            if resp.status != 200:
-                raise _upstream_error(resp.status, up.metrics)
-            if not stream:
-                yield dict(await resp.json(content_type=None))
-                return
-            async for raw in resp.content:
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                event = json.loads(line[5:].strip())
-                if "error" in event:
-                    raise _upstream_error(400, up.metrics)
-                yield event
-        return
-    log.warning("no Triton host reachable: %s", type(last).__name__)
-    raise ApiError(503, "the model is busy or unavailable; retry", "server_error")
-
-
 def _usage(request: web.Request, request_ids: list[str]) -> dict[str, int]:
     t = request_ledger
     office = request.app[OFFICE_KEY]
@@ -287,7 +173,7 @@ def _usage(request: web.Request, request_ids: list[str]) -> dict[str, int]:
 async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         tenant = _tenant(request)
-        body = await _body(request)
+        body = await openai_body(request)
         # Everything the gateway can check is checked before a ticket is signed: a request a
         # host would refuse never costs a signature, a pin or an upstream call.
         model = model_of(body)
@@ -303,84 +189,24 @@ async def _complete(request: web.Request, chat: bool, g: Generation, issued: Any
                     alias: str) -> web.StreamResponse:
     up = request.app[UPSTREAM_KEY]
     created = int(time.time())
-    kind = "chat.completion" if chat else "text_completion"
     attrs = {"loraplane.tenant": issued.claims.tenant, "loraplane.ticket_id": issued.claims.jti,
              "loraplane.adapter_digest": issued.claims.adapter or "",
              "loraplane.stream": g.stream}
+
+    def close(rid: str) -> tuple[dict[str, int], str]:
+        usage = _usage(request, [rid])
+        return usage, _finish_reason(request, g, issued, usage)
+
     with span(up.tracer, "gateway.openai." + ("chat" if chat else "completions"), attrs) as s:
         model, inputs = await up.target(g.stream)
-        triton_body = _triton_body(inputs, g, issued.token, traceparent_of(s))
+        body = triton_body(inputs, g, issued.token, traceparent_of(s))
         hosts = up.order(issued.claims.pool, affinity_of(issued.alias))
         if not hosts:  # an operator's mistake (no host of the pool listed), not the tenant's
             log.warning("no Triton host of the ticket's pool %s is listed (%s)",
                         issued.claims.pool, "LORAPLANE_TRITON_URLS")
-            raise ApiError(503, "the model is busy or unavailable; retry", "server_error")
-        events = _events(request, model, triton_body, g.stream, hosts)
-        if not g.stream:
-            answer = await anext(events)
-            await events.aclose()  # releases the upstream connection now
-            rid = str(answer.get(wire.REQUEST_ID, ""))
-            s.set_attribute("loraplane.request_id", rid)
-            usage = _usage(request, [rid])
-            text = str(answer.get(wire.TEXT_OUTPUT, ""))
-            finish = _finish_reason(request, g, issued, usage)
-            choice: dict[str, Any] = (
-                {"index": 0, "message": {"role": "assistant", "content": text},
-                 "finish_reason": finish} if chat else
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
-            return web.json_response({"id": ("chatcmpl-" if chat else "cmpl-") + rid,
-                                      "object": kind, "created": created, "model": alias,
-                                      "choices": [choice], "usage": usage})
-        first = await anext(events)  # errors before the first event still get a status code
-        return await _stream(request, chat, g, issued, alias, created, first, events, s)
-
-
-async def _stream(request: web.Request, chat: bool, g: Generation, issued: Any, alias: str,
-                  created: int, first: dict[str, Any], events: AsyncIterator[dict[str, Any]],
-                  s: Any) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    rid = str(first.get(wire.REQUEST_ID, ""))
-    s.set_attribute("loraplane.request_id", rid)
-    cid = ("chatcmpl-" if chat else "cmpl-") + rid
-    kind = "chat.completion.chunk" if chat else "text_completion"
-
-    async def send(delta: str | None, finish: str | None, role: bool = False) -> None:
-        if chat:
-            d: dict[str, Any] = {"role": "assistant"} if role else {}
-            if delta is not None:
-                d["content"] = delta
-            choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-        chunk = {"id": cid, "object": kind, "created": created, "model": alias,
-                 "choices": [choice]}
-        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-
-    try:
-        if chat:
-            await send(None, None, role=True)
-        await send(str(first.get(wire.TEXT_OUTPUT, "")), None)
-        async for event in events:
-            await send(str(event.get(wire.TEXT_OUTPUT, "")), None)
-        usage = _usage(request, [rid])
-        await send(None if chat else "",
-                   _finish_reason(request, g, issued, usage))
-        if g.include_usage:
-            tail = {"id": cid, "object": kind, "created": created, "model": alias,
-                    "choices": [], "usage": usage}
-            await resp.write(b"data: " + json.dumps(tail).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-    except ApiError as e:
-        # Headers are gone: report in-band, as OpenAI's API does.
-        await resp.write(b"data: " + json.dumps({"error": {"message": e.message,
-                                                           "type": e.kind}}).encode() + b"\n\n")
-    except (ConnectionResetError, asyncio.CancelledError):
-        log.info("stream closed by the client", extra={"request_id": rid})
-        raise
-    await resp.write_eof()
-    return resp
+            raise ApiError(503, BUSY, "server_error")
+        answers = events(up, model, body, g.stream, hosts)
+        return await respond(request, chat, g, alias, created, answers, s, close)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -410,16 +236,6 @@ async def get_model(request: web.Request) -> web.Response:
     return web.json_response({"id": alias, "object": "model", "created": 0, "owned_by": tenant})
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    """``POST /v1/completions``."""
-    return await _serve(request, chat=False)
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    """``POST /v1/chat/completions``."""
-    return await _serve(request, chat=True)
-
-
 def add_routes(app: web.Application, office: TicketOffice, triton_urls: list[str], *,
                tracer: Any = None, metrics: GatewayMetrics | None = None,
                model: str = wire.MODEL) -> None:
@@ -432,14 +248,7 @@ def add_routes(app: web.Application, office: TicketOffice, triton_urls: list[str
                   metrics=metrics)
     app[UPSTREAM_KEY] = up
     app[OFFICE_KEY] = office
-
-    async def open_session(_app: web.Application) -> AsyncIterator[None]:
-        up.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
-        yield
-        await up.session.close()
-
-    app.cleanup_ctx.append(open_session)
+    app.cleanup_ctx.append(open_session(up))
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    add_completion_routes(app, _serve)

@@ -27,6 +27,7 @@ from eventsourcing.persistence import PersistenceError
 from control.app import key_ring
 from control.app.sessions import Pin, SessionPins
 from control.contracts.config import SHARED_POOL, Settings
+from control.contracts.placement import affinity_of
 from control.contracts.ticket_seals import publish_seal
 from control.contracts.tickets import TicketClaims, TicketSigner
 from control.domain import Conflict
@@ -118,6 +119,9 @@ class TicketOffice:
             ttl_s=self.settings.ticket_ttl_s,
             pool=pool,
             regions=regions,
+            # signed, so a host's OpenAI route can hold a request's ``model`` to it and its
+            # placement metrics can name the alias's value instead of the sealed digest
+            affinity=affinity_of(alias),
         )
         return IssuedTicket(token, claims, alias, route.release)
 

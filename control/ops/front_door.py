@@ -12,7 +12,10 @@ What passes, over HTTP/1.1 on the tenant HTTP port:
 - metadata: ``GET /v2``, ``/v2/models/<m>[/versions/<v>]``;
 - model configuration: ``GET /v2/models/<m>[/versions/<v>]/config`` (the gateway's OpenAI
   route reads it);
-- inference: ``POST /v2/models/<m>[/versions/<v>]/infer``, ``/generate``, ``/generate_stream``.
+- inference: ``POST /v2/models/<m>[/versions/<v>]/infer``, ``/generate``, ``/generate_stream``;
+- where the host runs its OpenAI-compatible route (``control.gateway.host_openai``; a door
+  rendered with ``openai_port``): ``POST /v1/completions`` and ``/v1/chat/completions``, sent
+  to that route on loopback, not to Triton.
 
 Over HTTP/2 on the tenant gRPC port, the matching methods of ``inference.GRPCInferenceService``
 (:data:`TENANT_GRPC_METHODS`). Everything else is refused at the door: model repository, shared
@@ -75,6 +78,8 @@ BODY_TOO_LARGE = "request refused: the body is larger than {} bytes"  # the door
 LENGTH_REQUIRED = "request refused: send the body with a Content-Length"
 UNAVAILABLE = "Triton is not ready or cannot be reached; retry"
 GRPC_SERVICE = "inference.GRPCInferenceService"
+# The host's OpenAI-compatible route (control.gateway.host_openai), where a door sends them.
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
 TENANT_GRPC_METHODS = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata",
                        "ModelMetadata", "ModelConfig", "ModelInfer", "ModelStreamInfer")
 # Headers a tenant may never bring to Triton: the operator token's, in both protocols' spellings.
@@ -141,6 +146,9 @@ class DoorConfig:
     # ticket answer's affinity); None: round robin. Health checks every ``check_ms``.
     affinity_header: str | None = None
     check_ms: int = 5000
+    # The host's OpenAI-compatible route on loopback (one host's door only); None: the door
+    # refuses the /v1/ paths like any other non-tenant route.
+    openai_port: int | None = None
 
 
 def _json_body(message: str) -> str:
@@ -203,6 +211,7 @@ def render(c: DoorConfig) -> str:
         f"    acl model path_reg ^/v2/models/{_MODEL}{_VERSION}(/ready|/config)?$",
         f"    acl infer path_reg ^/v2/models/{_MODEL}{_VERSION}/infer$",
         f"    acl generate path_reg ^/v2/models/{_MODEL}{_VERSION}/generate(_stream)?$",
+        *([f"    acl openai path {' '.join(OPENAI_PATHS)}"] if c.openai_port else []),
         f"    acl ticket_header req.hdr_cnt({TICKET_HEADER}) gt 0",
         f"    acl ticket_headers req.hdr_cnt({TICKET_HEADER}) gt 1",
         "    acl has_length req.hdr(content-length) -m found",
@@ -211,11 +220,13 @@ def render(c: DoorConfig) -> str:
         # HAProxy's own answers (Triton down or still starting) in the same JSON shape
         f"    http-error status 503 content-type application/json string {_json_body(UNAVAILABLE)}",
         _refuse_http(403, NOT_A_TENANT_ROUTE, "unless read health or read server or "
-                     "read model !stats or post infer or post generate"),
+                     "read model !stats or post infer or post generate"
+                     + (" or post openai" if c.openai_port else "")),
         _refuse_http(400, TICKET_HEADERS_REFUSAL, "if ticket_headers"),
         _refuse_http(400, GENERATE_TICKET_HEADER_REFUSAL, "if generate ticket_header"),
         _refuse_http(411, LENGTH_REQUIRED, "if post !has_length or chunked"),
         _refuse_http(413, BODY_TOO_LARGE.format(c.max_body_bytes), "if too_large"),
+        *(["    use_backend host_openai if post openai"] if c.openai_port else []),
         *_pool_rules(c, "triton_http"),
         "    default_backend triton_http",
         "",
@@ -232,6 +243,8 @@ def render(c: DoorConfig) -> str:
         "    default_backend triton_grpc",
         "",
     ]
+    if c.openai_port:
+        lines += ["backend host_openai", f"    server openai 127.0.0.1:{c.openai_port}", ""]
     for pool in _pools(c):
         members = [(i, u) for i, u in enumerate(c.upstreams) if u.pool == pool]
         lines += [
@@ -411,14 +424,15 @@ def door_user() -> tuple[int, int]:
 
 def local_door(work_dir: Path, listen: str, http_port: int, grpc_port: int,
                triton_http_port: int, triton_grpc_port: int,
-               as_root: bool = False) -> FrontDoor:
-    """The door of one host: tenants on ``listen``, Triton on loopback; started as root, it
-    drops to :func:`door_user` once listening."""
+               as_root: bool = False, openai_port: int | None = None) -> FrontDoor:
+    """The door of one host: tenants on ``listen``, Triton (and the host's OpenAI route on
+    ``openai_port``) on loopback; started as root, it drops to :func:`door_user` once
+    listening."""
     uid, gid = door_user() if as_root else (None, None)
     return FrontDoor(work_dir, DoorConfig(
         listen=listen, http_port=http_port, grpc_port=grpc_port,
         upstreams=(Upstream("127.0.0.1", triton_http_port, triton_grpc_port),),
-        uid=uid, gid=gid))
+        uid=uid, gid=gid, openai_port=openai_port))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

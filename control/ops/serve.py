@@ -23,7 +23,10 @@ whenever haproxy is installed (``front_door``, ``serve --front-door``): tenants 
 ``bind`` on ``Ports.http`` and ``Ports.grpc``, and tritonserver listens on loopback only, on
 ``Ports.triton_http`` and ``Ports.triton_grpc``, where this deployment's gateway (its
 OpenAI-compatible routes) and rollout controller reach it. Started as root, it runs tritonserver
-as ``triton_user`` (``control.ops.triton_user``).
+as ``triton_user`` (``control.ops.triton_user``). Beside Triton it runs the host's own
+OpenAI-compatible route (``control.gateway.host_openai``: model = the ticket's affinity, the
+ticket in a header) on loopback on ``Ports.openai``; the door sends ``/v1/completions`` and
+``/v1/chat/completions`` there.
 
 A role that runs Triton first checks the adapter memory plan (``backend.serving.memory``) for the
 base
@@ -33,7 +36,6 @@ anything starts, with the message the engine would give from inside Triton.
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import logging
 import os
@@ -64,12 +66,12 @@ from control.contracts.config import (
 )
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger, request_ledger
-from control.contracts.loops import new_event_loop
 from control.contracts.placement import HostUrl
 from control.contracts.store import ArtifactStore
 from control.contracts.ticket_seals import publish_seal
 from control.contracts.tickets import TicketSigner
 from control.gateway.ticket_office import TicketOffice
+from control.ops.app_thread import AppThread
 from control.ops.engine_watch import EngineWatch
 from control.ops.front_door import (
     HAPROXY_PACKAGE,
@@ -121,6 +123,9 @@ class Ports:
     gateway: int = 8080
     triton_http: int = 0
     triton_grpc: int = 0
+    # The host's OpenAI-compatible route (control.gateway.host_openai), on loopback always: its
+    # callers come through the front door (the pod's sidecar on Kubernetes).
+    openai: int = 0
 
     def resolved(self) -> Ports:
         """These ports with every 0 replaced by a port free now, each a different one."""
@@ -258,8 +263,7 @@ class Deployment:
     door: FrontDoor | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
-    _loop: asyncio.AbstractEventLoop | None = None
-    _runner: web.AppRunner | None = None
+    _apps: list[AppThread] = field(default_factory=list)  # the gateway, the host's OpenAI route
 
     def start(self, ready_timeout_s: float = TritonProcess.READY_TIMEOUT_S) -> None:
         self.settings.check_timing()  # timing settings vs the 1 s promises, before anything
@@ -277,6 +281,7 @@ class Deployment:
         internal = {"Triton HTTP (internal)": self.ports.triton_http,
                     "Triton gRPC (internal)": self.ports.triton_grpc} if with_door else {}
         if self.role != "control":
+            internal["OpenAI route (loopback)"] = self.ports.openai
             (internal if with_door else ports)["Triton metrics"] = self.ports.metrics
         if self.role != "triton":
             ports["gateway"] = self.ports.gateway
@@ -328,7 +333,9 @@ class Deployment:
                    f"{self.triton.http_url}, grpc {self.triton.grpc_url}"
                    if self.door is not None else "")
                 + f", metrics http://{self.triton.http_url.rsplit(':', 1)[0]}:"
-                f"{self.ports.metrics}/metrics (log {self.triton.log_path})"
+                f"{self.ports.metrics}/metrics (log {self.triton.log_path}); OpenAI route "
+                f"http://127.0.0.1:{self.ports.openai}/v1/completions (model: the ticket's "
+                "affinity value)"
             )
             # Started once the engine runs: a stub that dies from now on is noticed, its
             # requests recorded and Triton restarted (control.ops.engine_watch).
@@ -401,54 +408,40 @@ class Deployment:
             user=user.name if user is not None else None,
         )
         self.triton.start()
+        self._serve(AppThread("host-openai", self._host_app, "127.0.0.1", p.openai))
         exposed = command_line_exposure()
         if exposed is not None:
             _warn_once("token-exposed", "%s: %s", exposed, TOKEN_EXPOSED_FIX)
         if with_door:
             self.door = local_door(s.run_dir, self.bind, p.http, p.grpc, p.triton_http,
-                                   p.triton_grpc, as_root=os.geteuid() == 0)
+                                   p.triton_grpc, as_root=os.geteuid() == 0,
+                                   openai_port=p.openai)
             self.door.start()
             self.door.wait_ready()
             self.progress(f"front door (haproxy) on {self.door.http_url} (HTTP) and "
                           f"{self.door.grpc_url} (gRPC)")
 
     def _start_gateway(self, office: TicketOffice, triton_urls: list[str]) -> None:
-        # aiohttp and the gateway's routes: imported only by a deployment that runs a gateway
-        from aiohttp import web
+        def make() -> web.Application:
+            from control.gateway.server import make_app  # the gateway's routes: only here
 
-        from control.gateway.server import make_app  # the gateway's routes: likewise
-
-        started = threading.Event()
-        errors: list[BaseException] = []
-
-        def serve() -> None:
-            loop = new_event_loop()
-            self._loop = loop
-            asyncio.set_event_loop(loop)
             # The controller's liveness on this gateway's /metrics, where it runs here.
             gauges = liveness_metrics if self.rollout_controller else None
-            runner = web.AppRunner(make_app(office, triton_urls=triton_urls, gauges=gauges),
-                                   access_log=None)
-            try:
-                loop.run_until_complete(runner.setup())
-                site = web.TCPSite(runner, self.bind, self.ports.gateway)
-                loop.run_until_complete(site.start())
-            except BaseException as e:  # reported to the starting thread
-                errors.append(e)
-                started.set()
-                return
-            self._runner = runner
-            started.set()
-            loop.run_forever()
-            loop.run_until_complete(runner.cleanup())
-            loop.close()
+            return make_app(office, triton_urls=triton_urls, gauges=gauges)
 
-        t = threading.Thread(target=serve, name="gateway", daemon=True)
-        t.start()
-        self._threads.append(t)
-        started.wait(30)
-        if errors:
-            raise RuntimeError(f"gateway failed to start: {errors[0]}")
+        self._serve(AppThread("gateway", make, self.bind, self.ports.gateway))
+
+    def _host_app(self) -> web.Application:
+        from control.gateway.host_openai import make_host_app  # aiohttp: only a Triton host
+
+        assert self.triton is not None
+        return make_host_app(self.triton.http_url, make_engine(self.settings.host_db_url))
+
+    def _serve(self, app: AppThread) -> None:
+        self._apps.append(app)  # before it starts: stop() stops what half-started
+        app.start()
+        if app.thread is not None:
+            self._threads.append(app.thread)
 
     @property
     def tenant_http_url(self) -> str:
@@ -479,16 +472,16 @@ class Deployment:
             self.triton.proc.poll() is None)
         if running or self._threads:
             parts = (["tritonserver"] if running else []) + (
-                ["gateway"] if self._loop is not None else []) + (
+                ["gateway"] if any(a.name == "gateway" and a.running for a in self._apps)
+                else []) + (
                 ["projection follower"] if self.role != "triton" else [])
             in_flight = self._in_flight() if running else 0
             self.progress(f"stopping {', '.join(parts)}" + (
                 f"; {in_flight} request(s) in flight get up to 5 s to finish, the rest end as "
                 "failed (ledger reason 'shutdown')" if in_flight else "; no request in flight"))
         self._stop.set()
-        loop, self._loop = self._loop, None
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(loop.stop)
+        for app in self._apps:
+            app.stop()
         if self.door is not None:
             self.door.stop()  # first: no new request reaches a Triton that is stopping
         if self.triton is not None:

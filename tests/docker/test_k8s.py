@@ -141,10 +141,17 @@ def test_triton_hosts_have_gpus_readiness_and_metrics() -> None:
 
 
 def test_front_door_config_is_the_rendered_one() -> None:
+    """The sidecar's config is the rendered door, its OpenAI route on the port the triton
+    container's host serves it on (issue 25)."""
     cm = _one("ConfigMap", "loraplane-front-door")
+    command = next(c for c in _one("StatefulSet", "loraplane-triton")["spec"]["template"]
+                   ["spec"]["containers"] if c["name"] == "triton")["command"]
+    openai = int(command[command.index("--openai-port") + 1])
     expected = render(DoorConfig(listen="*", http_port=8000, grpc_port=8001,
-                                 upstreams=(Upstream("127.0.0.1", 8100, 8101),)))
+                                 upstreams=(Upstream("127.0.0.1", 8100, 8101),),
+                                 openai_port=openai))
     assert cm["data"]["haproxy.cfg"].strip() == expected.strip()
+    assert "use_backend host_openai if post openai" in cm["data"]["haproxy.cfg"]
 
 
 def test_network_policies_keep_tenants_off_admin_apis_and_metrics() -> None:

@@ -120,3 +120,52 @@ def test_kv_usage_is_the_kv_budget_reserved_when_that_binds_before_the_rows() ->
     m = _metrics([state_of(service(900, 1, 1000))])
     m.publish()
     assert parse(_text(m)).kv_usage == 0.9
+
+
+def test_adapters_are_named_by_the_affinity_values_their_requests_carried() -> None:
+    """Issue 25: a request placed through a host's OpenAI route names its ticket's affinity
+    value, never the sealed digest; the host publishes the values its requests' tickets
+    carried, so the picker's LoRA-affinity scorer finds the value a request used (1.0) on the
+    host running it. A ticket without the value leaves the digest; the lists stay bounded by
+    max_lora, and each adapter keeps at most two values."""
+    from types import SimpleNamespace
+
+    from backend.serving.affinity_names import AffinityNames
+    from backend.triton.placement_metrics import state_of
+
+    x, y, z = "0123456789abcdef", "fedcba9876543210", "00112233aabbccdd"
+    names = AffinityNames()
+    for digest, value in ((A, x), (A, y), (A, z), (B, None), (C, x)):
+        names.record(digest, value)  # A reached through three aliases; C: x's canary arm
+    in_flight = ([A, C], [B])
+    service = SimpleNamespace(
+        affinities=names,
+        scheduler=SimpleNamespace(load=lambda: (2, 1), adapters_in_flight=lambda: in_flight,
+                                  kv_reserved=lambda: 0),
+        cache=SimpleNamespace(report=lambda: {
+            d: SimpleNamespace(tier="device", revoked=False, active_requests=1)
+            for d in (A, B, C)}),
+        engine=SimpleNamespace(max_adapters=3), limits=SimpleNamespace(max_running=4))
+    s = state_of(service)
+    m = _metrics([s])
+    m.publish()
+    pod = parse(_text(m))
+    # A's two most recent values (x is gone from A), C's x once; B's digest (no value)
+    assert pod.active_models == {z, y, x, B}
+    assert lora_affinity(pod, z) == lora_affinity(pod, x) == lora_affinity(pod, B) == 1.0
+    assert A not in pod.active_models and C not in pod.active_models  # digests stay sealed
+    assert len(s.running_adapters) <= 3 and len(s.waiting_adapters) <= 3
+    assert pod.loaded == {"device": {z, y, x, B}}
+    loaded = {dict(k)["adapter_name"]: dict(k)["digest"] for (n, k) in m.values
+              if n == "vllm:lora_adapter_loaded"}
+    assert loaded == {z: A, y: A, x: C, B: B}  # operators can still tell which adapter
+
+
+def test_the_affinity_map_is_bounded() -> None:
+    from backend.serving.affinity_names import AffinityNames
+
+    names = AffinityNames(max_digests=2)
+    for digest in (A, B, C):
+        names.record(digest, "0123456789abcdef")
+    assert names.names(A) == (A,)  # forgotten: the least recently recorded
+    assert names.names(C) == ("0123456789abcdef",)

@@ -27,7 +27,7 @@ RELEASE = "sha256:" + "e" * 64
 # The claim sets, written out here rather than read from the code under test: what a host reads
 # once the arm is opened, and what travels (the arm sealed).
 CLAIMS = {"tenant", "model", "base", "adapter", "tokenizer", "release", "iat", "exp", "jti",
-          "kid", "disclose", "pool", "regions"}
+          "kid", "disclose", "pool", "regions", "affinity"}
 WIRE = {"tenant", "model", "base", "tokenizer", "arm", "pool", "regions", "iat", "exp", "jti",
         "kid"}
 
@@ -280,6 +280,31 @@ def test_a_ticket_runs_only_in_its_pool_and_regions(tmp_path: Path) -> None:
         assert e.value.reason == "claims", over
 
 
+def test_affinity_claim_signed_and_optional(keys: tuple[TicketSigner, TicketVerifier]) -> None:
+    """Issue 25: the alias's placement value travels signed in the clear (the host's OpenAI
+    route and metrics read it); a ticket without it (signed before it existed) stays valid; a
+    malformed value is refused like any malformed claim, and the signer will not sign one."""
+    import hashlib
+    import json
+
+    signer, verifier = keys
+    value = hashlib.sha256(b"any alias").hexdigest()[:16]  # the shape affinity_of gives
+    token = _issue(signer, affinity=value)
+    assert verifier.verify(token).affinity == value
+    assert json.loads(_open_payload(token))["affinity"] == value  # readable without keys
+    older = _issue(signer)
+    assert "affinity" not in json.loads(_open_payload(older))
+    assert verifier.verify(older).affinity is None
+    for bad in (value.upper(), value[:-1], value + "0", value + "\n", "", None, 1234, ["x"],
+                "g" * 16):
+        with pytest.raises(TicketRejected) as e:
+            verifier.verify(_sign_payload(signer, {**_genuine_payload(signer), "affinity": bad}))
+        assert e.value.reason == "claims", bad
+    for bad in (value.upper(), value[:8], ""):
+        with pytest.raises(ValueError):
+            _issue(signer, affinity=bad)
+
+
 def test_older_claim_sets_and_extra_claims_refused(
         keys: tuple[TicketSigner, TicketVerifier]) -> None:
     """Tickets of the earlier claim sets (adapter and release in the clear, with or without
@@ -475,7 +500,10 @@ def _oracle_accepts(claims: dict[str, object], now: float) -> bool:
     """What a valid ticket for this host is, written independently of the decoder."""
     from control.contracts.digests import DIGEST_RE
 
-    if set(claims) != WIRE:
+    if set(claims) - {"affinity"} != WIRE:
+        return False
+    if "affinity" in claims and not (type(claims["affinity"]) is str and len(
+            claims["affinity"]) == 16 and set(claims["affinity"]) <= set("0123456789abcdef")):
         return False
     if not all(type(claims[k]) is str and claims[k] for k in
                ("tenant", "model", "base", "tokenizer", "arm", "jti", "kid")):
@@ -500,7 +528,7 @@ def _signed_claims(draw: st.DrawFn) -> dict[str, object]:
     claims: dict[str, object] = dict(_VALID_CLAIMS)
     for _ in range(draw(st.integers(0, 3))):
         op = draw(st.integers(0, 3))
-        key = draw(st.sampled_from(sorted(_VALID_CLAIMS)))
+        key = draw(st.sampled_from(sorted({*_VALID_CLAIMS, "affinity"})))
         if op == 0:
             claims.pop(key, None)
         elif op == 1:
@@ -510,7 +538,8 @@ def _signed_claims(draw: st.DrawFn) -> dict[str, object]:
         else:
             claims[key] = draw(st.sampled_from([
                 True, 1.5, "", "lora_llm", BASE, TOK, ADAPTER, RELEASE, None,
-                "sha256:" + "A" * 64, "sha256:" + "e" * 64 + "\n",
+                "sha256:" + "A" * 64, "sha256:" + "e" * 64 + "\n", "0123456789abcdef",
+                "0123456789ABCDEF",
                 int(time.time()) - 10, int(time.time()) + 3600, 2**70, -1, _SIGNER.kid]))
     return claims
 
@@ -532,7 +561,7 @@ def _fuzz_signed(claims: dict[str, object]) -> None:
         opened = {k: v for k, v in claims.items() if k != "arm"}
         opened["regions"] = list(claims["regions"])  # type: ignore[call-overload]
         opened.update(adapter=_OPENED["adapter"], release=_OPENED["release"],
-                      disclose=_OPENED["disclose"])
+                      disclose=_OPENED["disclose"], affinity=claims.get("affinity"))
         assert _VERIFIER.verify(token, now=now).to_json() == opened
     else:
         with pytest.raises(TicketRejected):

@@ -43,6 +43,19 @@ class PlacementContract(WithRegistry):
         claims = office.issue("globex", "chat").claims
         assert (claims.pool, claims.regions) == ("shared", ())
 
+    def test_the_alias_placement_value_is_signed_into_every_ticket(
+            self, office: TicketOffice) -> None:
+        """Issue 25: the ticket carries the affinity value the gateway's answer gives (the
+        alias's, equal for its owner and every grantee), as a signed claim a host reads."""
+        from control.contracts.placement import affinity_of
+        from control.contracts.tickets import unverified_claims
+
+        for tenant in ("acme", "globex"):
+            issued = office.issue(tenant, "chat")
+            assert issued.claims.affinity == affinity_of("chat"), tenant
+            assert unverified_claims(issued.token)["affinity"] == affinity_of("chat")
+        assert office.issue("globex", "tiny-base").claims.affinity == affinity_of("tiny-base")
+
     def test_a_dedicated_owner_keeps_its_adapter_in_its_pool_for_every_grantee(
             self, office: TicketOffice, registry: Registry) -> None:
         registry.set_policy("acme", TenantPolicy(isolation="dedicated:gold",

@@ -264,7 +264,10 @@ def test_rendered_configurations_pass_haproxys_own_check(tmp_path: Path) -> None
     binary = haproxy_or_skip()
     local = DoorConfig("127.0.0.1", 8000, 8001, (Upstream("127.0.0.1", 18000, 18001),),
                        uid=65534, gid=65534)
-    for name, text in (("local.cfg", render(local)), ("compose.cfg", compose_config())):
+    openai = DoorConfig("127.0.0.1", 8000, 8001, (Upstream("127.0.0.1", 18000, 18001),),
+                        openai_port=18002)
+    for name, text in (("local.cfg", render(local)), ("compose.cfg", compose_config()),
+                       ("openai.cfg", render(openai))):
         path = tmp_path / name
         path.write_text(text)
         checked = subprocess.run([binary, "-c", "-f", str(path)], capture_output=True,
@@ -276,3 +279,42 @@ def test_rendered_configurations_pass_haproxys_own_check(tmp_path: Path) -> None
         if name == "compose.cfg":
             warnings = [w for w in warnings if "could not resolve address" not in w]
         assert warnings == [], name
+
+
+def test_the_openai_paths_go_to_the_hosts_openai_route(tmp_path: Path) -> None:
+    """Issue 25: with the host's OpenAI route behind it, the door sends POST /v1/completions and
+    /v1/chat/completions there (not to Triton), and still refuses every other /v1/ path, other
+    methods, and what it refused before."""
+    haproxy_or_skip()
+    servers, seen = [], []
+    for _ in range(2):  # a stand-in Triton, a stand-in OpenAI route
+        log: list[tuple[str, str, dict[str, str]]] = []
+        server = _Quiet(("127.0.0.1", 0), type("Handler", (_Recorder,), {"seen": log}))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        seen.append(log)
+    triton, openai = (s.server_address[1] for s in servers)
+    http, grpc, nothing = free_ports(3, avoid=[triton, openai])
+    front = FrontDoor(tmp_path, DoorConfig("127.0.0.1", http, grpc,
+                                           (Upstream("127.0.0.1", triton, nothing),),
+                                           openai_port=openai))
+    front.start()
+    try:
+        front.wait_ready()
+        door = Door(front, seen[0])
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            assert door.request("POST", path, b"{}") == (200, {"path": path})
+        assert [p for _, p, _ in seen[1]] == ["/v1/completions", "/v1/chat/completions"]
+        assert door.request("POST", f"/v2/models/{MODEL}/generate", b"{}")[0] == 200
+        assert [p for _, p, _ in seen[0]] == [f"/v2/models/{MODEL}/generate"]
+        for method, path in (("GET", "/v1/completions"), ("GET", "/v1/models"),
+                             ("POST", "/v1/embeddings"), ("POST", "/v1/completions/x"),
+                             ("POST", "/v2/repository/index"), ("GET", "/metrics")):
+            status, body = door.request(method, path, _body(method))
+            assert (status, body) == (403, {"error": NOT_A_TENANT_ROUTE}), (method, path)
+        assert len(seen[0]) == 1 and len(seen[1]) == 2
+    finally:
+        front.stop()
+        for server in servers:
+            server.shutdown()
+            server.server_close()

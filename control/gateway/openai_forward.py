@@ -206,7 +206,7 @@ async def stream(request: web.Request, chat: bool, g: Generation, model: str, cr
         await send(str(first.get(wire.TEXT_OUTPUT, "")), None)
         async for event in rest:
             await send(str(event.get(wire.TEXT_OUTPUT, "")), None)
-        usage, finish = close(rid)
+        usage, finish = await _closed(close, rid)
         await send(None if chat else "", finish)
         if g.include_usage:
             tail = {"id": cid, "object": kind, "created": created, "model": model,
@@ -224,6 +224,17 @@ async def stream(request: web.Request, chat: bool, g: Generation, model: str, cr
     return resp
 
 
+async def _closed(close: Closer, rid: str) -> tuple[dict[str, int], str]:
+    """``close(rid)`` (a database read) off the event loop, which serves every other request
+    meanwhile; a ledger that cannot answer is an OpenAI-shaped 503, not a bare 500."""
+    try:
+        return await asyncio.to_thread(close, rid)
+    except Exception:
+        log.warning("could not read the ledger row of request %s", rid, exc_info=True)
+        raise ApiError(503, "the request ran but its usage could not be read; retry later",
+                       "server_error", "ledger_unavailable") from None
+
+
 async def respond(request: web.Request, chat: bool, g: Generation, model: str, created: int,
                   answers: AsyncGenerator[dict[str, Any], None], s: Any,
                   close: Closer) -> web.StreamResponse:
@@ -234,7 +245,7 @@ async def respond(request: web.Request, chat: bool, g: Generation, model: str, c
     await answers.aclose()  # releases the upstream connection now
     rid = str(first.get(wire.REQUEST_ID, ""))
     s.set_attribute("loraplane.request_id", rid)
-    usage, finish = close(rid)
+    usage, finish = await _closed(close, rid)
     return answer(chat, rid, created, model, str(first.get(wire.TEXT_OUTPUT, "")), finish, usage)
 
 

@@ -66,13 +66,17 @@ def _ledger(tmp_path: Path, max_tokens: int) -> sa.engine.Engine:
 
 
 async def _run(tmp_path: Path, stand_in: StandIn, calls: list[tuple[dict[str, Any],
-               dict[str, str]]], max_tokens: int = 2) -> list[tuple[int, Any]]:
+               dict[str, str]]], max_tokens: int = 2,
+               drop_ledger: bool = False) -> list[tuple[int, Any]]:
     runners = []
     try:
         ports = []
         for app in (stand_in.app(), None):
             if app is None:
-                app = make_host_app(f"127.0.0.1:{ports[0]}", _ledger(tmp_path, max_tokens))
+                ledger = _ledger(tmp_path, max_tokens)
+                if drop_ledger:  # a database that cannot answer for the row
+                    request_ledger.drop(ledger)
+                app = make_host_app(f"127.0.0.1:{ports[0]}", ledger)
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -139,3 +143,13 @@ def test_the_model_must_be_the_tickets_affinity_value(tmp_path: Path) -> None:
     assert [s for s, _ in answers] == [404, 404, 404, 401, 401]
     assert {b["error"]["code"] for _, b in answers} == {"model_not_found", "invalid_ticket"}
     assert stand_in.seen == []  # nothing reached Triton
+
+
+
+def test_a_ledger_that_cannot_answer_is_an_openai_error(tmp_path: Path) -> None:
+    """Triton answered, but the usage cannot be read: an OpenAI-shaped 503 that names nothing
+    (before: aiohttp's bare 500)."""
+    [(status, body)] = asyncio.run(_run(tmp_path, StandIn(), [_call(ticket=_ticket())],
+                                        drop_ledger=True))
+    assert status == 503 and body["error"]["code"] == "ledger_unavailable", body
+    assert "sha256" not in body["error"]["message"]

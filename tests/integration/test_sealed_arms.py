@@ -19,6 +19,7 @@ import pytest
 
 from control.contracts.db import make_engine
 from control.contracts.ledger import Ledger
+from control.contracts.placement import affinity_of
 from control.domain import CANARY
 from control.ops.clients import generate, request_ticket, stream_generate
 from tests.artifacts import perturbed_copy
@@ -74,9 +75,13 @@ def test_no_tenant_can_read_its_arm_and_only_the_owner_is_told_the_adapter(
             assert "ticket" in body and not {"release", "adapter_digest"} & set(body)
             ticket = str(body["ticket"])
             assert not any(h in _payload(ticket) for h in secret)
-            assert set(json.loads(_payload(ticket))) == {
+            claims = json.loads(_payload(ticket))
+            assert set(claims) == {
                 "tenant", "model", "base", "tokenizer", "arm", "pool", "regions", "iat", "exp",
-                "jti", "kid"}
+                "jti", "kid", "affinity"}
+            # the one clear claim added for placement hashes the alias alone: equal on both
+            # arms and for both tenants, so it tells nothing of the arm
+            assert claims["affinity"] == affinity_of(ALIAS) == body["affinity"]
             lengths[tenant].add(len(ticket))
             protocol = ("http", "grpc")[i % 2]
             url = stack.http if protocol == "http" else stack.grpc

@@ -33,13 +33,13 @@ class _Reused:
 
 
 def test_a_port_handed_out_twice_is_taken_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    _Reused.ports = iter([5000, 5000, 5001, 8000, 5002, 5003, 5003, 5004, 5005])
+    _Reused.ports = iter([5000, 5000, 5001, 8000, 5002, 5003, 5003, 5004, 5005, 5006])
     monkeypatch.setattr(triton_server.socket, "socket", _Reused)
     assert triton_server.free_ports(2) == [5000, 5001]
     resolved = Ports(http=8000, grpc=0, metrics=0, gateway=8080).resolved()
     # 8000 is the http port already, and 5003 came twice: each skipped
-    assert (resolved.grpc, resolved.metrics, resolved.triton_http, resolved.triton_grpc) == (
-        5002, 5003, 5004, 5005)
+    assert (resolved.grpc, resolved.metrics, resolved.triton_http, resolved.triton_grpc,
+            resolved.openai) == (5002, 5003, 5004, 5005, 5006)
 
 
 def test_free_ports_are_distinct_and_free() -> None:

@@ -77,7 +77,6 @@ NOT_A_TENANT_ROUTE = ("refused at the front door: tenants reach health, metadata
 BODY_TOO_LARGE = "request refused: the body is larger than {} bytes"  # the door's cap
 LENGTH_REQUIRED = "request refused: send the body with a Content-Length"
 UNAVAILABLE = "Triton is not ready or cannot be reached; retry"
-HASH_BALANCE_FACTOR = 200  # percent of the average load a host may hold (HAProxy's bound)
 GRPC_SERVICE = "inference.GRPCInferenceService"
 # The host's OpenAI-compatible route (control.gateway.host_openai), where a door sends them.
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -290,13 +289,6 @@ def _placement(c: DoorConfig) -> list[str]:
         # of values elsewhere (consistent hashing), and no header at all is round robin
         f"    balance hdr({c.affinity_header})",
         "    hash-type consistent",
-        # bounded loads: a host holding more than twice the average of the backend's
-        # connections passes new ones to the next host on the ring. One alias is one affinity
-        # value for every tenant it serves, so a popular shared alias would otherwise put all
-        # its traffic on one host; past the bound it spreads, and its adapter is loaded there.
-        # 1.5 times spilled often at four clients over three hosts (hit rate 0.81, below round
-        # robin's 0.85 in one run); twice kept 0.98
-        f"    hash-balance-factor {HASH_BALANCE_FACTOR}",
         # a connection refused (a host just gone, not yet marked down) is tried on another
         # host: the request never reached the first one, so it cannot run twice
         "    retries 2",

@@ -44,10 +44,7 @@ from control.gateway.openai_forward import TICKET_REFUSED, Upstream
 from control.gateway.openai_request import (
     ApiError,
     Generation,
-    generation_of,
-    model_of,
     not_found,
-    prompt_of,
 )
 
 HOST_TICKET_HEADER = "x-loraplane-ticket"
@@ -96,9 +93,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         ticket = ticket_of(request.headers)
         affinity = affinity_claim(ticket)
-        body = await forward.openai_body(request)
-        model = model_of(body)
-        g = generation_of(body, prompt_of(body, chat))
+        _body, model, g = await forward.parsed_request(request, chat)
         if affinity is None or model != affinity:
             raise not_found()
         return await _complete(request, chat, g, ticket, model)

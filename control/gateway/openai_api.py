@@ -73,7 +73,7 @@ from control.gateway.openai_forward import (
     add_completion_routes,
     events,
     open_session,
-    openai_body,
+    parsed_request,
     respond,
     triton_body,
 )
@@ -81,10 +81,7 @@ from control.gateway.openai_request import (
     ApiError,
     Generation,
     bad_request,
-    generation_of,
-    model_of,
     not_found,
-    prompt_of,
     wrong_type,
 )
 from control.gateway.ticket_office import NotGranted, TicketOffice
@@ -173,11 +170,9 @@ def _usage(request: web.Request, request_ids: list[str]) -> dict[str, int]:
 async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         tenant = _tenant(request)
-        body = await openai_body(request)
         # Everything the gateway can check is checked before a ticket is signed: a request a
         # host would refuse never costs a signature, a pin or an upstream call.
-        model = model_of(body)
-        g = generation_of(body, prompt_of(body, chat))
+        body, model, g = await parsed_request(request, chat)
         session = _session(request, body.get("user"))
         issued = await _issue(request, tenant, model, session)
         return await _complete(request, chat, g, issued, model)

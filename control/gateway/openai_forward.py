@@ -24,7 +24,14 @@ from control.contracts.placement import HostUrl, place
 from control.contracts.tickets import GENERIC_REFUSAL
 from control.gateway.bodies import OPENAI_BODY_LIMIT, BodyError, read_json_object
 from control.gateway.observability import GatewayMetrics
-from control.gateway.openai_request import ApiError, Generation, bad_request
+from control.gateway.openai_request import (
+    ApiError,
+    Generation,
+    bad_request,
+    generation_of,
+    model_of,
+    prompt_of,
+)
 
 log = logging.getLogger("loraplane.gateway")
 
@@ -107,6 +114,15 @@ async def openai_body(request: web.Request) -> dict[str, Any]:
     except BodyError as e:
         code = {413: "request_too_large", 408: "request_timeout"}.get(e.status)
         raise ApiError(e.status, e.message, "invalid_request_error", code) from None
+
+
+async def parsed_request(request: web.Request, chat: bool
+                         ) -> tuple[dict[str, Any], str, Generation]:
+    """The body, its ``model`` and the generation it asks for, every field checked (ApiError
+    naming the first that is wrong): what both OpenAI routes, the gateway's and a host's, do
+    before anything else."""
+    body = await openai_body(request)
+    return body, model_of(body), generation_of(body, prompt_of(body, chat))
 
 
 def triton_body(up_inputs: frozenset[str], g: Generation, ticket: str,

@@ -15,7 +15,9 @@ What passes, over HTTP/1.1 on the tenant HTTP port:
 - inference: ``POST /v2/models/<m>[/versions/<v>]/infer``, ``/generate``, ``/generate_stream``;
 - where the host runs its OpenAI-compatible route (``control.gateway.host_openai``; a door
   rendered with ``openai_port``): ``POST /v1/completions`` and ``/v1/chat/completions``, sent
-  to that route on loopback, not to Triton.
+  to that route on loopback, not to Triton; a balancer whose every upstream names its
+  ``openai_port`` sends them to the hosts' routes, placed by the body's ``model``
+  (:func:`_openai_placement`).
 
 Over HTTP/2 on the tenant gRPC port, the matching methods of ``inference.GRPCInferenceService``
 (:data:`TENANT_GRPC_METHODS`). Everything else is refused at the door: model repository, shared
@@ -121,6 +123,10 @@ class Upstream:
     # the host's settings (lower-case letters, digits, dashes).
     pool: str = SHARED_POOL
     name: str | None = None  # the server's name in HAProxy's log; None: from ``host``
+    # The host's OpenAI-compatible route (control.gateway.host_openai), where a balancer sends
+    # /v1/completions and /v1/chat/completions; None: the balancer refuses them (every
+    # upstream names one, or none does).
+    openai_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -147,8 +153,23 @@ class DoorConfig:
     affinity_header: str | None = None
     check_ms: int = 5000
     # The host's OpenAI-compatible route on loopback (one host's door only); None: the door
-    # refuses the /v1/ paths like any other non-tenant route.
+    # refuses the /v1/ paths like any other non-tenant route, unless every upstream names its
+    # own (a balancer: ``Upstream.openai_port``).
     openai_port: int | None = None
+
+
+def _balanced_openai(c: DoorConfig) -> bool:
+    """Whether ``c`` sends the OpenAI paths to its upstreams' routes (a balancer), rather than
+    to one loopback route (``openai_port``) or nowhere. Some hosts with a route and some
+    without are refused: the OpenAI backend would hash onto other servers than the Triton
+    backends, so one affinity value would land on two hosts."""
+    given = [u.openai_port is not None for u in c.upstreams]
+    if any(given) and not all(given):
+        raise ValueError("give every upstream's OpenAI port or none")
+    if any(given) and c.openai_port is not None:
+        raise ValueError("a door's OpenAI route is one loopback port (openai_port) or each "
+                         "upstream's, not both")
+    return any(given)
 
 
 def _json_body(message: str) -> str:
@@ -174,6 +195,8 @@ def _refuse_grpc(message: str, condition: str) -> str:
 def render(c: DoorConfig) -> str:
     """The haproxy.cfg of a door with configuration ``c``."""
     bind = "" if c.listen == "*" else c.listen
+    balanced_openai = _balanced_openai(c)
+    openai = c.openai_port is not None or balanced_openai
     grpc_paths = " ".join(f"/{GRPC_SERVICE}/{m}" for m in TENANT_GRPC_METHODS)
     lines = [
         "# The front door: only tenant routes reach Triton. Rendered by",
@@ -211,7 +234,7 @@ def render(c: DoorConfig) -> str:
         f"    acl model path_reg ^/v2/models/{_MODEL}{_VERSION}(/ready|/config)?$",
         f"    acl infer path_reg ^/v2/models/{_MODEL}{_VERSION}/infer$",
         f"    acl generate path_reg ^/v2/models/{_MODEL}{_VERSION}/generate(_stream)?$",
-        *([f"    acl openai path {' '.join(OPENAI_PATHS)}"] if c.openai_port else []),
+        *([f"    acl openai path {' '.join(OPENAI_PATHS)}"] if openai else []),
         f"    acl ticket_header req.hdr_cnt({TICKET_HEADER}) gt 0",
         f"    acl ticket_headers req.hdr_cnt({TICKET_HEADER}) gt 1",
         "    acl has_length req.hdr(content-length) -m found",
@@ -221,12 +244,13 @@ def render(c: DoorConfig) -> str:
         f"    http-error status 503 content-type application/json string {_json_body(UNAVAILABLE)}",
         _refuse_http(403, NOT_A_TENANT_ROUTE, "unless read health or read server or "
                      "read model !stats or post infer or post generate"
-                     + (" or post openai" if c.openai_port else "")),
+                     + (" or post openai" if openai else "")),
         _refuse_http(400, TICKET_HEADERS_REFUSAL, "if ticket_headers"),
         _refuse_http(400, GENERATE_TICKET_HEADER_REFUSAL, "if generate ticket_header"),
         _refuse_http(411, LENGTH_REQUIRED, "if post !has_length or chunked"),
         _refuse_http(413, BODY_TOO_LARGE.format(c.max_body_bytes), "if too_large"),
-        *(["    use_backend host_openai if post openai"] if c.openai_port else []),
+        *(_pool_rules(c, "host_openai", "post openai ") if balanced_openai else []),
+        *(["    use_backend host_openai if post openai"] if openai else []),
         *_pool_rules(c, "triton_http"),
         "    default_backend triton_http",
         "",
@@ -259,6 +283,15 @@ def render(c: DoorConfig) -> str:
             *(_server(i, u, u.grpc_port, c, " proto h2") for i, u in members),
             "",
         ]
+        if balanced_openai:
+            lines += [
+                f"backend {_backend('host_openai', pool)}",
+                # a host is up for this route when its Triton is ready, as in the other two
+                *(["    option httpchk GET /v2/health/ready"] if c.health_checks else []),
+                *_openai_placement(c),
+                *(_server(i, u, u.openai_port or 0, c, "") for i, u in members),
+                "",
+            ]
     return "\n".join(lines)
 
 
@@ -273,21 +306,22 @@ def _backend(prefix: str, pool: str) -> str:
     return prefix if pool == SHARED_POOL else f"{prefix}_{pool}"
 
 
-def _pool_rules(c: DoorConfig, prefix: str) -> list[str]:
+def _pool_rules(c: DoorConfig, prefix: str, condition: str = "") -> list[str]:
     """One rule per dedicated pool: the pool header names the backend. The header only
     places, like the affinity header: a host verifies that the ticket allows its pool, so a
     forged value is refused there, never served."""
     return [f"    use_backend {_backend(prefix, pool)} "
-            f"if {{ req.hdr({POOL_HEADER}) -m str {pool} }}" for pool in _pools(c)[1:]]
+            f"if {condition}{{ req.hdr({POOL_HEADER}) -m str {pool} }}"
+            for pool in _pools(c)[1:]]
 
 
-def _placement(c: DoorConfig) -> list[str]:
+def _placement(c: DoorConfig, balance: str | None = None) -> list[str]:
     if c.affinity_header is None:
         return []
     return [
         # one affinity value, one host while it is up; a host that goes takes only its share
         # of values elsewhere (consistent hashing), and no header at all is round robin
-        f"    balance hdr({c.affinity_header})",
+        balance or f"    balance hdr({c.affinity_header})",
         "    hash-type consistent",
         # a connection refused (a host just gone, not yet marked down) is tried on another
         # host: the request never reached the first one, so it cannot run twice
@@ -297,10 +331,30 @@ def _placement(c: DoorConfig) -> list[str]:
     ]
 
 
+def _openai_placement(c: DoorConfig) -> list[str]:
+    """The OpenAI backend's placement: the body's ``model`` (the ticket's affinity value, what
+    OpenAI clients send) hashed like the affinity header in the Triton backends: the same
+    bytes through the same hash onto the same ring (same servers, same ids), so one value
+    lands on one host on every route. HAProxy reads the body only as far as its buffer
+    (16 kB): a ``model`` past that (a long chat history before it) is not found, and the
+    affinity header places instead, else round robin."""
+    if c.affinity_header is None:
+        return []
+    return [
+        "    option http-buffer-request",  # the body is in the buffer before placement
+        f"    http-request set-var(txn.affinity) req.hdr({c.affinity_header})",
+        # a fetch that finds nothing leaves the variable as it was: the header's, or unset
+        "    http-request set-var(txn.affinity) req.body,json_query('$.model')",
+        *_placement(c, "    balance hash var(txn.affinity)"),
+    ]
+
+
 def _server(i: int, u: Upstream, port: int, c: DoorConfig, proto: str) -> str:
     label = u.name or u.host
     name = label if label.replace("-", "").isalnum() else f"triton{i}"
-    opts = proto
+    # consistent hashing places a server on its ring by its id: host i is id i + 1 in every
+    # backend (Triton HTTP, gRPC, OpenAI), so each maps a value to the same host
+    opts = f" id {i + 1}{proto}" if c.affinity_header is not None else proto
     if c.health_checks:
         # every host is checked on its HTTP port, in HTTP/1.1 even behind an HTTP/2 server
         inter = "5s" if c.check_ms == 5000 else f"{c.check_ms}ms"

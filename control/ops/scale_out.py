@@ -112,7 +112,9 @@ class ScaleOut:
 
     ``ports`` are the tenant ports (the balancer's ``http`` and ``grpc``) and the gateway's.
     Host i's Triton listens on ``ports.triton_http + 2i`` and ``ports.triton_grpc + 2i``, its
-    metrics on ``ports.metrics + i``; 0 in any of them: free ports.
+    metrics on ``ports.metrics + i``, its OpenAI route (loopback, behind the balancer's
+    ``/v1/completions`` and ``/v1/chat/completions``) on ``ports.openai + i``; 0 in any of
+    them: free ports.
     """
 
     settings: Settings
@@ -137,7 +139,8 @@ class ScaleOut:
             Deployment(host_settings(self.settings, h.name, h.pool),
                        Ports(http=_offset(p.triton_http, 2 * i),
                              grpc=_offset(p.triton_grpc, 2 * i),
-                             metrics=_offset(p.metrics, i)).resolved(),
+                             metrics=_offset(p.metrics, i),
+                             openai=_offset(p.openai, i)).resolved(),
                        base=self.base, actor=self.actor, role="triton", host_id=h.name,
                        front_door="external", triton_user=self.triton_user,
                        progress=self._tagged(h.name))
@@ -151,9 +154,10 @@ class ScaleOut:
         try:
             self.control.start()  # first: it records the signing key the hosts will trust
             start_all(self.triton_hosts)
+            # each host runs its OpenAI route on loopback, as behind its own door
             upstreams = [Upstream("127.0.0.1", d.ports.http, d.ports.grpc, pool=h.pool,
-                                  name=h.name) for h, d in zip(plan, self.triton_hosts,
-                                                               strict=True)]
+                                  name=h.name, openai_port=d.ports.openai)
+                         for h, d in zip(plan, self.triton_hosts, strict=True)]
             self.balancer = start_balancer(self.settings.run_dir / "balancer", upstreams,
                                            http_port=p.http, grpc_port=p.grpc,
                                            listen=self.bind, check_ms=self.check_ms)
@@ -172,12 +176,15 @@ class ScaleOut:
         for d in self.triton_hosts:
             lines.append(f"host {d.host_id} (pool {d.settings.host_pool}): Triton http "
                          f"127.0.0.1:{d.ports.http}, grpc 127.0.0.1:{d.ports.grpc}, metrics "
-                         f"http://127.0.0.1:{d.ports.metrics}/metrics, home {d.settings.home}")
+                         f"http://127.0.0.1:{d.ports.metrics}/metrics, OpenAI route "
+                         f"127.0.0.1:{d.ports.openai}, home {d.settings.home}")
         if self.balancer is not None:
             pools = sorted({d.settings.host_pool for d in self.triton_hosts})
             lines.append(f"balancer (haproxy): tenants http {self.balancer.http_url}, grpc "
-                         f"{self.balancer.grpc_url}; pools {', '.join(pools)} by the "
-                         f"x-loraplane-pool header (log {self.balancer.log_path})")
+                         f"{self.balancer.grpc_url}, OpenAI {self.tenant_openai_url}"
+                         f"/completions and /chat/completions (model: the ticket's affinity "
+                         f"value); pools {', '.join(pools)} by the x-loraplane-pool header "
+                         f"(log {self.balancer.log_path})")
         return lines
 
     @property
@@ -189,6 +196,11 @@ class ScaleOut:
     def tenant_grpc_url(self) -> str:
         assert self.balancer is not None, "the scale-out is not started"
         return self.balancer.grpc_url
+
+    @property
+    def tenant_openai_url(self) -> str:
+        """The OpenAI base URL of the hosts' own routes, through the balancer."""
+        return f"http://{self.tenant_http_url}/v1"
 
     @property
     def gateway_url(self) -> str:

@@ -88,8 +88,8 @@ def cluster(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         # what `serve --hosts 2 --pool gold=1` starts, on free loopback ports
         http, grpc, gateway = free_ports(3)
         scale = ScaleOut(s, 2, {"gold": 1},
-                         Ports(http=http, grpc=grpc, metrics=0,
-                               gateway=gateway, triton_http=0, triton_grpc=0),
+                         Ports(http=http, grpc=grpc, metrics=0, gateway=gateway,
+                               triton_http=0, triton_grpc=0, openai=0),
                          actor=ACTOR)
         try:
             scale.start()
@@ -163,6 +163,32 @@ def test_the_gateways_openai_routes_place_by_pool_too(cluster: Cluster) -> None:
     assert hosts == {"chat": {"shared-0"}, "law": {"gold-0"}}, hosts
 
 
+def _host_openai(c: Cluster, answer: dict[str, str], path: str, pool: str | None) -> str:
+    """One OpenAI request through the balancer to a host's own route; its request id."""
+    chat = path.endswith("chat/completions")
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    headers = {"x-loraplane-ticket": answer["ticket"], "Content-Type": "application/json",
+               **({"x-loraplane-pool": pool} if pool else {})}
+    req = urllib.request.Request(
+        f"{c.scale.tenant_openai_url}{path}", method="POST", headers=headers,
+        data=json.dumps({"model": answer["affinity"], "max_tokens": 2, **prompt}).encode())
+    with urllib.request.urlopen(req, timeout=60) as r:
+        body = json.loads(r.read())
+    assert body["model"] == answer["affinity"]
+    return str(body["id"]).removeprefix("chatcmpl-").removeprefix("cmpl-")
+
+
+def test_the_balancer_sends_openai_paths_to_the_hosts_routes(cluster: Cluster) -> None:
+    # the hosts' own OpenAI routes behind the balancer: model is the affinity value, each
+    # ticket served in its pool as on the Triton routes
+    shared, gold = cluster.ticket("acme", "chat"), cluster.ticket("globex", "law")
+    served = {"chat": [_host_openai(cluster, shared, "/completions", None),
+                       _host_openai(cluster, shared, "/chat/completions", "shared")],
+              "law": [_host_openai(cluster, gold, "/completions", "gold")]}
+    hosts = {alias: set(cluster.host_of(ids).values()) for alias, ids in served.items()}
+    assert hosts == {"chat": {"shared-0"}, "law": {"gold-0"}}, hosts
+
+
 def test_it_says_where_everything_listens(cluster: Cluster) -> None:
     lines = cluster.scale.describe()
     assert len(lines) == 3, lines
@@ -172,6 +198,7 @@ def test_it_says_where_everything_listens(cluster: Cluster) -> None:
         assert f"127.0.0.1:{d.ports.http}" in line and f":{d.ports.metrics}/metrics" in line
     assert cluster.scale.tenant_http_url in lines[-1]
     assert cluster.scale.tenant_grpc_url in lines[-1]
+    assert f"OpenAI {cluster.scale.tenant_openai_url}/completions" in lines[-1]
 
 
 def _listens(url: str) -> bool:

@@ -24,6 +24,7 @@ from backend.serving.engine_types import (
     Sequence,
 )
 from backend.serving.kv_arena import ArenaLayer, KvTraffic, room_for
+from backend.serving.kv_segments import decode_layers, written_back
 from backend.serving.lora_ops import SlotBatch
 from backend.serving.row_runs import RowRuns, plan
 from backend.serving.sampling import FAILED, RowSampling, choose_tokens
@@ -32,6 +33,13 @@ from backend.serving.slots import SlotContext, SlotIdentity
 # seqs, slots, ids [batch, n], mask [batch, width], positions [batch, n], cache -> logits
 Forward = Callable[[list[Sequence], SlotBatch, torch.Tensor, torch.Tensor, torch.Tensor,
                     DynamicCache], torch.Tensor]
+
+
+# A prefill is cut into at most this many passes, each a KV segment of its own; one more pass
+# is taken to be worth this many positions of padding (rows x columns): unlike a decode step's
+# runs, a group's padding is memory the rows hold until they end, not one step's compute.
+PREFILL_GROUPS = 2
+PREFILL_GROUP_COST = 256
 
 
 class BatchSteps:
@@ -53,13 +61,17 @@ class BatchSteps:
         todo = [i for i in range(len(seqs)) if i not in cached]
         with self.lock, torch.inference_mode():
             parts: list[DecodeBatch] = []
-            if todo:
-                parts.append(self._prefill_rows([seqs[i] for i in todo]))
+            rows = [seqs[i] for i in todo]
+            # Rows are prefilled in groups of consecutive rows, each left-padded to its own
+            # longest and kept as a KV segment of its own: one long prompt among short ones
+            # does not widen their buffers (the scheduler sends them sorted by length).
+            for first, end in prefill_groups([len(s.prompt_ids) for s in rows]):
+                parts.append(self._prefill_rows(rows[first:end]))
             order = todo + [i for i in range(len(seqs)) if i in cached]
             for i in order[len(todo):]:
                 one = cached[i]
                 seqs[i].observed |= one.observed  # what the slot held when it was computed
-                parts.append(DecodeBatch([seqs[i]], one.keys, one.values, one.mask,
+                parts.append(DecodeBatch([seqs[i]], list(one.segments), one.mask,
                                          one.last_pos, one.logits, one.slots))
             merged = parts[0]
             for p in parts[1:]:
@@ -89,8 +101,8 @@ class BatchSteps:
         cache.layers = list(arena)
         logits = self.forward(seqs, slots, ids, mask, positions, cache)
         keys, values = cache_tensors(cache)
-        return DecodeBatch(list(seqs), keys, values, mask, positions[:, -1:], logits, slots,
-                           kv_capacity=arena[0].capacity)
+        return DecodeBatch.one(list(seqs), keys, values, mask, positions[:, -1:], logits, slots,
+                               kv_capacity=arena[0].capacity)
 
     def run_model(self, slots: SlotBatch, ids: torch.Tensor, mask: torch.Tensor,
                   positions: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
@@ -152,21 +164,45 @@ class BatchSteps:
                                device=self.device)  # [batch, 1]
             batch.mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
             batch.last_pos = batch.last_pos + 1
-            # Each layer writes the new token's keys and values into its buffer's room
-            # (backend.serving.kv_arena), instead of concatenating the whole KV anew.
-            room = room_for(batch.seqs)
-            arena = [ArenaLayer(k, v, batch.kv_capacity, room, self.kv_traffic)
-                     for k, v in zip(batch.keys, batch.values, strict=True)]
+            # Each layer writes the new token's keys and values into its segment's room
+            # (backend.serving.kv_arena, kv_segments), instead of concatenating the whole KV.
+            layers = decode_layers(batch.segments, batch.seqs,
+                                   self.model.config.num_hidden_layers, self.kv_traffic)
             cache = DynamicCache(config=self.model.config)
-            cache.layers = list(arena)
-            # Rows attend over their own columns, not the longest row's: a row's KV is the
-            # rightmost prompt + tokens-fed columns of the batch (backend.serving.row_runs).
-            self._row_runs = plan([len(s.prompt_ids) + len(s.produced) for s in batch.seqs],
-                                  batch.mask.shape[1])
+            cache.layers = list(layers)
+            # Rows attend over their own columns, not their segment's longest row's: a row's KV
+            # is the rightmost prompt + tokens-fed columns of its segment (row_runs).
+            self._row_runs = segment_runs(batch)
             batch.logits = self.forward(batch.seqs, batch.slots, ids, batch.mask,
                                         batch.last_pos, cache)
-            batch.keys, batch.values = cache_tensors(cache)
-            batch.kv_capacity = arena[0].capacity
+            batch.segments = written_back(batch.segments, layers)
+
+
+def prefill_groups(lengths: list[int]) -> list[tuple[int, int]]:
+    """Consecutive groups ``[first, end)`` of rows whose prompts are ``lengths`` to prefill
+    as one pass each: at most :data:`PREFILL_GROUPS`, split where the padding a group would
+    hold is worth more than one more pass (:data:`PREFILL_GROUP_COST`, rows x columns)."""
+    if not lengths:
+        return []
+    runs = plan(lengths, max(lengths), run_cost=PREFILL_GROUP_COST, most=PREFILL_GROUPS)
+    return [(0, len(lengths))] if runs is None else [(f, e) for f, e, _c in runs.spans]
+
+
+def segment_runs(batch: DecodeBatch) -> RowRuns | None:
+    """The decode step's runs of rows (``backend.serving.row_runs``), planned within each
+    segment (a run never crosses one: each has its own buffers); None for one segment whose
+    rows are best read in one run over its whole width."""
+    spans: list[tuple[int, int, int]] = []
+    for first, end, seg in batch.spans():
+        lengths = [len(s.prompt_ids) + len(s.produced) for s in batch.seqs[first:end]]
+        runs = plan(lengths, seg.width + 1)
+        if runs is None:
+            spans.append((first, end, seg.width + 1))
+        else:
+            spans.extend((first + f, first + e, c) for f, e, c in runs.spans)
+    if len(spans) == 1 and spans[0][2] == batch.mask.shape[1]:
+        return None
+    return RowRuns(tuple(spans))
 
 
 def row_generator(request: GenerationRequest, device: torch.device) -> torch.Generator | None:

@@ -78,5 +78,5 @@ def prefill_chunk(steps: BatchSteps, part: PartialPrefill, tokens: int) -> Decod
         part.capacity, part.done = layers[0].capacity, end
         if end < len(prompt):
             return None
-        return DecodeBatch([seq], part.keys, part.values, mask, positions[:, -1:], logits, slots,
-                           kv_capacity=part.capacity)
+        return DecodeBatch.one([seq], part.keys, part.values, mask, positions[:, -1:], logits,
+                               slots, kv_capacity=part.capacity)

@@ -115,13 +115,41 @@ class Sequence:
                                 adapter_digest=self.served_digest(), failure=self.failure)
 
 
+@dataclass(frozen=True)
+class KvSegment:
+    """Consecutive rows of a running batch whose keys and values share one buffer per layer,
+    left-padded to the segment's own widest row (``backend.serving.kv_segments``)."""
+
+    keys: list[torch.Tensor]  # per layer [rows, kv_heads, width, head_dim]
+    values: list[torch.Tensor]  # per layer [rows, kv_heads, width, head_dim]
+    # Positions the buffers under ``keys`` and ``values`` hold when they are views with room for
+    # decode steps to write into (``backend.serving.kv_arena``); 0: compact, never written into.
+    capacity: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.keys[0].shape[2]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.keys, *self.values]
+
+
 @dataclass
 class DecodeBatch:
-    """The running rows and their KV cache; rows join and leave between decode steps."""
+    """The running rows and their KV cache; rows join and leave between decode steps.
+
+    The KV is held in segments of consecutive rows (``segments``, top to bottom), each in its
+    own buffers and only as wide as its own rows need: rows joining become a segment of their
+    own instead of being copied into one buffer as wide as the longest row. ``mask`` is the
+    whole batch's, left-padded to the widest segment; a segment's rows are its rightmost
+    ``width`` columns."""
 
     seqs: list[Sequence]
-    keys: list[torch.Tensor]  # per layer [batch, kv_heads, width, head_dim]
-    values: list[torch.Tensor]  # per layer [batch, kv_heads, width, head_dim]
+    segments: list[KvSegment]
     mask: torch.Tensor  # [batch, width] long, 0 for left padding
     last_pos: torch.Tensor  # [batch, 1] long, position of each row's last token
     logits: torch.Tensor  # [batch, vocab], for each row's next token
@@ -129,9 +157,45 @@ class DecodeBatch:
     # Only on a one-row prefix-cache entry: the digests its row's slot held when the entry was
     # computed, carried to every row that restores it (the entry skips the forward pass).
     observed: frozenset[str | None] = frozenset()
-    # Positions the buffers under ``keys`` and ``values`` hold when they are views with room for
-    # decode steps to write into (``backend.serving.kv_arena``); 0: compact, never written into.
-    kv_capacity: int = 0
+
+    @classmethod
+    def one(cls, seqs: list[Sequence], keys: list[torch.Tensor], values: list[torch.Tensor],
+            mask: torch.Tensor, last_pos: torch.Tensor, logits: torch.Tensor, slots: SlotBatch,
+            *, observed: frozenset[str | None] = frozenset(), kv_capacity: int = 0,
+            ) -> DecodeBatch:
+        """A batch whose rows are one segment (a prefill's, a prefix-cache entry's)."""
+        segments = [KvSegment(keys, values, kv_capacity)] if keys else []
+        return cls(seqs, segments, mask, last_pos, logits, slots, observed)
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    def _lone(self) -> KvSegment:
+        if len(self.segments) != 1:
+            raise ValueError(f"the batch's KV is in {len(self.segments)} segments, not one")
+        return self.segments[0]
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Per layer keys of a batch held in one segment (a prefill's, an entry's)."""
+        return self._lone().keys if self.segments else []
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return self._lone().values if self.segments else []
+
+    @property
+    def kv_capacity(self) -> int:
+        return self._lone().capacity if self.segments else 0
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """Every layer's keys and values of every segment (memory accounting)."""
+        return [t for seg in self.segments for t in seg.tensors()]
+
+    def spans(self) -> list[tuple[int, int, KvSegment]]:
+        """Each segment with its rows ``[first, end)`` in the batch."""
+        out, first = [], 0
+        for seg in self.segments:
+            out.append((first, first + seg.rows, seg))
+            first += seg.rows
+        return out

@@ -4,29 +4,30 @@ buffers will hold.
 A row's KV grows to its prompt plus every token it may make (:func:`kv_need`). What the engine
 holds is more, and admission counts that:
 
-- **Padding and room.** Rows are left-padded to the longest row, and when rows join, every layer's
-  buffer is made with room for the most tokens any row may still make
-  (``backend.serving.kv_arena``): a join allocates rows x (the longest row now + the most tokens
-  any row has left) (:func:`_join`). A short prompt with many tokens to make joining a long
-  prompt with few holds the long width plus the many tokens on both rows: up to twice what
-  rows x the longest need (the count before) said.
-- **Leaves keep the buffer.** Rows that leave the running batch stay in its buffer
-  (``kv_arena.compacted``), so it holds what its last join allocated until the next join
-  (``KvHeld.batch``, read from the buffer itself).
+- **Segments, padding and room.** The running batch's KV is in segments
+  (``backend.serving.kv_segments``): rows prefilled together are one segment, left-padded to its
+  own longest row, with room for the most tokens any of its rows may still make
+  (``backend.serving.kv_arena``). A join of new rows allocates rows x (their longest + their
+  most left) (:func:`_join`) beside the buffers the batch holds, and moves nothing.
+- **Leaves keep the buffer.** Rows that leave stay in their segment's buffer
+  (``kv_arena.compacted``) until every row of the segment has left (``KvHeld.batch``, read from
+  the buffers themselves).
 - **Chunked prompts have their own buffer** (``backend.serving.chunked_prefill``): prompt plus
-  max_tokens each, beside the running batch's until they join it, oldest first.
+  max_tokens each, which becomes their segment when they join.
+- **Merged segments.** A batch keeps at most ``MOST_SEGMENTS``; a join past that merges
+  neighbours into one buffer of at most rows x (longest + most left) of their rows. Merged
+  segments hold disjoint rows, so together they hold at most :func:`_join` over all the rows:
+  when a merge may happen, that much more is counted.
 
-So the most the buffers can hold before the live rows end (:func:`reserved`) is the larger of
-the batch's buffer plus every chunked prompt's, and, after the k-th chunked prompt has joined,
-the join over the batch's rows and those k plus the chunked prompts still to come. A row's now +
-left is its need, which does not change, so a later join of the same rows allocates no more than
-this counts. The scheduler admits in the order the waiting room gives (the head of the tenant
-whose live requests reserve least, ``backend.serving.tenant_queues``) while that stays within
-the budget (``SchedulerLimits.max_kv_tokens``, from the memory plan); the job named next that
-does not fit waits, and nothing overtakes it, so a long request is never starved by short
-ones. The copies a join or a prefill holds for a moment are not counted here: the memory plan's
-KV reserve is twice the budget for them.
-"""
+So the most the buffers can hold before the live rows end (:func:`reserved`) is what the
+batch's buffers hold, plus the new rows' join, plus every chunked prompt's buffer, plus the
+merge allowance when the segments may pass their limit. The scheduler admits in the order the
+waiting room gives (the head of the tenant whose live requests reserve least,
+``backend.serving.tenant_queues``) while that stays within the budget
+(``SchedulerLimits.max_kv_tokens``, from the memory plan); the job named next that does not fit
+waits, and nothing overtakes it, so a long request is never starved by short ones. The copies a
+merge or a prefill holds for a moment are not counted here: the memory plan's KV reserve is
+twice the budget for them."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from backend.serving.engine_types import DecodeBatch, Sequence
+from backend.serving.kv_segments import MOST_SEGMENTS
 from backend.serving.tenant_queues import TenantQueues
 
 
@@ -62,15 +64,20 @@ def kv_need(seq: Sequence) -> int:
 class KvHeld:
     """What the engine holds now that the rows' extents do not say."""
 
-    batch: int = 0  # positions the running batch's buffer holds (rows that left in place too)
+    batch: int = 0  # positions the running batch's buffers hold (rows that left in place too)
+    segments: int = 0  # the running batch's KV segments
 
     @classmethod
     def of(cls, batch: DecodeBatch | None) -> KvHeld:
-        """Read from the running batch's own buffer (layer 0's keys: every layer's is alike)."""
-        if batch is None or not batch.keys:
+        """Read from the running batch's own buffers (layer 0's keys: every layer's is alike)."""
+        if batch is None or not batch.segments:
             return cls()
-        k = batch.keys[0]
-        return cls(k.untyped_storage().nbytes() // (k.shape[1] * k.shape[3] * k.element_size()))
+        positions = 0
+        for seg in batch.segments:
+            k = seg.keys[0]
+            positions += k.untyped_storage().nbytes() // (k.shape[1] * k.shape[3]
+                                                           * k.element_size())
+        return cls(positions, len(batch.segments))
 
 
 def _extent(seq: Sequence) -> Extent:
@@ -86,15 +93,15 @@ def _join(rows: Seq[Extent]) -> int:
     return len(rows) * (max(n for n, _ in rows) + max(left for _, left in rows))
 
 
-def _most_held(batch: list[Extent], chunked: list[Extent], held: KvHeld) -> int:
-    """The most the buffers hold until the rows end (see the module notes)."""
-    waiting = sum(n + left for n, left in chunked)  # each chunked prompt's own buffer
-    worst = max(held.batch, _join(batch)) + waiting
-    joined = list(batch)
-    for n, left in chunked:  # they join one at a time, oldest first
-        joined.append((n, left))
-        waiting -= n + left
-        worst = max(worst, _join(joined) + waiting)
+def _most_held(running: list[Extent], new: list[Extent], chunked: list[Extent],
+               held: KvHeld) -> int:
+    """The most the buffers hold until the rows end (see the module notes): ``running``, the
+    batch's rows; ``new``, rows prefilled to join it now; ``chunked``, prompts prefilled in
+    chunks, each joining as a segment of its own."""
+    worst = held.batch + _join(new) + sum(n + left for n, left in chunked)
+    # each new row may come as a segment of its own (a prefix-cache entry), each chunked one
+    if held.segments + len(new) + len(chunked) > MOST_SEGMENTS:
+        worst += _join([*running, *new, *chunked])
     return worst
 
 
@@ -102,7 +109,7 @@ def reserved(running: Seq[HasSequence], chunked: Seq[HasSequence] = (),
              held: KvHeld = KvHeld()) -> int:
     """The most KV positions the buffers of ``running`` (the batch's rows) and ``chunked``
     (prompts prefilled in chunks, oldest first) hold until those rows end."""
-    return _most_held([_extent(j.seq) for j in running], [_extent(j.seq) for j in chunked],
+    return _most_held([_extent(j.seq) for j in running], [], [_extent(j.seq) for j in chunked],
                       held)
 
 
@@ -125,6 +132,7 @@ def admit(queue: TenantQueues[J], running: Seq[J], max_running: int, budget: int
     the admitted jobs and whether the job named next waited for KV room."""
     room = max_running - len(running) - len(chunked)
     batch = [_extent(j.seq) for j in running]
+    new: list[Extent] = []
     pending = [_extent(j.seq) for j in chunked]
     use: Counter[str] = Counter()
     for j in (*running, *chunked):
@@ -133,11 +141,11 @@ def admit(queue: TenantQueues[J], running: Seq[J], max_running: int, budget: int
     while len(admitted) < room and (job := queue.next(use)) is not None:
         if budget is not None:
             head = job.seq
-            more = ([*batch, _extent(head)], pending) if not will_chunk(head) else \
-                (batch, [*pending, _extent(head)])
-            if _most_held(*more, held) > budget:
+            more = ([*new, _extent(head)], pending) if not will_chunk(head) else \
+                (new, [*pending, _extent(head)])
+            if _most_held(batch, *more, held) > budget:
                 return admitted, True
-            batch, pending = more
+            new, pending = more
         queue.take(job)
         use[job.tenant] += kv_need(job.seq)
         admitted.append(job)

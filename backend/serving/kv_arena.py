@@ -18,11 +18,12 @@ produce (:func:`room_for`), so a batch whose rows stay the same never moves its 
 cap, the longest row's prompt plus max_tokens, was wrong for rows that joined wider ones: they
 end further right than their own length says, and ran out of room once before finishing.)
 
-Rows joining (``merged``) are written straight into a buffer with room (one copy of the KV per
-join, as before, but none per token). Rows leaving the running batch stay in its buffer: the rows
-kept after a row that left move up over it (:func:`compacted`), so a leave allocates nothing, and
-when the oldest rows leave (or the newest) it moves nothing. Rows are still left-padded
-to the batch's longest; paged storage that moves no KV on joins and leaves is not built yet.
+The running batch is cut into segments, each with buffers of its own
+(``backend.serving.kv_segments``): rows joining become a segment, so a join moves no KV unless
+two segments are merged. Rows leaving stay in their segment's buffer: the rows kept after a row
+that left move up over it (:func:`compacted`), so a leave allocates nothing, and when the
+oldest rows leave (or the newest) it moves nothing. Within a segment rows are left-padded to its
+longest; paged storage (blocks per row) is not built.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def resident_memory(engine: Engine, scheduler: Scheduler | None = None,
     if running is not None:
         counter.add("gathered", [t for pair in dict(running.slots.gathered).values()
                                  for t in pair])
-        counter.add("kv_cache", [*running.keys, *running.values])
+        counter.add("kv_cache", running.kv_tensors())
         counter.add("workspace", _bookkeeping(running))
     if scheduler is not None:
         counter.add("kv_cache", scheduler.prefill_tensors())

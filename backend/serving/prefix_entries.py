@@ -46,13 +46,16 @@ def remember(cache: PrefixCache[DecodeBatch] | None,
         if not bool(torch.isfinite(logits).all()):
             continue  # a row that will fail alone is no prompt to remember
         first = int(batch.mask[i].nonzero()[0])
+        top, _end, seg = next(s for s in batch.spans() if s[0] <= i < s[1])
+        # the row's columns in its segment, which is right-aligned with the batch's mask
+        row, col = i - top, first - (batch.mask.shape[1] - seg.width)
 
-        def own(t: torch.Tensor, i: int = i, first: int = first) -> torch.Tensor:
-            return t[i:i + 1, :, first:].clone(memory_format=torch.contiguous_format)
+        def own(t: torch.Tensor, row: int = row, col: int = col) -> torch.Tensor:
+            return t[row:row + 1, :, col:].clone(memory_format=torch.contiguous_format)
 
-        keys, values = [own(k) for k in batch.keys], [own(v) for v in batch.values]
-        entry = DecodeBatch([], keys, values, batch.mask[i:i + 1, first:].clone(),
-                            batch.last_pos[i:i + 1].clone(), logits.clone(),
-                            SlotBatch.from_slots([seq.slot], logits.device),
-                            observed=frozenset(seq.observed))
+        keys, values = [own(k) for k in seg.keys], [own(v) for v in seg.values]
+        entry = DecodeBatch.one([], keys, values, batch.mask[i:i + 1, first:].clone(),
+                                batch.last_pos[i:i + 1].clone(), logits.clone(),
+                                SlotBatch.from_slots([seq.slot], logits.device),
+                                observed=frozenset(seq.observed))
         cache.put(key, entry, sum(t.numel() * t.element_size() for t in keys + values))

@@ -15,8 +15,8 @@ the columns it had before (the serving state machine checks the tokens against P
 cost a call each, so :func:`plan` picks the split that minimises rows x columns plus a fixed cost
 per run, at most :data:`MOST_RUNS`. Prefill passes (more than one query position) take plain SDPA.
 
-This removes the compute that padding costs, not the memory: the buffers are still as wide as the
-longest row (paged storage is what would bring ``peak_kv_vs_live_kv`` down).
+A batch whose KV is in several segments (``backend.serving.kv_segments``) is planned within each
+segment, and its keys and values come as one view per segment: a run reads its own segment's.
 
 The function is registered with transformers' attention interface under :data:`NAME` (and the
 SDPA mask under the same name, so the model builds the masks SDPA gets); a pass gives the runs as
@@ -33,6 +33,8 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from backend.serving.kv_segments import SegmentViews
 
 NAME = "loraplane_row_runs"
 MOST_RUNS = 4
@@ -95,24 +97,39 @@ def plan(lengths: Sequence[int], width: int, *, run_cost: int | None = None,
     return RowRuns(tuple(spans))
 
 
-def row_run_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                      value: torch.Tensor, attention_mask: torch.Tensor | None,
-                      dropout: float = 0.0, scaling: float | None = None,
-                      row_runs: RowRuns | None = None,
+def row_run_attention(module: torch.nn.Module, query: torch.Tensor,
+                      key: torch.Tensor | SegmentViews, value: torch.Tensor | SegmentViews,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                      scaling: float | None = None, row_runs: RowRuns | None = None,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """SDPA per run of rows over the run's columns (see the module notes); plain SDPA without
-    runs or for more than one query position."""
-    if row_runs is None or query.shape[2] != 1:
+    runs or for more than one query position. A segmented batch's keys and values
+    (``kv_segments.SegmentViews``) are read per segment, each run within one."""
+    if isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) and (
+            row_runs is None or query.shape[2] != 1):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
+    if row_runs is None:  # segments, no plan: each segment over its whole width
+        assert isinstance(key, SegmentViews)
+        row_runs = RowRuns(tuple((f, e, t.shape[2]) for f, e, t in key.parts))
     outs = []
     for first, end, cols in row_runs.spans:
+        k, v = _rows(key, first, end), _rows(value, first, end)
         mask = None if attention_mask is None else attention_mask[first:end, ..., -cols:]
-        out, _ = sdpa_attention_forward(module, query[first:end], key[first:end, :, -cols:],
-                                        value[first:end, :, -cols:], mask, dropout=dropout,
+        out, _ = sdpa_attention_forward(module, query[first:end], k[:, :, -cols:],
+                                        v[:, :, -cols:], mask, dropout=dropout,
                                         scaling=scaling, **kwargs)
         outs.append(out)
     return torch.cat(outs, dim=0), None
+
+
+def _rows(kv: torch.Tensor | SegmentViews, first: int, end: int) -> torch.Tensor:
+    """Rows ``[first, end)`` of a batch's keys or values (one tensor, or the segment holding
+    them)."""
+    if isinstance(kv, torch.Tensor):
+        return kv[first:end]
+    start, t = kv.part_of(first, end)
+    return t[first - start:end - start]
 
 
 def use_row_runs(model: PreTrainedModel) -> None:

@@ -313,7 +313,7 @@ class Scheduler:
                 job.seq.done = True
                 job.outcome, job.reason = Outcome.REVOKED, "immediate"
             self._retain([i for i in range(len(self._running)) if i not in set(killed)])
-        cached = self._cached(starting)
+        cached = cached_entries(self.prefix_cache, [j.key for j in starting])
         long = [j for i, j in enumerate(starting) if i not in cached and self._will_chunk(j.seq)]
         if long:
             with self._cv:
@@ -322,6 +322,7 @@ class Scheduler:
             starting = [j for j, _hit in short]
             cached = {i: hit for i, (_j, hit) in enumerate(short) if hit is not None}
         if starting:
+            starting, cached = _cached_last(starting, cached)
             joined = eng.prefill([j.seq for j in starting], cached)
             self._remember(starting, joined, cached.keys())
             self._join(starting, joined)
@@ -422,9 +423,6 @@ class Scheduler:
 
     # -- prefix cache (backend.serving.prefix_entries) ----------------------------------------
 
-    def _cached(self, new: list[_Job]) -> dict[int, DecodeBatch]:
-        return cached_entries(self.prefix_cache, [j.key for j in new])
-
     def _remember(self, new: list[_Job], batch: DecodeBatch,
                   hits: Collection[int] = ()) -> None:
         remember(self.prefix_cache, [(j.seq, j.key) for j in new], batch, hits)
@@ -450,6 +448,18 @@ def _order_fits(budget: int | None, running: list[_Job], batch: DecodeBatch | No
     """Whether prompts prefilled in chunks joining in ``order`` keep what the buffers hold
     within ``budget`` (``backend.serving.kv_admission.reserved``)."""
     return lambda order: budget is None or reserved(running, order, KvHeld.of(batch)) <= budget
+
+
+def _cached_last(jobs: list[_Job], cached: dict[int, DecodeBatch]
+                 ) -> tuple[list[_Job], dict[int, DecodeBatch]]:
+    """``jobs`` shortest prompt first, those restored from the prefix cache last, and ``cached``
+    indexed accordingly. A prefill groups consecutive rows by length, each group a KV segment
+    (``BatchSteps.prefill``), and its batch comes back in its jobs' order, each entry a segment
+    after the computed rows' (``kv_segments``): this order needs no copy to restore."""
+    computed = sorted((i for i in range(len(jobs)) if i not in cached),
+                      key=lambda i: len(jobs[i].seq.prompt_ids))
+    order = computed + sorted(cached)
+    return [jobs[i] for i in order], {k: cached[i] for k, i in enumerate(order) if i in cached}
 
 
 def _gone(job: _Job) -> bool:

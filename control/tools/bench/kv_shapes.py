@@ -1,24 +1,24 @@
-"""What padding rows to the longest costs (issue 26's ``mixed_lengths_vs_uniform`` and
+"""What padding rows costs (issue 26's ``mixed_lengths_vs_uniform`` and
 ``peak_kv_vs_live_kv``).
 
-The running batch keeps its rows' keys and values left-padded to its longest row, in buffers with
-room for the most tokens any row may still make (``backend.serving.kv_arena``). Two figures show
-what that costs, each from runs through one scheduler:
+The running batch keeps its rows' keys and values in segments (``backend.serving.kv_segments``):
+rows prefilled together, grouped by prompt length, each group left-padded to its own longest
+row, in buffers with room for the most tokens its rows may still make
+(``backend.serving.kv_arena``). Two figures show what padding still costs, each from runs
+through one scheduler:
 
 - ``mixed_lengths_vs_uniform``: decode tokens/s of 31 short rows plus one row with a
   :data:`LONG_PROMPT_TOKENS`-token prompt, over 32 short rows, alternated, best of ``reps``
   each. Decode only: the window runs from the long row's first token (every row is then in the
-  batch) to the end, so the long prompt's own prefill is not counted against it. Every short
-  row's KV buffer then holds the long row's width; since the row runs
-  (``backend.serving.row_runs``) its attention reads only its own columns.
+  batch) to the end, so the long prompt's own prefill is not counted against it. The long row
+  is a segment of its own, and the row runs (``backend.serving.row_runs``) keep each row's
+  attention to its own columns.
 - ``peak_kv_vs_live_kv``: the most KV bytes the engine held (every layer's buffers under the
   running batch, their room included, and any prompt being prefilled in chunks) over the most
   it needed for the tokens the rows actually have (each row's prompt and tokens so far, no
   padding, no room), sampled at every decode step of the mixed run. The copies a join holds
-  for a moment (old and new buffers) are not sampled.
-
-Paged KV storage, where each row holds blocks for its own tokens only, is what would bring the
-second to 1 (not built yet).
+  for a moment (old and new buffers) are not sampled. Before the segments, every short row was
+  padded to the long row's width: 13.3.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class _KvSampler:
 
     def sample(self, batch: DecodeBatch) -> None:
         storages: dict[int, int] = {}
-        for t in [*batch.keys, *batch.values, *self.sched.prefill_tensors()]:
+        for t in [*batch.kv_tensors(), *self.sched.prefill_tensors()]:
             s = t.untyped_storage()
             storages[s.data_ptr()] = s.nbytes()
         held = sum(storages.values())

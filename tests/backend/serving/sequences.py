@@ -29,9 +29,9 @@ def storages(ts: list[torch.Tensor]) -> list[int]:
 def decode_in_place(engine: Engine, batch: DecodeBatch, steps: int, what: str) -> list[int]:
     """Run ``steps`` decode steps on ``batch``, asserting that none moves its KV to new buffers
     (``what`` names the steps in the message); the buffers' places."""
-    buffers = storages(batch.keys + batch.values)
+    buffers = storages(batch.kv_tensors())
     for step in range(steps):
         engine.choose(batch)
         engine.advance(batch)
-        assert storages(batch.keys + batch.values) == buffers, f"{what} {step} moved the KV"
+        assert storages(batch.kv_tensors()) == buffers, f"{what} {step} moved the KV"
     return buffers

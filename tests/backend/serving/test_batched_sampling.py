@@ -41,7 +41,7 @@ def _seq(temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) 
 
 def _batch(seqs: list[Sequence], logits: torch.Tensor) -> DecodeBatch:
     n = len(seqs)
-    return DecodeBatch(seqs, [], [], torch.ones((n, 1), dtype=torch.long),
+    return DecodeBatch.one(seqs, [], [], torch.ones((n, 1), dtype=torch.long),
                        torch.zeros((n, 1), dtype=torch.long), logits,
                        SlotBatch.from_slots([0] * n, CPU))
 

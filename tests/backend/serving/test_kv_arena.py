@@ -258,16 +258,36 @@ def test_engine_decode_steps_write_in_place(engine: Engine, kit_dir: Path) -> No
         assert traffic.written - traffic.computed == row
 
 
-def test_a_short_row_joining_a_wide_one_has_room_to_its_end(engine: Engine) -> None:
-    """A row that joins wider rows is left-padded to their width, so it ends further right than
-    its own prompt plus max_tokens. The room reserved at the join must reach that end: before,
-    it was capped at the longest row's prompt plus max_tokens, and the joined row ran out of
-    room (a full copy of the KV) two steps after joining."""
+def test_a_short_row_joining_a_wide_one_is_a_segment_of_its_own(engine: Engine) -> None:
+    """Rows joining become a segment of their own (``backend.serving.kv_segments``): the join
+    writes no KV, the short row's buffer is as wide as its own prompt (before, it was padded to
+    the wide row's width and the whole batch was copied into a new buffer), it has room to its
+    own end, and both rows decode in place until they finish, leaving as they do."""
     wide = GenerationRequest("Once upon a time, in a quiet city", None, max_tokens=3)
     short = GenerationRequest("Hi", None, max_tokens=12)
     with opened(engine, wide, short) as (a, b):
+        engine.steps.kv_traffic = traffic = KvTraffic()
         batch = engine.prefill([a])
         engine.choose(batch)
         engine.advance(batch)
-        batch = engine.merge(batch, engine.prefill([b]))
-        decode_in_place(engine, batch, 8, "step after the join")
+        joining = engine.prefill([b])
+        written = traffic.written
+        merged = engine.merge(batch, joining)
+        assert traffic.written == written, "the join copied KV"
+        assert [seg.width for seg in merged.segments] == [len(a.prompt_ids) + 1,
+                                                          len(b.prompt_ids)]
+        assert merged.segments[1].capacity >= len(b.prompt_ids) + short.max_tokens
+        short_buffers = storages(merged.segments[1].tensors())
+        batch, steps = merged, 0
+        while batch is not None:
+            engine.choose(batch)
+            batch = engine.retain(batch, [i for i, s in enumerate(batch.seqs) if not s.done],
+                                  reuse=True)
+            if batch is None:
+                break
+            engine.advance(batch)
+            steps += 1
+            assert storages(batch.segments[-1].tensors()) == short_buffers, \
+                f"step {steps} moved the short row's KV"
+        assert traffic.written == traffic.computed  # nothing but computed KV was ever written
+        assert len(b.produced) == short.max_tokens or b.produced[-1] in engine.eos_ids

@@ -32,10 +32,9 @@ def engine(kit_dir: Path) -> Engine:
 def _kv_positions(sched: Scheduler) -> int:
     """Positions the running batch's KV tensors hold now: rows x width, from layer 0."""
     batch = sched.running_batch()
-    if batch is None or not batch.keys:
+    if batch is None:
         return 0
-    rows, _heads, width, _dim = batch.keys[0].shape
-    return int(rows * width)
+    return sum(seg.rows * seg.width for seg in batch.segments)
 
 
 def test_a_burst_over_the_budget_queues_and_every_request_is_answered(engine: Engine) -> None:
@@ -86,36 +85,68 @@ def test_the_memory_plan_reserves_kv_after_weights_banks_and_headroom(engine: En
 
 
 def _held_positions(sched: Scheduler) -> int:
-    """Positions the running batch's layer-0 key buffer holds, its room and any rows that left
+    """Positions the running batch's layer-0 key buffers hold, their room and any rows that left
     in place included: what the engine allocated, not what the accounting says."""
     batch = sched.running_batch()
-    if batch is None or not batch.keys:
+    if batch is None:
         return 0
-    k = batch.keys[0]
-    return k.untyped_storage().nbytes() // (k.shape[1] * k.shape[3] * k.element_size())
+    return sum(seg.keys[0].untyped_storage().nbytes()
+               // (seg.keys[0].shape[1] * seg.keys[0].shape[3] * seg.keys[0].element_size())
+               for seg in batch.segments)
 
 
-def test_a_short_row_joining_a_long_one_is_counted_as_the_buffers_it_takes(
-        engine: Engine) -> None:
-    """Rows are left-padded to the longest, and the buffer reserves room for the most tokens
-    any row may still make: a short prompt with many tokens joining a long prompt with few holds
-    the long width plus the many tokens, on both rows. Admission counted rows x the longest
-    prompt + max_tokens (here exactly the budget), and the buffers took twice the budget."""
+def test_a_short_row_joining_a_long_one_takes_only_its_own_shape(engine: Engine) -> None:
+    """Rows that join are a KV segment of their own (``backend.serving.kv_segments``): a short
+    prompt with many tokens joining a long prompt with few holds its own width plus its own
+    tokens, not the long width plus the many tokens on both rows. Before, one buffer padded to
+    the longest held twice the budget here, so admission had to make the short row wait for the
+    long one; now both shapes fit the budget together and run at once."""
     long = GenerationRequest("word " * 24, None, max_tokens=4)  # 121 tokens with bos
     a = engine.open_sequence(long)
     b = engine.open_sequence(GenerationRequest("Hi", None, max_tokens=kv_need(a) - 3))
     assert kv_need(a) == kv_need(b)
-    budget = 2 * kv_need(a)  # both rows, were they the same shape
+    budget = 2 * kv_need(a)  # both rows, each its own shape
     sched = Scheduler(engine, SchedulerLimits(max_running=4, max_kv_tokens=budget),
                       start=False)
     sinks = [Sink(), Sink()]
     sched.submit(a, sinks[0])
     sched.run_once()
     sched.submit(b, sinks[1])
-    held = 0
+    held, together = 0, 0
     while sched.run_once():
         held = max(held, _held_positions(sched))
+        together = max(together, sched.load()[0])
         assert sched.kv_reserved() <= budget
     assert held <= budget, f"the KV buffers held {held} positions over a budget of {budget}"
-    assert sched.kv_waits > 0  # the short row waited for the long one to finish
+    assert sched.kv_waits == 0 and together == 2  # the short row did not wait
     assert [s.outcome for s in sinks] == ["ok", "ok"]
+
+
+def test_merged_segments_stay_within_the_budget(engine: Engine) -> None:
+    """Rows arriving one at a time each make a segment; past the limit two neighbours are
+    merged into one buffer padded to the wider. Whatever the shapes, the buffers the engine
+    holds (read from the tensors) never pass the budget admission counted against."""
+    shapes = [("word " * 20, 3), ("Hi", 40), ("The cat sat", 9), ("word " * 8, 20),
+              ("A", 30), ("word " * 14, 6), ("Once upon a time", 12), ("Yes", 25)]
+    needs = []
+    for prompt, n in shapes:
+        seq = engine.open_sequence(GenerationRequest(prompt, None, max_tokens=n))
+        needs.append(kv_need(seq))
+        engine.close_sequence(seq)
+    budget = sum(needs) // 2
+    sched = Scheduler(engine, SchedulerLimits(max_running=8, max_kv_tokens=budget),
+                      start=False)
+    sinks = [Sink() for _ in shapes]
+    held, most_segments = 0, 0
+    for (prompt, n), sink in zip(shapes, sinks, strict=True):
+        sched.submit(engine.open_sequence(GenerationRequest(prompt, None, max_tokens=n)), sink)
+        sched.run_once()
+        held = max(held, _held_positions(sched))
+    while sched.run_once():
+        held = max(held, _held_positions(sched))
+        batch = sched.running_batch()
+        most_segments = max(most_segments, len(batch.segments) if batch else 0)
+        assert sched.kv_reserved() <= budget
+    assert held <= budget, f"the KV buffers held {held} positions over a budget of {budget}"
+    assert most_segments > 1
+    assert [s.outcome for s in sinks] == ["ok"] * len(shapes)

@@ -268,11 +268,9 @@ class ServingMachine(RuleBasedStateMachine):
         # the engine's own tensors, not the accounting: the running batch's first layer, and
         # that layer of every prompt still being prefilled in chunks, beside it
         layers = self.sched.prefill_tensors()[::2 * self.eng.base_config.num_hidden_layers]
-        if batch is not None and batch.keys:
-            keys = batch.keys[0]
-            rows, _heads, width, _dim = keys.shape
-            assert rows * width <= self.kv_budget
-            layers.append(keys)
+        if batch is not None:  # each KV segment's first layer
+            assert sum(seg.rows * seg.width for seg in batch.segments) <= self.kv_budget
+            layers += [seg.keys[0] for seg in batch.segments]
         # and the buffers under them, with the room reserved for the tokens to come
         held = sum(k.untyped_storage().nbytes() // (k.shape[1] * k.shape[3] * k.element_size())
                    for k in layers)

@@ -30,7 +30,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from control.domain import SERVABLE_STATES
-from projections.routing import Placement, placements_of
+from projections.routing import PLACEMENT_COLUMNS, Placement, placement_of, placements_of
 from projections.tables import (
     CHANGES_PRUNED,
     adapters,
@@ -110,9 +110,8 @@ class RouteTables:
                     self.keys_of[t] = hashes
                 else:
                     self.keys_of.pop(t, None)
-            placed = {str(r.name): Placement(r.pool, _regions(r.regions))
-                      for r in self._read(conn, sa.select(tenants.c.name, tenants.c.pool,
-                                                          tenants.c.regions)
+            placed = {str(r.name): placement_of(r)
+                      for r in self._read(conn, sa.select(tenants.c.name, *PLACEMENT_COLUMNS)
                                           .where(tenants.c.name.in_(part)))}
             for t in part:
                 p = placed.get(t)
@@ -212,10 +211,6 @@ def _release(r: Any) -> Release:
     return Release(r.adapter_digest, str(r.base_digest), str(r.tokenizer_digest),
                    servable=r.adapter_digest is None or r.state in SERVABLE_STATES,
                    owner=r.tenant)
-
-
-def _regions(value: Any) -> tuple[str, ...]:
-    return tuple(x for x in str(value).split(",") if x)
 
 
 def _chunks(keys: list[str]) -> Iterator[list[str]]:

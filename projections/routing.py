@@ -104,18 +104,31 @@ class SigningKeyRow:
 @dataclass(frozen=True)
 class Placement:
     """Where a tenant's requests may run (its policy, issue 25): its dedicated pool (None: the
-    shared one) and regions (empty: any)."""
+    shared one) and regions (empty: any); ``max_replicas``: how many hosts may hold one of its
+    adapters at once (None: no bound), which decides how its aliases are placed
+    (``control.contracts.placement.affinity_of``)."""
 
     pool: str | None = None
     regions: tuple[str, ...] = ()
+    max_replicas: int | None = None
+
+
+def placement_of(row: Any) -> Placement:
+    """A ``tenants`` row's placement (its ``pool``, ``regions`` and ``max_replicas``)."""
+    return Placement(row.pool, tuple(x for x in str(row.regions).split(",") if x),
+                     row.max_replicas)
+
+
+PLACEMENT_COLUMNS = (tenants.c.pool, tenants.c.regions, tenants.c.max_replicas)
 
 
 def placements_of(conn: Connection) -> dict[str, Placement]:
     """Every tenant's placement that differs from the default."""
-    return {str(r.name): Placement(r.pool, tuple(x for x in str(r.regions).split(",") if x))
-            for r in conn.execute(sa.select(tenants.c.name, tenants.c.pool, tenants.c.regions)
+    return {str(r.name): placement_of(r)
+            for r in conn.execute(sa.select(tenants.c.name, *PLACEMENT_COLUMNS)
                                   .where(sa.or_(tenants.c.pool.is_not(None),
-                                                tenants.c.regions != "")))}
+                                                tenants.c.regions != "",
+                                                tenants.c.max_replicas.is_not(None))))}
 
 
 @dataclass(frozen=True)
@@ -260,11 +273,9 @@ class RoutingView:
     def placement(self, tenant: str) -> Placement:
         """Where ``tenant``'s requests may run (the default for an unknown tenant)."""
         with self.engine.connect() as conn:
-            r = conn.execute(sa.select(tenants.c.pool, tenants.c.regions)
+            r = conn.execute(sa.select(*PLACEMENT_COLUMNS)
                              .where(tenants.c.name == tenant)).first()
-        if r is None:
-            return Placement()
-        return Placement(r.pool, tuple(x for x in str(r.regions).split(",") if x))
+        return Placement() if r is None else placement_of(r)
 
     def alias_row(self, alias: str) -> AliasRow | None:
         """An alias's routing row (operators only: no grant check)."""

@@ -8,13 +8,24 @@ host while it is up, so the adapters behind it stay resident where its requests 
 The value is a short hash of the alias the ticket was issued for, not of the release or adapter
 digest: the ticket answer never says which arm of a canary split a ticket landed on
 (``control.gateway.server``), and a per-arm value would. Both arms of a split are then placed on
-one host, which keeps both resident there. Nor does it hash the tenant: the owner's requests and
-every granted tenant's for one alias go to the same host, so an adapter that its owner bounds to
-few replicas (``control.contracts.replica_claims``) is not asked for on several hosts by honest
-clients (an alias names one owner's route, so the hash reveals nothing its callers do not
-know). It decides nothing: the header only places
-a request. Authorization stays with the ticket, which every host verifies; a wrong or forged
-value costs a cold load on another host, never access.
+one host, which keeps both resident there. Whether it hashes the tenant too depends on the
+alias's owner (``TicketOffice``):
+
+- **The owner bounds its adapters' replicas** (``TenantPolicy.max_replicas``): the alias alone,
+  so the owner's requests and every granted tenant's go to the same host, and an adapter bounded
+  to few replicas (``control.contracts.replica_claims``) is not asked for on several hosts by
+  honest clients.
+- **Otherwise** (and for a base alias): the tenant and the alias, so one alias shared by many
+  tenants spreads over the hosts, each tenant's requests staying on one, instead of every
+  tenant's traffic queueing on the one host its alias hashes to. (HAProxy's consistent hashing
+  cannot spread one value: its bounded loads, tried on 2026-12-06, cost affinity a tenth of
+  its hits at four clients.) An owner that wants its adapter on few hosts sets ``max_replicas``.
+
+A tenant that computes the alias-only value can tell which of the two its ticket carries, and
+so whether the owner bounds replicas; a refusal for ``max_replicas`` tells it as much already.
+It decides nothing: the header only places a request. Authorization stays with the ticket,
+which every host verifies; a wrong or forged value costs a cold load on another host, never
+access.
 
 Where the control plane itself calls Triton hosts (the gateway's OpenAI routes, the rollout
 controller's probes), it places the same way without a balancer: ``LORAPLANE_TRITON_URLS``
@@ -39,10 +50,15 @@ POOL_HEADER = "x-loraplane-pool"
 _DOMAIN = b"loraplane-affinity\0"
 
 
-def affinity_of(alias: str) -> str:
-    """The affinity value of tickets issued for ``alias``, to its owner or any tenant granted
-    it (16 hex characters)."""
-    return hashlib.sha256(_DOMAIN + b"alias\0" + alias.encode()).hexdigest()[:16]
+def affinity_of(alias: str, tenant: str | None = None) -> str:
+    """The affinity value of tickets issued for ``alias`` (16 hex characters): without
+    ``tenant``, the alias's alone, equal for its owner and every tenant granted it; with it,
+    that tenant's own value for the alias (see the module notes for which the office signs)."""
+    if tenant is None:
+        return hashlib.sha256(_DOMAIN + b"alias\0" + alias.encode()).hexdigest()[:16]
+    # length-prefixed, so no (tenant, alias) pair spells another's
+    return hashlib.sha256(_DOMAIN + b"tenant-alias\0" + f"{len(tenant)}:{tenant}\0{alias}"
+                          .encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

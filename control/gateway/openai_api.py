@@ -195,7 +195,7 @@ async def _complete(request: web.Request, chat: bool, g: Generation, issued: Any
     with span(up.tracer, "gateway.openai." + ("chat" if chat else "completions"), attrs) as s:
         model, inputs = await up.target(g.stream)
         body = triton_body(inputs, g, issued.token, traceparent_of(s))
-        hosts = up.order(issued.claims.pool, affinity_of(issued.alias))
+        hosts = up.order(issued.claims.pool, issued.claims.affinity or affinity_of(issued.alias))
         if not hosts:  # an operator's mistake (no host of the pool listed), not the tenant's
             log.warning("no Triton host of the ticket's pool %s is listed (%s)",
                         issued.claims.pool, "LORAPLANE_TRITON_URLS")

@@ -55,7 +55,6 @@ from aiohttp.typedefs import Handler
 from control.contracts import telemetry
 from control.contracts.db import make_engine
 from control.contracts.ledger import AlreadyRated, Ledger, NotRatable, NotTheOwner
-from control.contracts.placement import affinity_of
 from control.domain import SESSION_RE, DomainError
 from control.gateway import observability, openai_api, receipts
 from control.gateway.bodies import (
@@ -130,13 +129,13 @@ async def issue_ticket(request: web.Request) -> web.Response:
         return _json(403, FORBIDDEN)
     c = issued.claims
     # No release and no adapter digest: the arm stays server-side (see the module notes).
-    # ``affinity`` and ``pool``: what a balancer places by, a hash of the alias, equal on every
-    # arm and for every tenant the alias serves, and the pool the ticket may run in
-    # (control.contracts.placement); hosts check the pool themselves, so neither is more than
-    # a placement hint.
+    # ``affinity`` and ``pool``: what a balancer places by, the ticket's signed affinity claim
+    # (a hash of the alias, and of the tenant unless the owner bounds replicas; equal on every
+    # arm), and the pool the ticket may run in (control.contracts.placement); hosts check the
+    # pool themselves, so neither is more than a placement hint.
     return _json(200, {"ticket": issued.token, "ticket_id": c.jti, "expires_at": c.exp,
                        "model": c.model, "alias": alias,
-                       "affinity": affinity_of(alias), "pool": c.pool})
+                       "affinity": c.affinity, "pool": c.pool})
 
 
 async def end_session(request: web.Request) -> web.Response:

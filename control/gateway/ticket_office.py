@@ -121,9 +121,17 @@ class TicketOffice:
             regions=regions,
             # signed, so a host's OpenAI route can hold a request's ``model`` to it and its
             # placement metrics can name the alias's value instead of the sealed digest
-            affinity=affinity_of(alias),
+            affinity=self._affinity(tenant, alias, route),
         )
         return IssuedTicket(token, claims, alias, route.release)
+
+    def _affinity(self, tenant: str, alias: str, route: Route) -> str:
+        """The alias's own value when its owner bounds its adapters' replicas (every tenant's
+        requests then go where the owner's do), else the caller's value for the alias (a shared
+        alias spreads over the hosts by tenant): ``control.contracts.placement``."""
+        bounded = (route.owner is not None
+                   and self.routing.placement(route.owner).max_replicas is not None)
+        return affinity_of(alias) if bounded else affinity_of(alias, tenant)
 
     def _placement(self, tenant: str, route: Route) -> tuple[str, tuple[str, ...]]:
         """Where the ticket may run: the dedicated pool of the release's owner or of the

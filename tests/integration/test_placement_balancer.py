@@ -355,9 +355,13 @@ def test_a_host_killed_mid_burst(pool: Pool) -> None:
     """Last in this module: it takes a host down for good."""
     tickets = {a: pool.ticket(a) for a in _aliases()}
     victim_alias = _aliases()[0]
-    victim = pool.host_of([_call(pool.affinity.http_url, *tickets[victim_alias],
-                                 "where").request_id])
-    victim_host = next(iter(victim.values()))
+    where = {a: _call(pool.affinity.http_url, *tickets[a], "where").request_id
+             for a in _aliases()}
+    host_of = pool.host_of(list(where.values()))
+    victim_host = host_of[where[victim_alias]]
+    # the routes the victim holds: only their requests may fail (in flight on it, or moved to
+    # a survivor whose cold loads pass the tenant's load rate: a clear 503)
+    on_victim = {a for a, rid in where.items() if host_of[rid] == victim_host}
     jobs = [a for _ in range(3) for a in _aliases()]
     killed_at: list[float] = []
 
@@ -385,7 +389,9 @@ def test_a_host_killed_mid_burst(pool: Pool) -> None:
     print(f"\nhost_kill: requests={len(jobs)} answered={len(answered)} "
           f"clear_errors={len(errors)} ({sorted({e.status for e in errors})}) "
           f"burst_s={time.monotonic() - burst_started:.1f}")
-    assert len(answered) >= len(jobs) - 8, errors  # only requests on the dying host may fail
+    failed = {a for a, _, g in done if isinstance(g, TritonRefused)}
+    assert failed <= on_victim, (failed - on_victim, errors)  # only the dying host's routes
+    assert len(answered) >= len(jobs) - jobs.count(victim_alias) * len(on_victim)
     hosts = pool.host_of([g.request_id for _, _, g in answered])
     assert set(hosts) == {g.request_id for _, _, g in answered}  # every answer has its row
     for alias, _, g in answered:

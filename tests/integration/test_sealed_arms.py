@@ -79,9 +79,9 @@ def test_no_tenant_can_read_its_arm_and_only_the_owner_is_told_the_adapter(
             assert set(claims) == {
                 "tenant", "model", "base", "tokenizer", "arm", "pool", "regions", "iat", "exp",
                 "jti", "kid", "affinity"}
-            # the one clear claim added for placement hashes the alias alone: equal on both
-            # arms and for both tenants, so it tells nothing of the arm
-            assert claims["affinity"] == affinity_of(ALIAS) == body["affinity"]
+            # the one clear claim added for placement hashes the tenant and the alias (the
+            # owner bounds no replicas): equal on both arms, so it tells nothing of the arm
+            assert claims["affinity"] == affinity_of(ALIAS, tenant) == body["affinity"]
             lengths[tenant].add(len(ticket))
             protocol = ("http", "grpc")[i % 2]
             url = stack.http if protocol == "http" else stack.grpc

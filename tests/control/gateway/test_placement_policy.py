@@ -44,17 +44,50 @@ class PlacementContract(WithRegistry):
         assert (claims.pool, claims.regions) == ("shared", ())
 
     def test_the_alias_placement_value_is_signed_into_every_ticket(
-            self, office: TicketOffice) -> None:
-        """Issue 25: the ticket carries the affinity value the gateway's answer gives (the
-        alias's, equal for its owner and every grantee), as a signed claim a host reads."""
+            self, office: TicketOffice, registry: Registry) -> None:
+        """Issue 25: the ticket carries the affinity value the gateway's answer gives, as a
+        signed claim a host reads. An owner that bounds no replicas: each tenant's own value
+        for the alias, so a shared alias spreads over the hosts by tenant. Once the owner
+        bounds its adapters' replicas: the alias's alone, equal for the owner and every
+        grantee, so their requests go where the owner's do. A base alias: the caller's."""
         from control.contracts.placement import affinity_of
         from control.contracts.tickets import unverified_claims
 
-        for tenant in ("acme", "globex"):
+        values = {}
+        for tenant in ("acme", "globex", "initech"):
             issued = office.issue(tenant, "chat")
-            assert issued.claims.affinity == affinity_of("chat"), tenant
-            assert unverified_claims(issued.token)["affinity"] == affinity_of("chat")
-        assert office.issue("globex", "tiny-base").claims.affinity == affinity_of("tiny-base")
+            values[tenant] = issued.claims.affinity
+            assert issued.claims.affinity == affinity_of("chat", tenant), tenant
+            assert unverified_claims(issued.token)["affinity"] == issued.claims.affinity
+        assert len(set(values.values())) == 3 and affinity_of("chat") not in values.values()
+        registry.set_policy("acme", TenantPolicy(max_replicas=2), actor="op")
+        for tenant in ("acme", "globex", "initech"):
+            assert office.issue(tenant, "chat").claims.affinity == affinity_of("chat"), tenant
+        # a tenant's own bound changes nothing for an alias it does not own
+        registry.set_policy("globex", TenantPolicy(max_replicas=1), actor="op")
+        assert office.issue("globex", "tiny-base").claims.affinity == \
+            affinity_of("tiny-base", "globex")
+
+    def test_a_shared_alias_spreads_over_the_hosts_by_tenant_unless_bounded(
+            self, office: TicketOffice, registry: Registry) -> None:
+        """One alias granted to twelve tenants: their tickets' values place them on several
+        hosts (each tenant on one), where one value for all put every tenant's traffic on the
+        one host it hashed to; once the owner bounds replicas, all of them on one host."""
+        from control.contracts.placement import parse_host_urls, place
+
+        hosts = parse_host_urls(["h1:8000", "h2:8000", "h3:8000"])
+        tenants = ["acme", "globex", "initech", *(f"t{i}" for i in range(9))]
+        for tenant in tenants[3:]:
+            registry.create_tenant(tenant, actor="op")
+            registry.grant(tenant, "chat", actor="op")
+
+        def first_hosts() -> set[str]:
+            return {place(hosts, "shared", str(office.issue(t, "chat").claims.affinity))[0]
+                    for t in tenants}
+
+        assert len(first_hosts()) >= 2
+        registry.set_policy("acme", TenantPolicy(max_replicas=1), actor="op")
+        assert len(first_hosts()) == 1
 
     def test_a_dedicated_owner_keeps_its_adapter_in_its_pool_for_every_grantee(
             self, office: TicketOffice, registry: Registry) -> None:

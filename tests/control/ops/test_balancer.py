@@ -150,6 +150,12 @@ def test_the_command_line_takes_an_openai_port() -> None:
 def test_affinity_is_per_alias_and_names_nothing() -> None:
     a = affinity_of("chat")
     assert a == affinity_of("chat") and len(a) == 16 and a != affinity_of("chat2")
+    # a tenant's own value: one spelling per (tenant, alias), none equal to another pair's
+    pairs = [("acme", "chat"), ("globex", "chat"), ("acme", "chat2"), ("a", "cme:chat"),
+             ("acme:", "chat")]
+    values = {affinity_of(alias, tenant) for tenant, alias in pairs}
+    assert len(values) == len(pairs) and a not in values
+    assert all(len(v) == 16 and int(v, 16) >= 0 for v in values)
     assert "chat" not in a
 
 

@@ -8,16 +8,19 @@ load. A refusal is the cache's ``CacheRefused("max_replicas")``: the request is 
 unavailable with that reason on its ledger row, and a balancer or client tries another host.
 
 While the adapter stays in its slot, a thread of this guard renews the claim every third of the
-lease, all of this host's claims in one transaction per tick. A claim is held for the owner's
-requests once the owner's own requests ask for the adapter here (``CacheEntry.owner_asked``), which
-ranks it before claims held for granted tenants only. A renewal that fails (the bound shrank; the
+lease, all of this host's claims in one transaction per tick; the claims of adapters that left
+their slot since the last tick are given up in that same transaction (one commit per tick, not
+one per adapter that left). A claim is held for the owner's requests once the owner's own requests
+ask for the adapter here (``CacheEntry.owner_asked``), which ranks it before claims held for
+granted tenants only. A renewal that fails (the bound shrank; the
 claim lapsed while this host was cut off and another host took the replica; or it was held for
 granted tenants' requests and the owner's own requests claimed the place on another host) *sheds*
 the adapter: the cache takes no new request for it here and unloads it when its last running request
 ends, as a revocation does. When the cache unloads an adapter, its claim is given up at once on this
 guard's thread (the cache's load records arrive under no lock, but on request and scheduler threads
-that must not wait on the database); a claim whose adapter is loading or resident again by then is
-kept.
+that must not wait on the database): a tick of the adapters unloaded meanwhile, which renews instead
+a claim whose adapter is loading or resident again by then. A release that fails is not retried:
+the claim lapses within one lease.
 
 Adapters with no bound never touch the table: a deployment that sets no ``max_replicas`` pays
 one statement at start (the claims a previous process of this host left are given up: it holds
@@ -49,8 +52,8 @@ class Claims(Protocol):
     """The claims table as this guard uses it (``control.contracts.replica_claims``)."""
 
     def claim(self, digest: str, bound: int, *, for_owner: bool) -> bool: ...
-    def renew(self, needs: Mapping[str, tuple[int, bool]]) -> set[str]: ...
-    def release(self, digest: str) -> None: ...
+    def renew(self, needs: Mapping[str, tuple[int, bool]],
+              release: Iterable[str] = ()) -> set[str]: ...
     def release_all(self) -> int: ...
 
 
@@ -143,9 +146,14 @@ class ReplicaGuard:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
-        for digest in sorted(self.held()):
-            with self._lock:
-                self._give_up(digest)
+        with self._lock:
+            gone, self._held = sorted(self._held), set()
+            if gone:
+                try:  # one transaction for all of them
+                    self._table().renew({}, release=gone)
+                except Exception:  # they lapse on their own within one lease
+                    self._claims = None
+                    log.warning("could not give up this host's replica claims", exc_info=True)
 
     # -- on the guard's thread ---------------------------------------------------------------
 
@@ -173,22 +181,27 @@ class ReplicaGuard:
                 log.warning("could not renew this host's replica claims", exc_info=True)
 
     def _renew(self, digests: Iterable[str]) -> None:
-        """Renew the claims on ``digests`` still held here in one transaction, give up those
-        whose adapter left its slot, and shed those refused."""
+        """One tick over ``digests`` still held here, in one transaction: renew the claims whose
+        adapter is in its slot (or loading), give up those whose adapter left, and shed those
+        refused."""
         assert self.cache is not None
         with self._lock:
             needs: dict[str, tuple[int, bool]] = {}
+            gone: list[str] = []
             for digest in sorted(set(digests) & self._held):
                 # read under this lock: a load that starts after it claims again once free
                 need = self.cache.replica_need(digest, self.idle_s)
                 if need is None:
-                    self._give_up(digest)
+                    gone.append(digest)
                 else:
                     needs[digest] = need
-            if not needs:
+            if not needs and not gone:
                 return
+            # Not held from now, whatever the table answers: given up, or (the transaction
+            # failed) lapsing within one lease; a load that comes meanwhile claims again.
+            self._held.difference_update(gone)
             try:
-                lost = self._table().renew(needs)
+                lost = self._table().renew(needs, release=gone)
             except Exception:
                 self._claims = None
                 raise
@@ -200,14 +213,6 @@ class ReplicaGuard:
             self.lost += 1
             log.warning("lost this host's replica claim on %s: shedding it", digest)
             self.cache.shed(digest)
-
-    def _give_up(self, digest: str) -> None:
-        try:
-            self._table().release(digest)
-        except Exception:  # it lapses on its own within one lease
-            self._claims = None
-            log.warning("could not give up the replica claim on %s", digest, exc_info=True)
-        self._held.discard(digest)
 
     def _table(self) -> Claims:
         if self._claims is None:

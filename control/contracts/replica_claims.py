@@ -20,9 +20,15 @@ in one transaction that counts the live claims and writes its own:
   its own). So a granted tenant's traffic, however it is placed (a forged affinity header, a
   host failing over), can never keep the owner's own requests from a place, and when the bound
   shrinks the newest holders go. A claim that lapsed while its host was paused is a new claim;
+- a host's renewal tick is one transaction (:meth:`ReplicaTable.renew`): it renews the claims of
+  the adapters still in its slots and gives up, in the same transaction, those of the adapters
+  that left since the last tick (a release deletes only the host's own row; none held: nothing
+  happens). One commit per tick, however many adapters came and went;
 - the transactions of one adapter are serialised: on PostgreSQL by a transaction-scoped advisory
   lock on the adapter's digest, on SQLite by taking the database's write lock first (a write
-  before any read). Claims of different adapters never wait on each other on PostgreSQL.
+  before any read). A transaction touching many adapters (a tick) takes their locks in digest
+  order, renewed and released alike, so two hosts ticking at once never wait on each other in a
+  cycle. Claims of different adapters never wait on each other on PostgreSQL.
 
 Times are the hosts' wall clocks (``time.time``): a lease must be longer than the hosts' clock
 skew, which NTP keeps to milliseconds. Rows name digests and hosts only, never a tenant. A
@@ -37,7 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -134,19 +140,32 @@ class ReplicaTable:
             self._serialise(conn, [digest])
             return self._claim(conn, digest, bound, for_owner)
 
-    def renew(self, needs: Mapping[str, tuple[int, bool]]) -> set[str]:
-        """Renew (or make) this host's claims on many adapters in one transaction: ``needs``
-        maps each digest to its bound and whether the owner's requests ask for it, as
-        :meth:`claim` takes them. Returns the digests refused (their rows gone). One
-        transaction per renewal tick, however many bounded adapters the host holds."""
+    def renew(self, needs: Mapping[str, tuple[int, bool]],
+              release: Iterable[str] = ()) -> set[str]:
+        """Renew (or make) this host's claims on many adapters and give up its claims on others,
+        in one transaction: ``needs`` maps each digest to its bound and whether the owner's
+        requests ask for it, as :meth:`claim` takes them; ``release`` names the digests whose
+        claims go (this host's own rows only; a digest it holds no claim on is passed over).
+        Returns the digests refused (their rows gone). One transaction per renewal tick, however
+        many bounded adapters the host holds or gave up since the last one (before, each adapter
+        that left its slot cost a transaction of its own)."""
+        gone = set(release)
         if any(bound < 1 for bound, _ in needs.values()):
             raise ValueError("a replica bound is at least 1")
-        if not needs:
+        if gone & needs.keys():
+            raise ValueError("a claim is renewed or released in one call, not both")
+        if not needs and not gone:
             return set()
+        t = adapter_replicas
         with self.engine.begin() as conn:
-            # one digest's lock after another, in one order on every host: two hosts renewing
-            # overlapping sets never wait on each other in a cycle
-            self._serialise(conn, sorted(needs))
+            # one digest's lock after another, in one order on every host, released digests
+            # among the renewed: two hosts ticking over overlapping sets never wait on each other
+            # in a cycle. A released digest is locked too, so a claim counting it waits for
+            # this commit and sees the place free (not a row about to go).
+            self._serialise(conn, sorted(gone | needs.keys()))
+            if gone:
+                conn.execute(t.delete().where(t.c.adapter_digest.in_(sorted(gone))
+                                              & (t.c.host == self.host)))
             return {d for d in sorted(needs) if not self._claim(conn, d, *needs[d])}
 
     def _claim(self, conn: Connection, digest: str, bound: int, for_owner: bool) -> bool:
@@ -185,11 +204,9 @@ class ReplicaTable:
         return True
 
     def release(self, digest: str) -> None:
-        """Give up this host's claim on ``digest`` (none held: nothing happens)."""
-        t = adapter_replicas
-        with self.engine.begin() as conn:
-            conn.execute(t.delete().where((t.c.adapter_digest == digest)
-                                          & (t.c.host == self.host)))
+        """Give up this host's claim on ``digest`` (none held: nothing happens); a renewal tick
+        gives up many at once through :meth:`renew`."""
+        self.renew({}, release=[digest])
 
     def release_all(self) -> int:
         """Give up every claim of this host (a host starting holds nothing yet: what a previous

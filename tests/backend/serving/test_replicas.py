@@ -5,18 +5,21 @@ Shows: a bounded adapter is placed by at most its bound of hosts, and the refuse
 store and records no failed load; an eviction gives the claim up for another host; a claim lost
 (the lease lapsed while another host took the place) sheds the adapter: no new request is served
 on it, and it leaves its slot when its running request ends; claimed again, a shed adapter keeps
-its slot without a reload; unbounded adapters never touch the table; a database that cannot
+its slot without a reload; a tick renews the claims held and gives up those of adapters that
+left in one transaction; unbounded adapters never touch the table; a database that cannot
 answer refuses bounded loads only; closing gives every claim up.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.engine import Engine as DbEngine
 
 from backend.serving.cache import AdapterCache, CacheBudgets, CacheClaim, CacheQuota, CacheRefused
@@ -272,9 +275,10 @@ def test_one_renewal_transaction_holds_every_claim(
     calls: list[tuple[str, int]] = []
 
     class Watched(ReplicaTable):
-        def renew(self, needs: Mapping[str, tuple[int, bool]]) -> set[str]:
+        def renew(self, needs: Mapping[str, tuple[int, bool]],
+                  release: Iterable[str] = ()) -> set[str]:
             calls.append(("renew", len(needs)))
-            return super().renew(needs)
+            return super().renew(needs, release)
 
         def release(self, digest: str) -> None:
             calls.append(("release", 1))
@@ -287,6 +291,53 @@ def test_one_renewal_transaction_holds_every_claim(
     assert calls == [("renew", 3)]
     reader = ReplicaTable(db, "reader", clock=clock)
     assert all(reader.holders(d) == ["host-a"] for d in adapters)
+
+
+def test_one_transaction_per_tick_renews_and_gives_up(
+        hosts: Callable[..., Host], adapters: dict[str, Path], db: DbEngine,
+        clock: Clock) -> None:
+    """A tick where two bounded adapters left their slot (idle) and one stays (a request runs on
+    it) is one call of the table and one database transaction: the two claims are given up in
+    the renewal's transaction (before: one release transaction each, then the renewal)."""
+    calls: list[tuple[str, int, int]] = []
+    transactions: list[str] = []
+    tick = threading.current_thread()  # the guard's own thread may tick too: not counted
+
+    class Watched(ReplicaTable):
+        def renew(self, needs: Mapping[str, tuple[int, bool]],
+                  release: Iterable[str] = ()) -> set[str]:
+            release = list(release)
+            if threading.current_thread() is tick:
+                calls.append(("renew", len(needs), len(release)))
+            return super().renew(needs, release)
+
+        def release(self, digest: str) -> None:
+            if threading.current_thread() is tick:
+                calls.append(("release", 0, 1))
+            super().release(digest)
+
+    def began(_conn: object) -> None:
+        if threading.current_thread() is tick:
+            transactions.append("begin")
+
+    h = hosts("host-a", slots=3, idle_s=0.5,
+              opener=lambda: Watched(db, "host-a", clock=clock))
+    *idle, busy = adapters
+    for digest in idle:
+        h.cache.release(h.cache.acquire(digest, "acme", claim=BOUNDED))
+    running = h.cache.acquire(busy, "acme", claim=BOUNDED)
+    time.sleep(0.6)  # the two others sat unused for their idle time
+    sa.event.listen(db, "begin", began)
+    try:
+        h.guard.renew_once()
+    finally:
+        sa.event.remove(db, "begin", began)
+    assert calls == [("renew", 1, 2)]
+    assert transactions == ["begin"]
+    reader = ReplicaTable(db, "reader", clock=clock)
+    assert [reader.holders(d) for d in adapters] == [[], [], ["host-a"]]
+    assert h.guard.held() == {busy} and h.guard.lost == 0
+    h.cache.release(running)
 
 
 def test_an_idle_holder_gives_its_place_up_for_the_host_its_requests_go_to(
@@ -356,6 +407,11 @@ def test_unbounded_adapters_never_touch_the_table(
         def claim(self, digest: str, bound: int, *, for_owner: bool = True) -> bool:
             calls.append("claim")
             return super().claim(digest, bound, for_owner=for_owner)
+
+        def renew(self, needs: Mapping[str, tuple[int, bool]],
+                  release: Iterable[str] = ()) -> set[str]:
+            calls.append("renew")
+            return super().renew(needs, release)
 
         def release(self, digest: str) -> None:
             calls.append("release")

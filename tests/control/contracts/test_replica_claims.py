@@ -1,8 +1,10 @@
 """Claims on an adapter's replicas (``control.contracts.replica_claims``), on SQLite and
 PostgreSQL: hosts racing for a bound get exactly the bound, leases lapse, a shrunk bound takes
-the newest claims, a release frees a place at once, an owner's claim outranks granted tenants'
-claims, and a state machine of hosts claiming (for the owner or not), renewing, releasing and
-pausing checks every answer against what the bound and the owner's precedence mean."""
+the newest claims, a release frees a place at once, a tick gives claims up in its renewal's
+transaction (only the host's own rows, locks in digest order: two hosts ticking at once never
+deadlock), an owner's claim outranks granted tenants' claims, and a state machine of hosts
+claiming (for the owner or not), renewing, releasing and pausing checks every answer against
+what the bound and the owner's precedence mean."""
 
 from __future__ import annotations
 
@@ -173,6 +175,70 @@ class Contract:
         assert a.renew({}) == set()
         with pytest.raises(ValueError):
             a.renew({DIGEST: (0, True)})
+
+    def test_a_tick_gives_up_claims_in_the_renewals_transaction(self, engine: Engine) -> None:
+        """``renew(needs, release=...)``: the released claims go in the renewal's transaction, and
+        the other host takes a freed place at once; a digest with no claim is passed over, and
+        one digest is renewed or released, not both."""
+        clock = Clock()
+        a, b = (ReplicaTable(engine, h, lease_s=10.0, clock=clock) for h in "ab")
+        third = "sha256:" + "ef" * 32
+        assert a.claim(DIGEST, 1) and a.claim(OTHER, 1) and a.claim(third, 1)
+        assert not b.claim(DIGEST, 1) and not b.claim(OTHER, 1)
+        nothing = "sha256:" + "00" * 32  # no claim on it anywhere: a no-op
+        assert a.renew({third: (1, True)}, release=[OTHER, DIGEST, nothing]) == set()
+        assert (a.holders(DIGEST), a.holders(OTHER), a.holders(third)) == ([], [], ["a"])
+        assert b.claim(DIGEST, 1) and b.claim(OTHER, 1)  # the freed places, at once
+        assert not b.claim(third, 1)
+        assert a.renew({}, release=[third]) == set()  # releases alone: one transaction too
+        assert b.claim(third, 1)
+        with pytest.raises(ValueError):
+            a.renew({DIGEST: (1, True)}, release=[DIGEST])
+
+    def test_a_release_deletes_only_the_hosts_own_row(self, engine: Engine) -> None:
+        """Two hosts hold one digest: a's batched release takes a's row and leaves b's, whether
+        b's claim ranks before or after a's; a release by a host holding nothing takes nothing."""
+        clock = Clock()
+        a, b, c = (ReplicaTable(engine, h, lease_s=10.0, clock=clock) for h in "abc")
+        assert b.claim(DIGEST, 2)
+        clock.t += 1.0
+        assert a.claim(DIGEST, 2) and a.claim(OTHER, 1)
+        a.renew({OTHER: (1, True)}, release=[DIGEST])
+        assert _live(engine, DIGEST, clock.t) == ["b"]
+        assert a.claim(DIGEST, 2)
+        c.renew({}, release=[DIGEST, OTHER])  # c holds neither
+        assert _live(engine, DIGEST, clock.t) == ["a", "b"]
+        assert _live(engine, OTHER, clock.t) == ["a"]
+        b.renew({}, release=[DIGEST])
+        assert _live(engine, DIGEST, clock.t) == ["a"] and a.holders(OTHER) == ["a"]
+
+    def test_hosts_ticking_at_once_over_the_same_adapters_never_deadlock(
+            self, engine: Engine) -> None:
+        """Two hosts renew some of four adapters and give up the others in one transaction per
+        tick, at once, each naming them in its own order: the locks are taken in digest order,
+        so neither waits on the other in a cycle (PostgreSQL would abort one as deadlocked)."""
+        digests = ["sha256:" + f"{i:02x}" * 32 for i in range(4)]
+        hosts = [ReplicaTable(engine, h) for h in ("a", "b")]
+        start = threading.Barrier(len(hosts))
+        errors: list[BaseException] = []
+
+        def ticks(table: ReplicaTable, order: list[str]) -> None:
+            try:
+                start.wait()
+                for i in range(20):
+                    kept = order[i % 2::2]  # the halves swap between renewed and released
+                    table.renew({d: (2, True) for d in kept},
+                                release=[d for d in order if d not in kept])
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=ticks, args=(t, o))
+                   for t, o in zip(hosts, (digests, digests[::-1]), strict=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
 
     def test_a_bound_below_one_is_a_programming_error(self, engine: Engine) -> None:
         with pytest.raises(ValueError):

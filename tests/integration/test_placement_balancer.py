@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from backend.serving.messages import FAILURE_MESSAGE
 from control.app.registry import Registry
 from control.contracts import root_of_trust
 from control.contracts.db import make_engine
@@ -378,7 +379,7 @@ def test_a_host_killed_mid_burst(pool: Pool) -> None:
         except TritonRefused as e:
             return alias, started, e
 
-    burst_started = time.monotonic()
+    burst_started, wall_started = time.monotonic(), time.time()
     with ThreadPoolExecutor(4) as ex:
         futures = [ex.submit(one, (i, a)) for i, a in enumerate(jobs)]
         done = [f.result(timeout=120) for f in futures]  # never a hang
@@ -389,9 +390,21 @@ def test_a_host_killed_mid_burst(pool: Pool) -> None:
     print(f"\nhost_kill: requests={len(jobs)} answered={len(answered)} "
           f"clear_errors={len(errors)} ({sorted({e.status for e in errors})}) "
           f"burst_s={time.monotonic() - burst_started:.1f}")
-    failed = {a for a, _, g in done if isinstance(g, TritonRefused)}
-    assert failed <= on_victim, (failed - on_victim, errors)  # only the dying host's routes
-    assert len(answered) >= len(jobs) - jobs.count(victim_alias) * len(on_victim)
+    # A request lost with the dying host is a transport error (HAProxy's 502/503, or a reply
+    # cut off); only the dying host's routes may meet one. Its routes then move to the
+    # survivors, whose slots now hold every adapter: where the hash leaves one survivor more
+    # adapters than slots, its cold loads pass the tenant's load rate and it refuses, with the
+    # generic message, as a policy refusal that its ledger records with the reason.
+    refused = [e for e in errors if FAILURE_MESSAGE in e.message and e.status == "503"]
+    lost = [a for a, _, g in done if isinstance(g, TritonRefused) and g not in refused]
+    assert set(lost) <= on_victim, (lost, errors)
+    with make_engine(pool.db_url).connect() as conn:
+        t = request_ledger
+        reasons = [str(r) for r in conn.execute(
+            sa.select(t.c.reason).where(t.c.admitted_at >= wall_started, t.c.host != victim_host,
+                                        t.c.outcome != "ok")).scalars()]
+    assert len(reasons) >= len(refused) and set(reasons) <= {"adapter_load_rate"}, reasons
+    assert len(answered) >= len(jobs) // 2
     hosts = pool.host_of([g.request_id for _, _, g in answered])
     assert set(hosts) == {g.request_id for _, _, g in answered}  # every answer has its row
     for alias, _, g in answered:
@@ -399,5 +412,13 @@ def test_a_host_killed_mid_burst(pool: Pool) -> None:
     # once the health check has taken the host out (every 500 ms, fall 1), the others absorb
     # its routes: asked after the burst, which on a quiet machine can end before the check ran
     time.sleep(max(0.0, killed_at[0] + 2.0 - time.monotonic()))
-    g = _call(pool.affinity.http_url, *tickets[victim_alias], "after")
+    deadline = time.monotonic() + 15.0  # the load-rate bucket the burst drained refills
+    while True:
+        try:
+            g = _call(pool.affinity.http_url, *tickets[victim_alias], "after")
+            break
+        except TritonRefused as e:
+            if FAILURE_MESSAGE not in e.message or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
     assert pool.host_of([g.request_id])[g.request_id] != victim_host

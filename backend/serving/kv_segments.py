@@ -103,12 +103,12 @@ def written_back(segments: Sequence[KvSegment], layers: Sequence[DynamicLayer]
     place, because a segment may be shared (a prefix-cache entry's, a batch given up)."""
     out = []
     for s in range(len(segments)):
-        arenas = [layer.parts[s][2] if isinstance(layer, SegmentedLayer) else layer
-                  for layer in layers]
+        arenas: list[ArenaLayer] = [
+            layer.parts[s][2] if isinstance(layer, SegmentedLayer) else layer  # type: ignore[misc]
+            for layer in layers]
         keys, values = [a.keys for a in arenas], [a.values for a in arenas]
         assert all(k is not None for k in keys) and all(v is not None for v in values)
-        out.append(KvSegment(keys, values,  # type: ignore[arg-type]
-                             getattr(arenas[0], "capacity", 0)))
+        out.append(KvSegment(keys, values, arenas[0].capacity))  # type: ignore[arg-type]
     return out
 
 
@@ -122,12 +122,12 @@ def coalesced(segments: list[KvSegment], seqs: Sequence[Row], *, most: int = MOS
         firsts = [0]
         for seg in segments:
             firsts.append(firsts[-1] + seg.rows)
-        sizes = [(a.rows + b.rows) * (max(a.width, b.width)
-                                      + room_for(seqs[firsts[i]:firsts[i + 2]]))
-                 for i, (a, b) in enumerate(pairwise(segments))]
+        rooms = [room_for(seqs[firsts[i]:firsts[i + 2]]) for i in range(len(segments) - 1)]
+        sizes = [(a.rows + b.rows) * (max(a.width, b.width) + room)
+                 for (a, b), room in zip(pairwise(segments), rooms, strict=True)]
         i = min(range(len(sizes)), key=sizes.__getitem__)
         a, b = segments[i], segments[i + 1]
-        width, room = max(a.width, b.width), room_for(seqs[firsts[i]:firsts[i + 2]])
+        width, room = max(a.width, b.width), rooms[i]
         segments[i:i + 2] = [KvSegment(
             [stacked([x, y], width, room, traffic) for x, y in zip(a.keys, b.keys, strict=True)],
             [stacked([x, y], width, room, traffic)
@@ -142,6 +142,9 @@ def gathered(spans: Sequence[tuple[int, int, KvSegment]], keep: Sequence[int],
     each row's rightmost ``lengths[j]`` columns (its valid ones) right-aligned, zeros left of
     them, with ``room`` more positions."""
     width = max(lengths)
+    # each kept row's segment and its row in it, looked up once for every layer
+    where = [(seg, row - first) for row in keep
+             for first, end, seg in spans if first <= row < end]
 
     def one(pick: Any) -> list[torch.Tensor]:
         out_layers = []
@@ -149,10 +152,9 @@ def gathered(spans: Sequence[tuple[int, int, KvSegment]], keep: Sequence[int],
             like = pick(spans[0][2])[layer]
             _r, h, _w, d = like.shape
             out = like.new_zeros((len(keep), h, width + room, d))[:, :, :width]
-            for j, (row, n) in enumerate(zip(keep, lengths, strict=True)):
-                first, _end, seg = next(s for s in spans if s[0] <= row < s[1])
+            for j, ((seg, r), n) in enumerate(zip(where, lengths, strict=True)):
                 if n:
-                    out[j, :, width - n:].copy_(pick(seg)[layer][row - first, :, -n:])
+                    out[j, :, width - n:].copy_(pick(seg)[layer][r, :, -n:])
             if traffic is not None:
                 traffic.written += out.nbytes
             out_layers.append(out)

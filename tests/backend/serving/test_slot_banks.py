@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.profiler import ProfilerActivity, profile
 
 from backend.serving.fingerprint import BankFingerprints
 from backend.serving.slots import SlotBanks
@@ -45,16 +46,51 @@ def test_views_tile_each_slot_and_clear_touches_one_slot(dims: list[tuple[int, i
 
 
 @settings(max_examples=60, deadline=None)
-@given(dims=dims_st, rank=st.integers(1, 4), data=st.data())
+@given(dims=dims_st, rank=st.integers(1, 4),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), data=st.data())
 def test_the_fingerprint_sees_a_change_anywhere_in_the_slot(dims: list[tuple[int, int]],
-                                                            rank: int,
+                                                            rank: int, dtype: torch.dtype,
                                                             data: st.DataObject) -> None:
-    banks = SlotBanks(dims, 3, rank, torch.float32, torch.device("cpu"))
+    banks = SlotBanks(dims, 3, rank, dtype, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
-    banks.flat[1] = torch.randn(banks.flat.shape[1], generator=g)
+    banks.flat[1] = torch.randn(banks.flat.shape[1], generator=g).to(dtype)
     prints = BankFingerprints(banks, 3, torch.device("cpu"))
     prints.record(1)
     assert prints.changed([1]) == []
     where = data.draw(st.integers(0, banks.flat.shape[1] - 1))
+    was = banks.flat[1, where].clone()
     banks.flat[1, where] += 1.0
     assert prints.changed([1]) == [1]
+    banks.flat[1, where] = was  # the same weights again: the same sums
+    assert prints.changed([1]) == []
+
+
+def test_a_check_on_more_threads_sums_what_a_one_thread_placement_summed() -> None:
+    """Placement sums on a load worker with one thread, checks on the serving thread with all
+    of them: the sums must not depend on how the reduction is split."""
+    banks = SlotBanks([(512, 512)] * 8, 3, 16, torch.float32, torch.device("cpu"))
+    banks.flat[1].normal_(generator=torch.Generator().manual_seed(1))
+    prints = BankFingerprints(banks, 3, torch.device("cpu"))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        prints.record(1)
+        torch.set_num_threads(max(2, threads))
+        assert prints.changed([1]) == []
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_summing_a_slot_allocates_nothing_the_size_of_the_slot() -> None:
+    """The fingerprint reads the banks where they are. Summing in float64 cast the whole slot to
+    a fresh float64 copy first, on every placement, and on a host with slow page faults those
+    fresh pages were most of a cold load's time (``backend.serving.fingerprint``)."""
+    banks = SlotBanks([(512, 512)] * 8, 3, 16, torch.float32, torch.device("cpu"))
+    banks.flat[1].normal_(generator=torch.Generator().manual_seed(2))
+    prints = BankFingerprints(banks, 3, torch.device("cpu"))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        prints.record(1)
+        prints.changed([1])
+    largest = max((e.cpu_memory_usage for e in prof.events()), default=0)
+    slot_bytes = banks.region(1).numel() * banks.flat.element_size()
+    assert largest < slot_bytes // 64, (largest, slot_bytes)

@@ -107,7 +107,7 @@ class SlotResidency:
             with torch.inference_mode():
                 for module, name in zip(wrapped, modules, strict=True):
                     a, b = adapter.pairs[name]
-                    module.place(slot, a, b)
+                    module.place(slot, a, b, adapter.b_scaling)
             self.provenance.placed(slot, digest)
             self.modules[digest] = modules
             return self.plan.slot_bytes

@@ -64,9 +64,12 @@ class SlottedLinear(nn.Module):
         """The whole A and B banks, every slot (memory accounting)."""
         return self.a, self.b
 
-    def place(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+    def place(self, slot: int, a: torch.Tensor, b: torch.Tensor, b_scaling: float = 1.0,
+              ) -> None:
         """Copy one adapter's prepared pair into ``slot``: ``a`` = A [rank, in], ``b`` =
-        scaled B [out, rank], in the banks' dtype.
+        B [out, rank], in the banks' dtype, scaled already or, with ``b_scaling`` not 1,
+        scaled here in the slot (float32 banks only: the one rounding is then the product's,
+        as when it was scaled before the copy).
 
         A free slot is all zero (the banks start zero and ``clear`` zeroes a slot when it is
         freed), so only the adapter's own rank columns are written: the padding stays zero.
@@ -76,6 +79,10 @@ class SlottedLinear(nn.Module):
         rank = a.shape[0]
         self.a[slot, :rank].copy_(a, non_blocking=True)
         self.b[slot, :, :rank].copy_(b, non_blocking=True)
+        if b_scaling != 1.0:
+            if self.b.dtype != torch.float32:
+                raise ValueError("B may be scaled in the slot only in float32 banks")
+            self.b[slot, :, :rank].mul_(b_scaling)
         self.occupied.add(slot)
 
     def vacate(self, slot: int) -> None:

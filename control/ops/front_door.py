@@ -366,14 +366,20 @@ def _server(i: int, u: Upstream, port: int, c: DoorConfig, proto: str) -> str:
     return f"    server {name} {u.host}:{port}{opts}"
 
 
+# Each compose host's OpenAI route (``triton-host --openai-port``), on the compose network.
+COMPOSE_OPENAI_PORT = 8003
+
+
 def compose_config() -> str:
     """The door of ``docker/compose.yaml`` (checked in as ``docker/haproxy.cfg``): every
     address, the tenant ports 8000 and 8001, both Triton hosts of the compose file, placed by
     the ticket answer's affinity (``control.ops.balancer``) when the scale-out profile runs
-    both."""
+    both, and their OpenAI routes (``/v1/completions``, ``/v1/chat/completions``) placed by the
+    body's ``model`` onto the same host."""
     return render(DoorConfig(
         listen="*", http_port=8000, grpc_port=8001,
-        upstreams=(Upstream("triton-a", 8000, 8001), Upstream("triton-b", 8000, 8001)),
+        upstreams=(Upstream("triton-a", 8000, 8001, openai_port=COMPOSE_OPENAI_PORT),
+                   Upstream("triton-b", 8000, 8001, openai_port=COMPOSE_OPENAI_PORT)),
         docker_dns=True, health_checks=True, affinity_header=AFFINITY_HEADER))
 
 

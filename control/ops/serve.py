@@ -25,8 +25,10 @@ whenever haproxy is installed (``front_door``, ``serve --front-door``): tenants 
 OpenAI-compatible routes) and rollout controller reach it. Started as root, it runs tritonserver
 as ``triton_user`` (``control.ops.triton_user``). Beside Triton it runs the host's own
 OpenAI-compatible route (``control.gateway.host_openai``: model = the ticket's affinity, the
-ticket in a header) on loopback on ``Ports.openai``; the door sends ``/v1/completions`` and
-``/v1/chat/completions`` there.
+ticket in a header) on ``Ports.openai``, where Triton listens: on loopback behind this host's
+own door, which sends ``/v1/completions`` and ``/v1/chat/completions`` there, and at ``bind``
+with an external door (``--front-door external``: the compose file's ``haproxy`` service sends
+them to each host's route on the compose network).
 
 A role that runs Triton first checks the adapter memory plan (``backend.serving.memory``) for the
 base
@@ -123,8 +125,9 @@ class Ports:
     gateway: int = 8080
     triton_http: int = 0
     triton_grpc: int = 0
-    # The host's OpenAI-compatible route (control.gateway.host_openai), on loopback always: its
-    # callers come through the front door (the pod's sidecar on Kubernetes).
+    # The host's OpenAI-compatible route (control.gateway.host_openai), where Triton listens:
+    # on loopback behind this host's door (the pod's sidecar on Kubernetes), at the bind
+    # address for an external door (the compose file's haproxy service), as Triton is.
     openai: int = 0
 
     def resolved(self) -> Ports:
@@ -281,7 +284,7 @@ class Deployment:
         internal = {"Triton HTTP (internal)": self.ports.triton_http,
                     "Triton gRPC (internal)": self.ports.triton_grpc} if with_door else {}
         if self.role != "control":
-            internal["OpenAI route (loopback)"] = self.ports.openai
+            (internal if with_door else ports)["OpenAI route"] = self.ports.openai
             (internal if with_door else ports)["Triton metrics"] = self.ports.metrics
         if self.role != "triton":
             ports["gateway"] = self.ports.gateway
@@ -408,7 +411,9 @@ class Deployment:
             user=user.name if user is not None else None,
         )
         self.triton.start()
-        self._serve(AppThread("host-openai", self._host_app, "127.0.0.1", p.openai))
+        # Where Triton listens: the route is the same ticket-checked service on another path.
+        self._serve(AppThread("host-openai", self._host_app,
+                              "127.0.0.1" if with_door else self.bind, p.openai))
         exposed = command_line_exposure()
         if exposed is not None:
             _warn_once("token-exposed", "%s: %s", exposed, TOKEN_EXPOSED_FIX)

@@ -277,8 +277,13 @@ def test_the_front_door_is_the_only_published_way_to_triton() -> None:
     assert flag["--listen"] == "0.0.0.0" and flag["--front-door"] == "external"
     servers = re.findall(r"^    server (\S+) (\S+):(\d+)", compose_config(), re.MULTILINE)
     assert sorted({name for name, _h, _p in servers}) == hosts
+    # Triton's two protocols and the host's OpenAI route, each where the host listens for it
     assert {(h, p) for _n, h, p in servers} == {(h, flag[f"--{k}-port"]) for h in hosts
-                                                  for k in ("http", "grpc")}
+                                                  for k in ("http", "grpc", "openai")}
+    openai = compose_config().split("\nbackend host_openai", 1)[1].split("\nbackend ", 1)[0]
+    assert {(h, p) for h, p in re.findall(r"server \S+ (\S+):(\d+)", openai)} == {
+        (h, flag["--openai-port"]) for h in hosts}
+    assert "use_backend host_openai" in compose_config()
     assert "triton-a" in door["depends_on"]
     for name in hosts:
         assert not services[name].get("ports"), name

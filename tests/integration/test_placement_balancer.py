@@ -11,6 +11,7 @@ LORAPLANE_TEST_PG_URL or haproxy.
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.error
 import urllib.request
@@ -43,6 +44,7 @@ from tests.integration.conftest import hosts_of, require_servers
 
 ACTOR = "placement-test"
 HOSTS = ("host-0", "host-1", "host-2")
+HOST_ADDRESS = "127.0.0.2"  # where the hosts listen (see the pool fixture)
 ADAPTERS = 24  # over three hosts of SLOTS device slots each
 SLOTS = 12
 pytestmark = pytest.mark.postgres
@@ -120,14 +122,18 @@ def pool(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Po
         reg.grant("globex", "globex-gamma", actor=ACTOR)
         gateway = Deployment(first, Ports.free(),
                              role="control", actor=ACTOR)
-        hosts = [Deployment(s, Ports.free(),
-                            role="triton", host_id=name, actor=ACTOR, front_door="external")
+        # As the compose file runs them: no door of their own (the balancer is it), listening
+        # where the balancer reaches them, here a loopback address other than 127.0.0.1, so
+        # that a route left on 127.0.0.1 is out of the balancer's reach as in a container
+        hosts = [Deployment(s, Ports.free(), role="triton", host_id=name, actor=ACTOR,
+                            front_door="external", bind=HOST_ADDRESS)
                  for name, s in zip(HOSTS, settings, strict=True)]
         doors: list[FrontDoor] = []
         try:
             gateway.start()
             start_all(hosts)
-            upstreams = [Upstream("127.0.0.1", h.ports.http, h.ports.grpc) for h in hosts]
+            upstreams = [Upstream(HOST_ADDRESS, h.ports.http, h.ports.grpc,
+                                  openai_port=h.ports.openai) for h in hosts]
             taken = {p for h in (*hosts, gateway) for p in vars(h.ports).values()}
             door_ports = free_ports(4, avoid=taken)
             for i, policy in enumerate(("affinity", "roundrobin")):
@@ -141,6 +147,35 @@ def pool(kit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Po
             for d in (*hosts, gateway):
                 d.stop()
             close_registry(reg)
+
+
+def test_the_openai_route_passes_the_balancer_to_the_tickets_host(pool: Pool) -> None:
+    """The compose file's topology (issue 25): hosts without doors of their own, each host's
+    OpenAI route where its Triton listens, the balancer placing ``/v1/completions`` by the
+    body's ``model`` onto the host the affinity header places the same ticket's Triton
+    requests on. The route answers with the ticket's adapter, with a ledger row there."""
+    ticket, affinity = pool.ticket("a03")
+    triton_ids = [_call(pool.affinity.http_url, ticket, affinity, f"triton {i}").request_id
+                  for i in range(2)]
+    (triton_host,) = set(pool.host_of(triton_ids).values())
+    ids = []
+    for i in range(2):
+        body = json.dumps({"model": affinity, "prompt": f"openai {i}", "max_tokens": 4,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://{pool.affinity.http_url}/v1/completions",
+                                     data=body, method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              "x-loraplane-ticket": ticket})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.status == 200
+            answer = json.loads(r.read())
+        assert answer["model"] == affinity and answer["choices"][0]["text"] is not None
+        ids.append(answer["id"].removeprefix("cmpl-"))
+    assert set(pool.host_of(ids).values()) == {triton_host}
+    t = request_ledger
+    with make_engine(pool.db_url).connect() as conn:
+        served = conn.execute(sa.select(t.c.served_digest).where(t.c.request_id.in_(ids))).all()
+    assert [r[0] for r in served] == [pool.digests["a03"]] * 2
 
 
 def _call(url: str, ticket: str | None, affinity: str | None, text: str,

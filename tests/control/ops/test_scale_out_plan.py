@@ -87,7 +87,12 @@ def test_the_balancer_has_a_backend_per_pool_chosen_by_the_pool_header() -> None
 def test_one_pool_renders_as_before() -> None:
     one = render(balancer_config(POOLED[:2], http_port=9000, grpc_port=9001))
     assert "use_backend" not in one and POOL_HEADER not in one
-    assert "use_backend" not in compose_config()  # docker/haproxy.cfg: both hosts shared
+    # docker/haproxy.cfg: both hosts shared, so no pool rule; its one use_backend is the
+    # hosts' OpenAI routes'
+    compose = compose_config()
+    assert POOL_HEADER not in compose
+    assert [x.strip() for x in compose.splitlines() if "use_backend" in x] == [
+        "use_backend host_openai if post openai"]
     # a dedicated pool alone leaves the shared backend empty: HAProxy answers 503 there
     only_gold = render(balancer_config(POOLED[2:], http_port=9000, grpc_port=9001))
     assert not [x for x in _section(only_gold, "backend triton_http") if x.startswith("server")]

@@ -284,8 +284,9 @@ class Deployment:
         internal = {"Triton HTTP (internal)": self.ports.triton_http,
                     "Triton gRPC (internal)": self.ports.triton_grpc} if with_door else {}
         if self.role != "control":
-            (internal if with_door else ports)["OpenAI route"] = self.ports.openai
-            (internal if with_door else ports)["Triton metrics"] = self.ports.metrics
+            beside_triton = internal if with_door else ports
+            beside_triton["OpenAI route"] = self.ports.openai
+            beside_triton["Triton metrics"] = self.ports.metrics
         if self.role != "triton":
             ports["gateway"] = self.ports.gateway
         check_ports_free(self.bind, ports)
@@ -397,23 +398,23 @@ class Deployment:
             _warn_once("triton-root", "tritonserver runs as root (--triton-user %s): code "
                        "inside Triton can read every key in %s", KEEP_ROOT, s.keys_dir)
         p = self.ports
+        # Behind the door Triton listens on loopback only, whatever --listen says; the host's
+        # OpenAI route (the same ticket-checked service on another path) listens where it does.
+        listen = "127.0.0.1" if with_door else self.bind
         self.progress("starting tritonserver (model lora_llm)"
                       + (f" as {user.name}" if user is not None else ""))
         self.triton = TritonProcess(
             work_dir=s.run_dir,
-            # Behind the door Triton listens on loopback only, whatever --listen says.
             http_port=p.triton_http if with_door else p.http,
             grpc_port=p.triton_grpc if with_door else p.grpc,
             metrics_port=p.metrics,
             env=env,
-            listen="127.0.0.1" if with_door else self.bind,
+            listen=listen,
             model_repository=self.model_repository or MODEL_REPOSITORY,
             user=user.name if user is not None else None,
         )
         self.triton.start()
-        # Where Triton listens: the route is the same ticket-checked service on another path.
-        self._serve(AppThread("host-openai", self._host_app,
-                              "127.0.0.1" if with_door else self.bind, p.openai))
+        self._serve(AppThread("host-openai", self._host_app, listen, p.openai))
         exposed = command_line_exposure()
         if exposed is not None:
             _warn_once("token-exposed", "%s: %s", exposed, TOKEN_EXPOSED_FIX)

@@ -73,6 +73,26 @@ def require_servers(root: Path, *, haproxy: bool = False) -> None:
         unavailable("haproxy", "apt-get install haproxy")
 
 
+def post_json(url: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, Any]:
+    """POST ``body`` as JSON; (status, the answer parsed as JSON, or its text: a stream)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            raw = r.read().decode()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read().decode(), e.code
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw
+
+
 def hosts_of(db_url: str, request_ids: list[str]) -> dict[str, str]:
     """The host that wrote each request's ledger row (the one that answered it)."""
     import sqlalchemy as sa

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import urllib.error
-import urllib.request
 from typing import Any
 
 import pytest
@@ -17,25 +15,10 @@ from control.contracts.db import make_engine
 from control.contracts.ledger import request_ledger
 from control.gateway.openai_request import MODEL_NOT_FOUND, render_chat
 from control.ops.clients import request_ticket
-from tests.integration.conftest import Stack
+from tests.integration.conftest import Stack, post_json
 
 HEADER = "x-loraplane-ticket"
 GREEDY = {"max_tokens": 8, "temperature": 0}
-
-
-def _post(url: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, Any]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json", **headers})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            raw = r.read().decode()
-            status = r.status
-    except urllib.error.HTTPError as e:
-        raw, status = e.read().decode(), e.code
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw  # a stream
 
 
 def _answer(stack: Stack, tenant: str, alias: str) -> dict[str, Any]:
@@ -46,7 +29,7 @@ def _answer(stack: Stack, tenant: str, alias: str) -> dict[str, Any]:
 
 def _triton_generate(stack: Stack, ticket: str, prompt: str) -> dict[str, Any]:
     """The reference: Triton's own generate endpoint, same ticket, prompt and sampling."""
-    status, body = _post(f"http://{stack.http}/v2/models/lora_llm/generate",
+    status, body = post_json(f"http://{stack.http}/v2/models/lora_llm/generate",
                          {"text_input": prompt, **GREEDY,
                           "parameters": {"lora_ticket": ticket}}, {})
     assert status == 200, body
@@ -76,7 +59,7 @@ def door(stack: Stack) -> str:
 def test_completion_through_the_door_is_tritons_own(stack: Stack, door: str) -> None:
     ans = _answer(stack, "acme", "acme-alpha")
     prompt = "host route"
-    status, body = _post(f"{door}/v1/completions",
+    status, body = post_json(f"{door}/v1/completions",
                          {"model": ans["affinity"], "prompt": prompt, **GREEDY},
                          {HEADER: ans["ticket"]})
     assert status == 200, body
@@ -94,7 +77,7 @@ def test_completion_through_the_door_is_tritons_own(stack: Stack, door: str) -> 
 def test_streamed_chat_with_a_bearer_ticket(stack: Stack, door: str) -> None:
     ans = _answer(stack, "acme", "acme-beta")
     messages = [{"role": "user", "content": "stream please"}]
-    status, raw = _post(f"{door}/v1/chat/completions",
+    status, raw = post_json(f"{door}/v1/chat/completions",
                         {"model": ans["affinity"], "messages": messages, "stream": True,
                          **GREEDY}, {"Authorization": f"Bearer {ans['ticket']}"})
     assert status == 200, raw
@@ -113,7 +96,7 @@ def test_refusals_name_nothing(stack: Stack, door: str) -> None:
     url = f"{door}/v1/completions"
 
     def call(model: str, headers: dict[str, str]) -> tuple[int, Any]:
-        return _post(url, {"model": model, "prompt": "x", **GREEDY}, headers)
+        return post_json(url, {"model": model, "prompt": "x", **GREEDY}, headers)
 
     # the ticket's own alias, named by another value: the fixed 404
     for model in (beta["affinity"], "acme-alpha", stack.digests["alpha"]):
@@ -147,5 +130,5 @@ def test_refusals_name_nothing(stack: Stack, door: str) -> None:
 
 def test_the_door_still_refuses_what_is_not_a_tenant_route(stack: Stack, door: str) -> None:
     for path in ("/v1/models", "/v2/repository/index", "/v1/embeddings"):
-        status, _ = _post(f"{door}{path}", {}, {})
+        status, _ = post_json(f"{door}{path}", {}, {})
         assert status == 403, path

@@ -11,7 +11,6 @@ LORAPLANE_TEST_PG_URL or haproxy.
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.error
 import urllib.request
@@ -40,7 +39,7 @@ from control.tools.bench_cli import fresh_adapter
 from control.tools.kit import KitManifest
 from projections.follower import open_registry
 from tests.fixtures_control import close_registry, postgres_settings
-from tests.integration.conftest import hosts_of, require_servers
+from tests.integration.conftest import hosts_of, post_json, require_servers
 
 ACTOR = "placement-test"
 HOSTS = ("host-0", "host-1", "host-2")
@@ -160,15 +159,11 @@ def test_the_openai_route_passes_the_balancer_to_the_tickets_host(pool: Pool) ->
     (triton_host,) = set(pool.host_of(triton_ids).values())
     ids = []
     for i in range(2):
-        body = json.dumps({"model": affinity, "prompt": f"openai {i}", "max_tokens": 4,
-                           "temperature": 0}).encode()
-        req = urllib.request.Request(f"http://{pool.affinity.http_url}/v1/completions",
-                                     data=body, method="POST",
-                                     headers={"Content-Type": "application/json",
-                                              "x-loraplane-ticket": ticket})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            assert r.status == 200
-            answer = json.loads(r.read())
+        status, answer = post_json(
+            f"http://{pool.affinity.http_url}/v1/completions",
+            {"model": affinity, "prompt": f"openai {i}", "max_tokens": 4, "temperature": 0},
+            {"x-loraplane-ticket": ticket})
+        assert status == 200, answer
         assert answer["model"] == affinity and answer["choices"][0]["text"] is not None
         ids.append(answer["id"].removeprefix("cmpl-"))
     assert set(pool.host_of(ids).values()) == {triton_host}
